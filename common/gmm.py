@@ -243,6 +243,24 @@ def _gmm_custom_bwd(kernel, wgrad, out_dtype, res, dy):
 _gmm_custom.defvjp(_gmm_custom_fwd, _gmm_custom_bwd)
 
 
+def _varying_axes(a) -> frozenset:
+  """Manual mesh axes `a` varies over inside a shard_map (jax 0.10: manual_axis_type.varying;
+  older and some newer releases: .vma)."""
+  t = jax.typeof(a)
+  mat = getattr(t, "manual_axis_type", None)
+  return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
+
+
+def _same_vma(x, w):
+  """Inside a shard_map, cast x and w to the union of their varying manual axes. A custom_vjp
+  must return cotangents typed like its inputs: experts replicated over the axes the tokens
+  vary over (dp, fsdp, cp) would otherwise get a varying dw back. The pcast's transpose is the
+  psum of dw over those axes, exactly what autodiff of ragged_dot inserts."""
+  vx, vw = _varying_axes(x), _varying_axes(w)
+  cast = lambda a, missing: jax.lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a
+  return cast(x, vw - vx), cast(w, vx - vw)
+
+
 # ---------------------------------------------------------------- public API
 
 
@@ -295,4 +313,5 @@ def gmm(x, w, group_sizes, *, backend="auto", preferred_element_type=None,
   kernel = kernel or ("mgpu" if "mgpu" in available_kernels() else "ragged_dot")
   if kernel not in _KERNELS:
     raise ValueError(f"unknown gmm kernel {kernel!r}; expected one of {tuple(_KERNELS)}")
+  x, w = _same_vma(x, w)
   return _gmm_custom(x, w, group_sizes, kernel, resolve_wgrad(wgrad), np.dtype(out_dtype))
