@@ -334,23 +334,30 @@ def collective_stats(hlo_text: str, mesh=None) -> dict[str, dict[str, int]]:
     COLLECTIVE_KINDS is present. ``mesh`` is accepted for symmetry and unused.
     """
     del mesh
-    stats = {k: _zero() for k in COLLECTIVE_KINDS}
-    for op in collective_ops(hlo_text):
+    return _by_kind(collective_ops(hlo_text))
+
+
+def _stats(ops, key, stats) -> dict:
+    """Sum count and count * bytes of the non-trivial ops into stats[key(op)]."""
+    for op in ops:
         if not is_trivial(op):
-            stats[op.kind]["count"] += op.count
-            stats[op.kind]["bytes"] += op.count * op.bytes
+            entry = stats[key(op)]
+            entry["count"] += op.count
+            entry["bytes"] += op.count * op.bytes
     return stats
 
 
 def collective_stats_by_axes(hlo_text: str, mesh) -> dict[tuple[str, frozenset], dict[str, int]]:
     """{(kind, mesh axes): {"count", "bytes"}}; only keys that occur."""
-    stats: dict = defaultdict(_zero)
-    for op in collective_ops(hlo_text):
-        if not is_trivial(op):
-            entry = stats[(op.kind, op_axes(op, mesh))]
-            entry["count"] += op.count
-            entry["bytes"] += op.count * op.bytes
-    return dict(stats)
+    return _by_axes(collective_ops(hlo_text), mesh)
+
+
+def _by_kind(ops) -> dict:
+    return _stats(ops, lambda op: op.kind, {k: _zero() for k in COLLECTIVE_KINDS})
+
+
+def _by_axes(ops, mesh) -> dict:
+    return dict(_stats(ops, lambda op: (op.kind, op_axes(op, mesh)), defaultdict(_zero)))
 
 
 def compiled_stats(compiled, mesh=None) -> dict:
@@ -366,7 +373,7 @@ def compiled_stats(compiled, mesh=None) -> dict:
         cost = cost[0] if cost else {}
     mem = compiled.memory_analysis()
     field = lambda name: int(getattr(mem, name, 0) or 0)
-    text = compiled.as_text()
+    ops = collective_ops(compiled.as_text())       # parsed once for both views
     out = {
         "flops": float((cost or {}).get("flops", 0.0)),
         "memory": {
@@ -375,8 +382,8 @@ def compiled_stats(compiled, mesh=None) -> dict:
             "temp_bytes": field("temp_size_in_bytes"),
             "alias_bytes": field("alias_size_in_bytes"),
         },
-        "collectives": collective_stats(text),
+        "collectives": _by_kind(ops),
     }
     if mesh is not None:
-        out["collectives_by_axes"] = collective_stats_by_axes(text, mesh)
+        out["collectives_by_axes"] = _by_axes(ops, mesh)
     return out
