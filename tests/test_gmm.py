@@ -160,3 +160,58 @@ def test_custom_backend_inside_strategy_matches_reference(name, mesh):
   from common.config import get_config
   from tests import parity
   parity.check(name, get_config("tiny", gmm_backend="custom"), mesh)
+
+
+class _FakeMgpu:
+  """Stands in for jax.experimental.pallas.ops.gpu.{ragged_dot_mgpu, transposed_ragged_dot_mgpu}
+  on CPU, with the real signatures and shape checks, computed by ragged_dot. Like the real
+  kernels it leaves the output tail rows unwritten (NaN here) and reads x/dy tail rows into the
+  last group's tiles, so the glue's masking is what keeps results right."""
+
+  @staticmethod
+  def ragged_dot(lhs, rhs, *, group_sizes, block_m, block_n, block_k, max_concurrent_steps,
+                 grid_block_n, transpose_rhs=False, load_group_sizes_to_register=True):
+    del block_m, max_concurrent_steps, load_group_sizes_to_register
+    assert lhs.dtype == rhs.dtype == jnp.bfloat16
+    rhs = rhs.transpose(0, 2, 1) if transpose_rhs else rhs
+    (m, k), n = lhs.shape, rhs.shape[2]
+    assert k % block_k == 0 and n % block_n == 0 and (n // block_n) % grid_block_n == 0
+    y = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    return jnp.where(jnp.arange(m)[:, None] < group_sizes.sum(), y, jnp.nan).astype(lhs.dtype)
+
+  @staticmethod
+  def transposed_ragged_dot(lhs, rhs, *, group_sizes, block_m, block_n, block_k,
+                            max_concurrent_steps, grid_block_n):
+    del block_k, max_concurrent_steps, grid_block_n
+    assert lhs.dtype == rhs.dtype == jnp.bfloat16
+    assert lhs.shape[1] % block_m == 0 and rhs.shape[1] % block_n == 0
+    leaky = group_sizes.at[-1].add(lhs.shape[0] - group_sizes.sum())  # tail -> last group
+    return jax.lax.ragged_dot_general(lhs, rhs, leaky, gmm_lib._WGRAD_DIMS,
+                                      preferred_element_type=jnp.float32).astype(lhs.dtype)
+
+
+def test_mgpu_glue_numerics_with_fake_kernels(monkeypatch):
+  """The mgpu path's glue (tile checks, transposed weights for dx, tail masking, dtype casts)
+  runs on CPU with the Hopper kernels replaced by _FakeMgpu, against the ragged_dot backend."""
+  monkeypatch.setattr(gmm_lib, "_mgpu_module", lambda *a, **k: _FakeMgpu)
+  assert gmm_lib.available_kernels() == ["ragged_dot", "mgpu"]
+  assert gmm_lib.resolve_backend("auto") == "custom"
+  m, k, n = 256, 128, 256
+  gs = jnp.asarray([60, 0, 100, 50], jnp.int32)          # sum 210 < 256: a 46-row tail
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((4, k, n)) / 16, jnp.bfloat16)
+  ct = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+
+  def run(**kw):
+    y, vjp = jax.vjp(lambda x, w: gmm_lib.gmm(x, w, gs, preferred_element_type=jnp.float32,
+                                              **kw), x, w)
+    return [np.asarray(a, np.float32) for a in (y, *vjp(ct))]
+
+  want = run(backend="ragged_dot")
+  for wgrad in ("mgpu", "ragged_dot_general"):
+    got = run(backend="auto", wgrad=wgrad)
+    for g, r, name in zip(got, want, ("y", "dx", "dw")):
+      np.testing.assert_allclose(g, r, rtol=2e-2, atol=5e-2, err_msg=f"{wgrad} {name}")
+    np.testing.assert_array_equal(got[0][210:], 0)
+    np.testing.assert_array_equal(got[1][210:], 0)
