@@ -9,6 +9,8 @@ fraction of a dense [M,K]@[K,N] matmul's TFLOP/s measured in the same run.
 On CPU the shapes are divided by --scale (default 16) so the run stays short.
 The "padded" backend runs with capacity = the largest group (rounded up to 8).
 Backend "custom:<wgrad>" selects the weight-gradient reduction of "custom".
+Backend "torch" (default where torch has torch._grouped_mm; CUDA if torch sees it, else CPU)
+runs on the same data, after a check of its forward against lax.ragged_dot.
 """
 
 import os
@@ -51,18 +53,18 @@ def default_backends():
   names = gmm_lib.available_backends()
   if "mgpu" in gmm_lib.available_wgrads():
     names.append("custom:mgpu")
-  if _torch_cuda() is not None:
+  if _torch() is not None:
     names.append("torch")
   return names
 
 
-def _torch_cuda():
-  """The torch module if it imports and sees CUDA, else None."""
+def _torch():
+  """The torch module if it imports and has torch._grouped_mm (CUDA, or CPU since 2.9), else None."""
   try:
     import torch  # pylint: disable=g-import-not-at-top
   except ImportError:
     return None
-  return torch if torch.cuda.is_available() else None
+  return torch if hasattr(torch, "_grouped_mm") else None
 
 
 def group_sizes_for(name, e, m):
@@ -99,32 +101,44 @@ def jax_fns(backend, gs_np):
   return jax.jit(fwd), jax.jit(fwd_bwd)
 
 
-def torch_times(shape, gs_np, iters):
-  """torch._grouped_mm (bf16, CUDA) forward and forward+backward median ms."""
-  torch = _torch_cuda()
-  e, m, k, n = shape
-  dev = "cuda"
-  x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
-  w = (torch.randn(e, n, k, device=dev, dtype=torch.bfloat16) / k**0.5).requires_grad_()
-  ct = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-  offs = torch.tensor(np.cumsum(gs_np), device=dev, dtype=torch.int32)
+def torch_times(x, w, gs_np, ct, iters):
+  """torch._grouped_mm forward and forward+backward best-of-iters ms, on the same data as the JAX
+  rows (CUDA if torch sees it, else CPU). Raises if its forward disagrees with lax.ragged_dot."""
+  torch = _torch()
+  dev = "cuda" if torch.cuda.is_available() else "cpu"
+  tdtype = {jnp.bfloat16: torch.bfloat16, jnp.float32: torch.float32}[jnp.dtype(x.dtype).type]
+  to_t = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(dev, tdtype)
+  xt = to_t(x).requires_grad_()
+  wt = to_t(w.transpose(0, 2, 1)).requires_grad_()       # [E, N, K]: K-major, as CUTLASS wants
+  ctt = to_t(ct)
+  offs = torch.tensor(np.cumsum(gs_np), device=dev, dtype=torch.int32)  # group end rows
+  gmm_t = lambda: torch._grouped_mm(xt, wt.transpose(-2, -1), offs=offs)  # pylint: disable=protected-access
+
+  want = np.asarray(jax.lax.ragged_dot(x, w, jnp.asarray(gs_np), preferred_element_type=jnp.float32))
+  with torch.no_grad():
+    got = gmm_t().float().cpu().numpy()
+  tol = 2e-2 if tdtype == torch.bfloat16 else 1e-3
+  err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+  if not err <= tol:
+    raise AssertionError(f"torch._grouped_mm differs from lax.ragged_dot: rel err {err:.2e}")
 
   def fwd():
     with torch.no_grad():
-      return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)  # pylint: disable=protected-access
+      return gmm_t()
 
   def fwd_bwd():
-    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)  # pylint: disable=protected-access
-    return torch.autograd.grad(y, (x, w), ct)
+    return torch.autograd.grad(gmm_t(), (xt, wt), ctt)
+
+  sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
   def run(fn):
     fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(iters):
       t0 = time.perf_counter()
       fn()
-      torch.cuda.synchronize()
+      sync()
       times.append(time.perf_counter() - t0)
     return 1e3 * min(times)
 
@@ -160,7 +174,7 @@ def bench_shape(name, scale, dtype, iters, backends):
   for backend in backends:
     try:
       if backend == "torch":
-        ms = torch_times(shape, gs_np, iters)
+        ms = torch_times(x, w, gs_np, ct, iters)
       else:
         ms = tuple(timing.best_ms(f, (x, w, gs, ct), iters) for f in jax_fns(backend, gs_np))
     except Exception as err:  # pylint: disable=broad-except

@@ -28,6 +28,11 @@ custom:mgpu:mgpu where common.gmm reports the Mosaic-GPU kernels):
                              a static bound, the worst case being C = T*k)
   custom[:kernel[:wgrad]]    custom_vjp backend with that kernel (default ragged_dot, so plain
                              "custom" never silently turns into mgpu) and wgrad (default auto)
+  torch                      the same layer in PyTorch eager with torch._grouped_mm (in the
+                             default list where torch has it; CUDA if torch sees it, else CPU),
+                             on the same weights and tokens; its forward is checked against the
+                             JAX layer (ragged_dot) before timing, and a mismatch fails the row.
+                             Peak memory: torch.cuda.max_memory_allocated (CUDA only).
 The other gmm options reach common.gmm.gmm through swiglu_experts' gmm_kwargs.
 
 Peak memory is jax.devices()[0].memory_stats()["peak_bytes_in_use"] (GPU; "n/a" where the
@@ -52,6 +57,7 @@ from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from common import gmm as gmm_lib
 from common import timing
@@ -99,11 +105,26 @@ def default_backends():
     names.append("custom:mgpu")
     if "mgpu" in gmm_lib.available_wgrads():
       names.append("custom:mgpu:mgpu")
+  if torch_module() is not None:
+    names.append("torch")
   return names
 
 
+def torch_module():
+  """torch if it imports and has torch._grouped_mm, else None."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return torch if hasattr(torch, "_grouped_mm") else None
+
+
 def parse_backend(spec):
-  """'padded' | 'custom:mgpu:segment' -> (base, gmm kwargs other than capacity)."""
+  """'padded' | 'custom:mgpu:segment' | 'torch' -> (base, gmm kwargs other than capacity)."""
+  if spec == "torch":
+    if torch_module() is None:
+      raise app.UsageError("backend 'torch': torch with torch._grouped_mm is not importable")
+    return "torch", {}
   base, *rest = spec.split(":")
   try:
     concrete = gmm_lib.resolve_backend(base)
@@ -127,8 +148,11 @@ def parse_backend(spec):
 
 
 def scaled(name, scale):
+  """Shapes divided by scale; D and F rounded down to multiples of 8 (16-byte rows for the
+  grouped GEMMs of torch and the Hopper kernels)."""
   t, d, f, e, k, norm = PROXIES[name]
-  return max(e, t // scale), max(8, d // scale), max(8, f // scale), e, k, norm
+  r8 = lambda v: max(8, v // scale // 8 * 8)
+  return max(e, t // scale), r8(d), r8(f), e, k, norm
 
 
 def fwd_flops(t, d, f, k):
@@ -191,6 +215,89 @@ def padded_capacity(w, bias, x, cfg):
   return min(-(-big // 8) * 8, x.shape[0] * cfg.top_k)
 
 
+# ---------------------------------------------------------------- the layer in PyTorch
+
+
+def torch_layer(w, x, cfg, dtype):
+  """The same layer in PyTorch eager (torch._grouped_mm), on copies of the JAX weights and tokens.
+
+  Returns (torch, fwd, fwd_bwd, reset_peak, peak): fwd() -> y [T, D]; fwd_bwd() -> grads of
+  sum(y^2) w.r.t. x and the four weights, as in loss_and_grads.
+  """
+  torch = torch_module()
+  dev = "cuda" if torch.cuda.is_available() else "cpu"
+  tdtype = {jnp.dtype(jnp.bfloat16): torch.bfloat16, jnp.dtype(jnp.float32): torch.float32}[
+      jnp.dtype(dtype)]
+  to_t = lambda a: torch.from_numpy(np.array(a, np.float32)).to(dev, tdtype).requires_grad_()
+  k, e = cfg.top_k, cfg.n_experts
+  router = to_t(w["router"])                                         # [D, E]
+  # expert weights as [E, out, in] (nn.Linear's layout); the gmm reads their transposed views
+  wi_0, wi_1, wo = (to_t(np.swapaxes(np.asarray(w[n], np.float32), 1, 2))
+                    for n in ("wi_0", "wi_1", "wo"))
+  xt = to_t(x)                                                       # [T, D]
+
+  def gmm(a, wt, offs):                                              # a [M, in] -> [M, out]
+    return torch._grouped_mm(a, wt.transpose(-2, -1), offs=offs)  # pylint: disable=protected-access
+
+  def layer():
+    t, d = xt.shape
+    probs = torch.softmax(xt.float() @ router.float(), dim=-1)      # [T, E] f32
+    top_w, top_e = torch.topk(probs, k, dim=-1)                     # [T, k]
+    if cfg.norm_topk_prob:
+      top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    flat = top_e.reshape(-1)                                         # [T*k]
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)  # group ends
+    xs = xt[order // k]                                              # [T*k, D] sorted by expert
+    h = torch.nn.functional.silu(gmm(xs, wi_0, offs)) * gmm(xs, wi_1, offs)    # [T*k, F]
+    ys = gmm(h, wo, offs)                                            # [T*k, D]
+    y = torch.empty_like(ys).index_copy(0, order, ys).view(t, k, d)  # back to token order
+    return (y * top_w.to(y.dtype).unsqueeze(-1)).sum(dim=1)          # [T, D]
+
+  def fwd():
+    with torch.no_grad():
+      return layer()
+
+  def fwd_bwd():
+    loss = layer().float().square().sum()
+    return torch.autograd.grad(loss, (router, wi_0, wi_1, wo, xt))
+
+  cuda = dev == "cuda"
+  sync = torch.cuda.synchronize if cuda else (lambda: None)
+  reset = torch.cuda.reset_peak_memory_stats if cuda else (lambda: None)
+  peak = (lambda: int(torch.cuda.max_memory_allocated())) if cuda else (lambda: None)
+  return sync, fwd, fwd_bwd, reset, peak
+
+
+def torch_best_ms(sync, fn, iters):
+  fn()
+  sync()
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    times.append(time.perf_counter() - t0)
+  return 1e3 * min(times)
+
+
+def torch_row(row, w, bias, x, cfg, dtype, iters):
+  """Fill a 'torch' row: forward checked against the JAX layer, then fwd and fwd+bwd times."""
+  want = np.asarray(jax.jit(lambda w, b, x: layer(w, b, x, cfg))(w, bias, x), np.float32)
+  sync, fwd, fwd_bwd, reset, peak = torch_layer(w, x, cfg, dtype)
+  reset()
+  got = fwd().float().cpu().numpy()
+  err = float(np.linalg.norm(got - want) / (np.linalg.norm(want) + 1e-30))
+  tol = 5e-2 if jnp.dtype(dtype) == jnp.bfloat16 else 1e-4
+  if not err <= tol:
+    raise AssertionError(f"torch layer differs from the JAX layer: rel err {err:.2e} > {tol}")
+  row["note"] = f"forward rel err vs the JAX layer {err:.1e}"
+  for mode, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+    row[mode] = torch_best_ms(sync, fn, iters)
+  row["peak"] = peak()
+  return row
+
+
 def one_line(err):
   lines = [s.strip() for s in str(err).splitlines() if s.strip()]
   msg = f"{type(err).__name__}: {lines[0] if lines else ''}"
@@ -235,7 +342,7 @@ def bench_row(proxy, spec, scale, dtype, iters):
   """One (proxy, backend) row as a dict: fwd/fwd+bwd ms or errors, peak/temp bytes, note."""
   t, d, f, e, k, norm = scaled(proxy, scale)
   base, kw = parse_backend(spec)
-  cfg = make_config(d, f, e, k, norm, base)
+  cfg = make_config(d, f, e, k, norm, "ragged_dot" if base == "torch" else base)
   row = {"proxy": proxy, "backend": spec, "note": mgpu_note(kw, d, f, dtype)}
   try:
     w, bias, x = make_params(t, d, f, e, dtype)
@@ -245,6 +352,12 @@ def bench_row(proxy, spec, scale, dtype, iters):
   except Exception as err:  # pylint: disable=broad-except
     row["error"] = "setup: " + one_line(err)
     return row
+  if base == "torch":
+    try:
+      return torch_row(row, w, bias, x, cfg, dtype, iters)
+    except Exception as err:  # pylint: disable=broad-except
+      row["error"] = one_line(err)
+      return row
   modes = (("fwd", lambda w, b, x: layer(w, b, x, cfg, kw)),
            ("fwd+bwd", lambda w, b, x: loss_and_grads(w, b, x, cfg, kw)))
   errors = {}  # one-line message -> modes it broke
@@ -266,6 +379,8 @@ def run_child(proxy, spec, scale, dtype_name, iters, env):
   """bench_row in a fresh process (its own peak-memory counter; crashes stay contained)."""
   cmd = [sys.executable, os.path.abspath(__file__), f"--proxies={proxy}", f"--backends={spec}",
          f"--scale={scale}", f"--dtype={dtype_name}", f"--iters={iters}", "--child"]
+  if spec == "torch":   # JAX only builds the data and checks the output: leave the GPU to torch
+    env = dict(env, XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_ALLOCATOR="platform")
   try:
     out = subprocess.run(cmd, env=env, capture_output=True, text=True,
                          timeout=_CHILD_TIMEOUT.value, check=False)

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -25,6 +27,17 @@ def test_gmm_bench():
     assert any(re.match(rf"mixtral .* ragged_dot\s+{re.escape(mode)}\s+\d", l) for l in lines), out
 
 
+def test_gmm_bench_torch_row():
+  """torch._grouped_mm (CPU here) on the bench's own data: its forward is checked against
+  lax.ragged_dot inside the bench (a mismatch prints 'failed' and drops the rows)."""
+  pytest.importorskip("torch")
+  out = _run("gmm.py", "--shapes=mixtral_skew", "--backends=torch", "--iters=1", "--scale=64")
+  assert "failed" not in out, out
+  for mode in ("fwd", "fwd+bwd"):
+    assert any(re.match(rf"mixtral_skew .* torch\s+{re.escape(mode)}\s+\d", l)
+               for l in out.splitlines()), out
+
+
 def test_moe_layer_bench():
   # --isolate=yes: the row runs in a child process (the GPU default path), which runs the
   # in-process path (the CPU default) itself. "padded" exercises the gmm-options wrapper.
@@ -40,3 +53,16 @@ def test_moe_layer_bench():
     assert float(c) > 0, out
   assert "isolated=True" in out, out
   assert "not measured by this run" in out.lower(), out
+
+
+def test_moe_layer_bench_torch_row():
+  """The PyTorch eager layer (torch._grouped_mm) on the bench's weights: the bench checks its
+  forward against the JAX layer before timing and fails the row on a mismatch."""
+  pytest.importorskip("torch")
+  out = _run("moe_layer.py", "--backends=torch", "--iters=1", "--scale=256", "--isolate=no")
+  rows = [l for l in out.splitlines() if l.startswith(("| mixtral |", "| deepseek |"))]
+  assert len(rows) == 2 and all("error" not in r for r in rows), out
+  for r in rows:
+    cells = [c.strip() for c in r.strip("|").split("|")]
+    assert cells[1] == "torch" and float(cells[2]) > 0 and float(cells[4]) > 0, out
+    assert "rel err vs the JAX layer" in cells[-1], out
