@@ -168,9 +168,9 @@ def fsdp_cost(cfg, mesh, fsdp_axes, grad_axes) -> list[cost_lib.Term]:
 
 
 def cp_kv_cost(cfg, mesh, cp_axis: str, batch_axes) -> list[cost_lib.Term]:
-  """K and V all-gathered over cp_axis per layer (fwd), their gradients all-reduced over it
-  (bwd; XLA:CPU's form of the reduce-scatter), kv_pos gathered once, and with the capacity rule
-  the sequence's expert ids per layer and its positions once (CSE'd across layers)."""
+  """K and V all-gathered over cp_axis per layer (fwd), their gradients reduce-scattered over it
+  (bwd, model._gather_kv), kv_pos gathered once, and with the capacity rule the sequence's
+  expert ids per layer and its positions once (CSE'd across layers)."""
   cp = mesh_lib.axis_size(mesh, cp_axis)
   if cp == 1:
     return []
@@ -178,7 +178,8 @@ def cp_kv_cost(cfg, mesh, cp_axis: str, batch_axes) -> list[cost_lib.Term]:
   kv = b * cfg.seq_len * cfg.n_kv_heads * cfg.head_dim * cost_lib.F32     # one of K, V
   terms = [cost_lib.Term("all-gather", "fwd", f"K/V over {cp_axis}", 2 * cfg.n_layers * kv, cp),
            cost_lib.Term("all-gather", "fwd", f"kv_pos over {cp_axis}", b * cfg.seq_len * 4, cp),
-           cost_lib.Term("all-reduce", "bwd", f"dK/dV over {cp_axis}", 2 * cfg.n_layers * kv, cp)]
+           cost_lib.Term("reduce-scatter", "bwd", f"dK/dV over {cp_axis}",
+                         2 * cfg.n_layers * kv // cp, cp)]
   if mesh_lib.axis_size(mesh, *_axes(batch_axes)) > 1:     # XLA splits the norm-grad reduction
     norms = (2 * cfg.n_layers + 1) * cfg.d_model * cost_lib.F32
     terms.append(cost_lib.Term("all-reduce", "bwd", f"norm-scale grads over {cp_axis}", norms, cp))

@@ -8,7 +8,7 @@ A strategy does not rewrite the model. It hands `forward` a `Layout`:
   x      out_sharding of the residual stream [B, S, D] (needed where a contraction dim is sharded,
          e.g. the row-parallel attention output under TP)
   kv     sharding K/V [B, T, KV, Dh] and kv_pos [B, T] are resharded to before attention (CP
-         all-gathers them over the context axis here)
+         all-gathers them over the context axis here; dK/dV come back reduce-scattered)
   use    (path, w) -> w, applied to every non-routed weight right before its use (FSDP all-gather)
   moe    (p_moe, x [B, S, D], positions [B, S]) -> (y, stats): the routed MoE, where the strategy
          places its shard_map and token exchange. stats are GLOBAL sums (see routing.router_stats).
@@ -34,6 +34,7 @@ import numpy as np
 
 from common import moe as moe_lib
 from common import routing
+from common import sharding
 from common.config import Config
 
 
@@ -137,6 +138,15 @@ def rope(x, positions, theta):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def _gather_kv(a, spec):
+  """K or V [B, S@cp, KV, Dh] -> spec (whole along the sequence): an all-gather over the axes
+  that split S. Every such rank's queries read all of K/V, so the cotangent is a partial sum over
+  those axes: gather_weight's backward reduce-scatters it (XLA:CPU alone would all-reduce)."""
+  seq_axes = sharding.spec_axes(jax.typeof(a).sharding.spec, 1)
+  return sharding.gather_weight(a, spec, tuple(x for x in seq_axes
+                                               if x not in sharding.spec_axes(spec, 1)))
+
+
 def attention(p, x, positions, cfg: Config, lay: Layout, path: str):
   """Causal GQA attention. x [B, S, D] -> [B, S, D]."""
   wq, wk, wv, wo = (lay.use(f"{path}/{n}", p[n]) for n in ("wq", "wk", "wv", "wo"))
@@ -146,7 +156,8 @@ def attention(p, x, positions, cfg: Config, lay: Layout, path: str):
   v = jnp.einsum("bsd,dhk->bshk", x, wv)                                       # [B, S, KV, Dh]
   k_pos = positions
   if lay.kv is not None:                                                       # CP: gather K/V
-    k, v, k_pos = jax.reshard(k, lay.kv), jax.reshard(v, lay.kv), jax.reshard(positions, lay.kv_pos)
+    k, v = _gather_kv(k, lay.kv), _gather_kv(v, lay.kv)                     # [B, T, KV, Dh]
+    k_pos = jax.reshard(positions, lay.kv_pos)                                 # [B, T]
   g = cfg.n_heads // cfg.n_kv_heads
   q = q.reshape(b, s, cfg.n_kv_heads, g, cfg.head_dim)                         # [B, S, KV, G, Dh]
   scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32) / np.sqrt(cfg.head_dim)

@@ -16,6 +16,12 @@ def _axes(entry) -> tuple[str, ...]:
   return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
+def spec_axes(spec, dim: int) -> tuple[str, ...]:
+  """Mesh axes that split dimension `dim` under PartitionSpec `spec` (() past its end)."""
+  entries = tuple(spec)
+  return _axes(entries[dim]) if dim < len(entries) else ()
+
+
 def gather_weight(w: jax.Array, out_spec: P, grad_axes: Sequence[str]) -> jax.Array:
   """All-gather a sharded weight to `out_spec` for use; the gradient comes back reduce-scattered.
 

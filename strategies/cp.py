@@ -22,17 +22,19 @@ Collectives per layer (c = context, f = fsdp, d = data; kv bytes = B_(d,f)*S*KV*
             3. all-reduce over (d, f, c) of the router statistics
             (all-gather over c of kv_pos [B, T] int32, once per step; with capacity_factor > 0
              also of the sequence's expert ids [b, S, K] per layer and positions once: ints)
-  backward: 4. all-reduce over c of dK and dV (2 x kv bytes; XLA:CPU writes the transpose of the
-               gather as all-reduce + slice, where GPU/TPU pipelines form a reduce-scatter)
+  backward: 4. reduce-scatter over c of dK and dV (2 x kv/c bytes): every context rank's queries
+               read all of K/V, so each holds a partial dK/dV; model._gather_kv reduce-scatters it
+               explicitly (XLA:CPU would write the transpose of the gather as all-reduce + slice)
             5. FSDP gradient (gather_weight): all-reduce over (d, c) of each full-size weight
                gradient, then reduce-scatter over f
-            6. norm-scale gradients: all-reduce over c (XLA merges it with 4), then over (d, f)
+            6. norm-scale gradients: all-reduce over c, then over (d, f)
 
 HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_cp.py enforces both ways):
   all-gather over context: K, V, kv_pos (and the capacity rule's ints)
   all-gather over fsdp: weight matrices before use
   reduce-scatter over fsdp: weight-matrix gradients
-  all-reduce over context: dK, dV, norm-scale grad partials
+  reduce-scatter over context: dK, dV
+  all-reduce over context: norm-scale grad partials
   all-reduce over (data, context): full-size weight-matrix gradients before the scatter
   all-reduce over (data, fsdp): norm-scale grads
   all-reduce over (data, fsdp, context): router statistics, loss sums

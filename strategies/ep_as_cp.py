@@ -31,8 +31,8 @@ Collectives per layer (d/f/e = data/fsdp/expert; kv = B_loc*S*KV*Dh*4; C = T_loc
                [EP, C, D] twice                                               [critical path]
             4. router statistics all-reduced over (d, f, e); with capacity_factor > 0 the
                expert ids [b, S, K] and positions [b, S] all-gathered over e
-  backward: 5. all-to-all over e x2 (transposes of 3); dK/dV all-reduced over e (XLA:CPU's
-               reduce-scatter); weight grads as ep.py
+  backward: 5. all-to-all over e x2 (transposes of 3); dK/dV reduce-scattered over e (2 x kv/e,
+               model._gather_kv); weight grads as ep.py
   once per step: kv_pos all-gathered over e; embed / unembed like one layer's matrices.
 Pick it for long sequences, or a global batch smaller than the device count (strong scaling);
 cost vs ep.py: the K/V all-gathers, and attention work that no longer shrinks with EP.
@@ -42,13 +42,14 @@ HLO contract (every collective of the compiled step; size-1 axes drop out):
   reduce-scatter over fsdp: their gradients
   all-gather over expert: K, V, kv_pos (fwd); expert ids + positions (capacity_factor > 0)
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
-  all-reduce over expert: dK/dV; grad-norm partial sums of expert-sharded leaves
+  reduce-scatter over expert: dK/dV
+  all-reduce over expert: grad-norm partial sums of expert-sharded leaves
   all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
   all-reduce over data: expert grad shards
   all-reduce over (fsdp, expert): grad-norm partial sums of expert leaves
   all-reduce over fsdp: grad-norm partial sums of fsdp leaves
   all-reduce over (data, fsdp, expert): router stats, loss sums, norm-scale grads
-  all-reduce over (data, fsdp): norm-scale grads (XLA splits their sum: over expert with dK/dV)
+  all-reduce over (data, fsdp): norm-scale grads (XLA splits their sum: over expert, then these)
 
   python run.py --strategy=ep_as_cp --mesh=fsdp:2,expert:2,data:2 --context_sharding=expert --steps=3
   python run.py --strategy=ep_as_cp --mesh=fsdp:2,expert:4 --batch=2 --context_sharding=expert
