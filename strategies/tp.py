@@ -21,22 +21,25 @@ Collectives per layer (t = tensor, d = data; x bytes = B_d*S*D*4, all on the cri
                ys[T*K, D] {U_t}; unpermute FIRST (it is linear), then ONE psum over t of
                y[T, D] (x bytes): summing after the weighted combine moves T*D, not T*K*D
             3. shared expert out h[B,S,Fs_t] @ wo[Fs_t, D] {U_t} -> all-reduce over t (x bytes)
-            4. all-reduce over d of the router statistics
-  backward: 5. all-reduce over t of dx of each column-parallel matmul: q, k and v separately
-               (3 x x bytes: the model runs three einsums, so XLA reduces three partials),
-               MoE x (x bytes: x is marked varying over t before the permute, so the sum runs
-               on [T, D] once, not per gmm on [T*K, D]) + d(combine weights) [T, K],
-               shared wi_0 and wi_1 (2 x x bytes)
+            4. all-reduce over (d, t) of the router statistics (every t rank routes the same
+               tokens: summed over t and divided by t, exact for t a power of 2)
+  backward: 5. ONE all-reduce over t per block input (2 x x bytes per layer): the normed h that
+               attention (q, k, v) and the MLP (router, MoE, shared expert) read is typed
+               *reduced* over t (Megatron's "f": gather_in = common.sharding.gather_weight), so
+               every column-parallel dx stays an unreduced partial until that one sum, instead
+               of one all-reduce for q/k/v, one for the MoE dx, one for d(combine weights)
+               and two for the shared expert
             6. all-reduce over d of every weight gradient (XLA combines them)
 No all-gather, no all-to-all: no weight ever moves over tensor.
 
 HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_tp.py enforces both ways):
   all-reduce over tensor: activations and their gradients (above), grad-norm partial sums
-  all-reduce over data: weight gradients, router statistics, loss sums
+  all-reduce over data: weight gradients
+  all-reduce over (data, tensor): router statistics, loss sums
 
 Pick it for large d_ff / many heads within a fast interconnect (NVLink / one ICI ring): it cuts
 weight and optimizer memory by t without gathering them, at the price of 2-3 activation
-all-reduces per layer forward and 4-6 backward, on the critical path, that grow with B*S*D
+all-reduces per layer forward and 2 backward, on the critical path, that grow with B*S*D
 rather than with the parameters.
 
   python run.py --strategy=tp --mesh=data:4,tensor:2 --devices=8 --steps=3 --hlo_stats
@@ -47,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 from common import cost as cost_lib
 from common import layouts
 from common import mesh as mesh_lib
-from common import model, moe
+from common import model, moe, sharding
 
 NAME = "tp"
 AXES = (mesh_lib.DATA, mesh_lib.TENSOR)
@@ -83,26 +86,31 @@ def batch_spec(cfg, mesh):
 def layout(cfg, mesh):
   x_spec = P(mesh_lib.DATA, None, None)                             # [B, S, D] @ (data,), rep. over t
 
+  t_size = mesh_lib.axis_size(mesh, T)
+
   def moe_fn(p, x, positions):
     def body(p, x, pos):                                            # x [b, S, D] local, same on all t
       b, s, d = x.shape
-      r, keep, stats = moe.route_tokens(p, x, pos, cfg)
-      # mark x varying over t BEFORE the permute: its backward psum then runs on dx [T, D] once,
-      # not on the permuted copies [T*K, D] once per gmm (K x 2 the bytes)
-      xv = jax.lax.pcast(x.reshape(b * s, d), T, to="varying")     # [T, D]
+      # x comes in *reduced* over t (gather_in): varying from here on, so its cotangent leaves
+      # unreduced and the layer's ONE psum over t happens in gather_in's backward
+      xv = jax.lax.pcast(x, T, to="varying")                      # [b, S, D]
+      r, keep, stats = moe.route_tokens(p, xv, pos, cfg)          # the same on every t rank
+      xv = xv.reshape(b * s, d)                                     # [T, D]
       xs, gs, order = moe.permute(xv, r.experts, keep, cfg.n_experts)  # [T*K, D]
       ys = moe.swiglu_experts(xs, gs, p, cfg.gmm_backend)          # [T*K, D] {U_t}: F_t slice only
       y = moe.unpermute(ys, order, r.weights)                       # [T, D] {U_t}
       with jax.named_scope("moe_psum_tensor"):
         y = jax.lax.psum(y, T)                                      # the one reduction per MoE
-      stats = jax.tree.map(lambda v: jax.lax.psum(v, mesh_lib.DATA), stats)
+      # every t rank routed the same tokens: sum over (d, t), / t (exact for t a power of 2)
+      stats = jax.tree.map(lambda v: jax.lax.psum(v, (mesh_lib.DATA, T)) / t_size, stats)
       return y.reshape(b, s, d).astype(x.dtype), stats
     specs = {"router": P(), "bias": P(), "wi_0": P(None, None, T), "wi_1": P(None, None, T),
              "wo": P(None, T, None)}
-    return jax.shard_map(body, in_specs=(specs, x_spec, P(mesh_lib.DATA, None)),
+    return jax.shard_map(body, in_specs=(specs, jax.typeof(x).sharding.spec, P(mesh_lib.DATA, None)),
                          out_specs=(x_spec, P()))(p, x, positions)  # y [B, S, D] @ (data,)
   # x_spec as out_sharding of the row-parallel matmuls (attention wo, shared wo) = the all-reduce
-  return model.Layout(x=x_spec, moe=moe_fn)
+  gather_in = lambda h: sharding.gather_weight(h, x_spec, (T,))
+  return model.Layout(x=x_spec, moe=moe_fn, gather_in=gather_in)
 
 
 def activation_shardings(cfg, mesh):
@@ -126,9 +134,9 @@ def cost(cfg, mesh):
     terms += [
         cost_lib.Term("all-reduce", "fwd", "attention wo / MoE / shared wo outputs over tensor",
                       cfg.n_layers * (2 + sh) * x, t),
-        cost_lib.Term("all-reduce", "bwd", "dx of q, k, v / MoE / shared wi_0, wi_1 over tensor",
-                      cfg.n_layers * ((4 + 2 * sh) * x + bd * cfg.seq_len * cfg.top_k * 4), t),
+        cost_lib.Term("all-reduce", "bwd", "d(normed h) of the attention and MLP blocks over tensor",
+                      cfg.n_layers * 2 * x, t),
         cost_lib.Term("all-reduce", "opt", "grad-norm partial sums over tensor", 4 * n_sharded, t)]
   if d > 1:
     terms.append(cost_lib.Term("all-reduce", "bwd", "weight grads over data", sum(local), d))
-  return terms + layouts.stats_cost(cfg, mesh, (mesh_lib.DATA,))
+  return terms + layouts.stats_cost(cfg, mesh, (mesh_lib.DATA, T))

@@ -36,15 +36,16 @@ def test_hlo_contract(mesh):
   job = parity.assert_contract(NAME, TINY8, mesh)
   stats = hlo.collective_stats(job.compiled.as_text())
   assert stats["all-gather"]["count"] == 0 and stats["all-to-all"]["count"] == 0
-  # forward: exactly one all-reduce of [B_d, S, D] per attention and one per MoE (after the
-  # unpermute, not [T*K, D]) per layer
+  # per layer exactly four all-reduces of one [B_d, S, D] (XLA may pack a few scalars in): forward
+  # one per attention and one per MoE (after the unpermute, not [T*K, D]); backward one per
+  # block input (q/k/v, MoE and combine-weight partials summed once through gather_in)
   by = hlo.collective_stats_by_axes(job.compiled.as_text(), job.mesh)
   x_bytes = TINY8.batch // job.mesh.shape["data"] * TINY8.seq_len * TINY8.d_model * 4
-  fwd = [op for op in hlo.collective_ops(job.compiled.as_text())
-         if op.kind == "all-reduce" and hlo.op_axes(op, job.mesh) == {"tensor"}
-         and op.bytes == x_bytes]
-  assert len(fwd) >= 2 * TINY8.n_layers
-  assert by[("all-reduce", frozenset({"tensor"}))]["bytes"] < 7 * TINY8.n_layers * x_bytes
+  x_sized = [op for op in hlo.collective_ops(job.compiled.as_text())
+             if op.kind == "all-reduce" and hlo.op_axes(op, job.mesh) == {"tensor"}
+             and x_bytes <= op.bytes < x_bytes + 1024]
+  assert sum(op.count for op in x_sized) == 4 * TINY8.n_layers, x_sized
+  assert by[("all-reduce", frozenset({"tensor"}))]["bytes"] < 4.5 * TINY8.n_layers * x_bytes
 
 
 @pytest.mark.parametrize("mesh", MESHES)
