@@ -85,7 +85,9 @@ def batch_spec(cfg, mesh):
 
 def layout(cfg, mesh):
   x_spec = P(mesh_lib.DATA, None, None)                             # [B, S, D] @ (data,), rep. over t
-
+  # normed h as attention and the MLP read it: the same values, typed reduced over t (its
+  # cotangent is an unreduced partial per t rank, summed once in gather_in's backward)
+  h_spec = P(mesh_lib.DATA, None, None, reduced=frozenset({T}))
   t_size = mesh_lib.axis_size(mesh, T)
 
   def moe_fn(p, x, positions):
@@ -106,10 +108,10 @@ def layout(cfg, mesh):
       return y.reshape(b, s, d).astype(x.dtype), stats
     specs = {"router": P(), "bias": P(), "wi_0": P(None, None, T), "wi_1": P(None, None, T),
              "wo": P(None, T, None)}
-    return jax.shard_map(body, in_specs=(specs, jax.typeof(x).sharding.spec, P(mesh_lib.DATA, None)),
+    return jax.shard_map(body, in_specs=(specs, h_spec, P(mesh_lib.DATA, None)),
                          out_specs=(x_spec, P()))(p, x, positions)  # y [B, S, D] @ (data,)
   # x_spec as out_sharding of the row-parallel matmuls (attention wo, shared wo) = the all-reduce
-  gather_in = lambda h: sharding.gather_weight(h, x_spec, (T,))
+  gather_in = lambda h: sharding.gather_weight(h, x_spec, (T,))     # [B, S, D] -> h_spec; bwd psum over t
   return model.Layout(x=x_spec, moe=moe_fn, gather_in=gather_in)
 
 
