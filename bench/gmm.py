@@ -11,6 +11,11 @@ The "padded" backend runs with capacity = the largest group (rounded up to 8).
 Backend "custom:<wgrad>" selects the weight-gradient reduction of "custom".
 Backend "torch" (default where torch has torch._grouped_mm; CUDA if torch sees it, else CPU)
 runs on the same data, after a check of its forward against lax.ragged_dot.
+
+--autotune (Hopper only): common.gmm.autotune on the chosen shapes (even groups): for each
+Mosaic-GPU kernel call of the custom backend (fwd x@w, dx dy@w^T, wgrad x^T dy) it times every
+tile config of common.gmm.TILE_CANDIDATES that divides the shape and agrees with ragged_dot, and
+writes the fastest to common/mgpu_tiles.json (merged), which common.gmm reads. Commit the file.
 """
 
 import os
@@ -40,6 +45,7 @@ _SHAPES = flags.DEFINE_list(
 _DTYPE = flags.DEFINE_enum("dtype", None, ["bf16", "f32"], "Default: bf16 on GPU, f32 on CPU.")
 _ITERS = flags.DEFINE_integer("iters", None, "Timed iterations (default: 20 GPU, 5 CPU).")
 _SCALE = flags.DEFINE_integer("scale", None, "Divides M, K, N (default: 1 GPU, 16 CPU).")
+_AUTOTUNE = flags.DEFINE_bool("autotune", False, "Tune the Mosaic-GPU tiles per shape (Hopper).")
 _BACKENDS = flags.DEFINE_list(
     "backends", None,
     "Subset of ragged_dot, padded, custom, custom:<wgrad>, torch (default: all available).")
@@ -188,6 +194,14 @@ def bench_shape(name, scale, dtype, iters, backends):
 
 def main(argv):
   del argv
+  if _AUTOTUNE.value:
+    if "mgpu" not in gmm_lib.available_kernels():
+      raise app.UsageError("--autotune needs the Mosaic-GPU kernels (a Hopper GPU)")
+    dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[_DTYPE.value or "bf16"]
+    names = dict.fromkeys(n.removesuffix("_skew") for n in _SHAPES.value)
+    gmm_lib.autotune([scaled_shape(n, _SCALE.value or 1) for n in names], dtype,
+                     _ITERS.value or 10, gmm_lib.TILES_FILE)
+    return
   cpu = _on_cpu()
   dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[_DTYPE.value or ("f32" if cpu else "bf16")]
   iters = _ITERS.value or (5 if cpu else 20)

@@ -40,6 +40,9 @@ Backends:
                 16-bit dtypes, output rounded to the input dtype before the
                 cast to preferred_element_type; falls back to ragged_dot for
                 other dtypes or shapes that its tiles do not divide).
+                Tiles per kernel call: mgpu_config, from the per-shape table
+                TILES_FILE that `python bench/gmm.py --autotune` writes on a
+                Hopper GPU (autotune below), else MGPU_CONFIG.
   "auto"        "custom" with the mgpu kernel on a Hopper GPU where the kernel
                 imports, else "ragged_dot".
 
@@ -56,6 +59,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
+import os
 from typing import Callable
 
 import jax
@@ -64,8 +69,12 @@ import numpy as np
 
 BACKENDS = ("ragged_dot", "padded", "custom")
 
-# Tile config for ragged_dot_mgpu (H100-friendly; needs K % block_k == 0, N % block_n == 0).
+# Tile config of the Mosaic-GPU kernels where the tile table has no entry for a call's shape
+# (needs K % block_k == 0 and N % block_n == 0; the weight gradient K % block_m == 0).
 MGPU_CONFIG = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4)
+# Per-shape tiles, written by `python bench/gmm.py --autotune` on a Hopper GPU (absent until a
+# session with one runs it): {tile_key(...): {block_m, block_n, block_k, max_concurrent_steps}}.
+TILES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mgpu_tiles.json")
 
 # Dimension numbers: dw[g] = lhs[rows of g]^T @ rhs[rows of g] (ragged contracting dim).
 _WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
@@ -125,19 +134,45 @@ def _mgpu_module(name="ragged_dot_mgpu", fn="ragged_dot"):
   return mod if hasattr(mod, fn) else None
 
 
+def tile_key(kind: str, e: int, m: int, a: int, b: int, dtype) -> str:
+  """Key of one kernel call in the tile table. kind: "fwd" (x [M, A] @ w [E, A, B]), "dx"
+  (dy [M, A] @ w^T, A = N, B = K) or "wgrad" (dw [E, A, B] = x^T dy over M rows)."""
+  return f"{kind} {jnp.dtype(dtype).name} E{e} M{m} A{a} B{b}"
+
+
+@functools.cache
+def _tile_table(path: str) -> dict:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    return {}
+
+
+def mgpu_config(kind: str, e: int, m: int, a: int, b: int, dtype) -> dict:
+  """Tiles for one kernel call: the tile table's entry for its shape, else MGPU_CONFIG."""
+  return dict(MGPU_CONFIG, **_tile_table(TILES_FILE).get(tile_key(kind, e, m, a, b, dtype), {}))
+
+
+def mgpu_fits(kind: str, a: int, b: int, cfg: dict) -> bool:
+  """Whether tiles `cfg` divide a kernel call of tile_key's (kind, A, B)."""
+  return a % cfg["block_m" if kind == "wgrad" else "block_k"] == 0 and b % cfg["block_n"] == 0
+
+
 def _grid_block_n(n, block_n):
   """Largest n-swizzle (4, 2 or 1) dividing the number of n tiles."""
   return next(g for g in (4, 2, 1) if (n // block_n) % g == 0)
 
 
-def _mgpu_kernel(lhs, rhs, group_sizes, *, out_dtype, transpose_rhs=False):
-  """Pallas Mosaic-GPU grouped matmul (Hopper); tail rows masked to zero."""
+def _mgpu_kernel(lhs, rhs, group_sizes, *, out_dtype, transpose_rhs=False, config=None):
+  """Pallas Mosaic-GPU grouped matmul (Hopper); tail rows masked to zero. config: tiles
+  (default: mgpu_config for this call)."""
   mod = _mgpu_module()
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   a, b = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape[1:]
-  cfg = dict(MGPU_CONFIG)
-  fits = (a % cfg["block_k"] == 0) and (b % cfg["block_n"] == 0)
-  if mod is None or dtype not in (jnp.bfloat16, jnp.float16) or not fits:
+  kind = "dx" if transpose_rhs else "fwd"
+  cfg = dict(config or mgpu_config(kind, rhs.shape[0], lhs.shape[0], a, b, dtype))
+  if mod is None or dtype not in (jnp.bfloat16, jnp.float16) or not mgpu_fits(kind, a, b, cfg):
     return _ragged_dot_kernel(lhs, rhs, group_sizes, out_dtype=out_dtype,
                               transpose_rhs=transpose_rhs)
   params = inspect.signature(mod.ragged_dot).parameters
@@ -184,14 +219,13 @@ def _wgrad_segment(x, dy, group_sizes, *, out_dtype):
   return jnp.einsum("emk,mn->ekn", xe, dy.astype(x.dtype), preferred_element_type=out_dtype)
 
 
-def _wgrad_mgpu(x, dy, group_sizes, *, out_dtype):
+def _wgrad_mgpu(x, dy, group_sizes, *, out_dtype, config=None):
   """Pallas Mosaic-GPU transposed ragged dot (Hopper, 16-bit); else ragged_dot_general."""
   mod = _mgpu_module("transposed_ragged_dot_mgpu", "transposed_ragged_dot")
   dtype = jnp.result_type(x.dtype, dy.dtype)
-  cfg = dict(MGPU_CONFIG)
   (m, k), n = x.shape, dy.shape[1]
-  fits = k % cfg["block_m"] == 0 and n % cfg["block_n"] == 0
-  if mod is None or dtype not in (jnp.bfloat16, jnp.float16) or not fits:
+  cfg = dict(config or mgpu_config("wgrad", group_sizes.shape[0], m, k, n, dtype))
+  if mod is None or dtype not in (jnp.bfloat16, jnp.float16) or not mgpu_fits("wgrad", k, n, cfg):
     return _wgrad_ragged(x, dy, group_sizes, out_dtype=out_dtype)
   cfg["grid_block_n"] = _grid_block_n(n, cfg["block_n"])
   # Zero the tail rows so they cannot leak into the last group's tile.
@@ -315,3 +349,72 @@ def gmm(x, w, group_sizes, *, backend="auto", preferred_element_type=None,
     raise ValueError(f"unknown gmm kernel {kernel!r}; expected one of {tuple(_KERNELS)}")
   x, w = _same_vma(x, w)
   return _gmm_custom(x, w, group_sizes, kernel, resolve_wgrad(wgrad), np.dtype(out_dtype))
+
+
+# ---------------------------------------------------------------- tile autotuning (Hopper)
+
+TILE_CANDIDATES = [dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=st)
+                   for bm in (64, 128) for bn in (128, 256) for bk in (64, 128) for st in (2, 4)]
+
+
+def _kernel_calls(dtype) -> dict:
+  """{kind: (mgpu call(config, x, w, gs, ct), ragged_dot reference(x, w, gs, ct))}: the three
+  Mosaic-GPU kernel calls of the custom backend."""
+  out = dict(out_dtype=dtype)
+  return {
+      "fwd": (lambda c, x, w, gs, ct: _mgpu_kernel(x, w, gs, config=c, **out),
+              lambda x, w, gs, ct: _ragged_dot_kernel(x, w, gs, **out)),
+      "dx": (lambda c, x, w, gs, ct: _mgpu_kernel(ct, w, gs, transpose_rhs=True, config=c, **out),
+             lambda x, w, gs, ct: _ragged_dot_kernel(ct, w, gs, transpose_rhs=True, **out)),
+      "wgrad": (lambda c, x, w, gs, ct: _wgrad_mgpu(x, ct, gs, config=c, **out),
+                lambda x, w, gs, ct: _wgrad_ragged(x, ct, gs, **out)),
+  }
+
+
+def autotune(shapes, dtype, iters: int, path: str, candidates=None, log=print) -> dict:
+  """Tune tiles for shapes [(E, M, K, N)] with even groups: per kernel call, the fastest config
+  of `candidates` that divides the shape and matches ragged_dot (rel. 2e-2); the winners are
+  merged into the JSON table at `path` (keys: tile_key). Returns the table."""
+  from common import timing  # pylint: disable=g-import-not-at-top
+  try:
+    with open(path) as f:
+      table = json.load(f)
+  except FileNotFoundError:
+    table = {}
+  for e, m, k, n in shapes:
+    keys = jax.random.split(jax.random.key(0), 3)
+    args = (jax.random.normal(keys[0], (m, k), dtype),
+            (jax.random.normal(keys[1], (e, k, n)) / np.sqrt(k)).astype(dtype),
+            jnp.full((e,), m // e, jnp.int32).at[-1].add(m % e),
+            jax.random.normal(keys[2], (m, n), dtype))
+    for kind, (call, ref) in _kernel_calls(dtype).items():
+      a, b = (n, k) if kind == "dx" else (k, n)
+      want = np.asarray(jax.jit(ref)(*args), np.float32)
+      scale = float(np.max(np.abs(want))) + 1e-30
+      best = None
+      for cfg in candidates or TILE_CANDIDATES:
+        if not mgpu_fits(kind, a, b, cfg):
+          continue
+        fn = jax.jit(functools.partial(call, cfg))
+        try:
+          err = float(np.max(np.abs(np.asarray(fn(*args), np.float32) - want))) / scale
+          if not err <= 2e-2:
+            raise AssertionError(f"rel err {err:.1e} vs ragged_dot")
+          ms = timing.best_ms(fn, args, iters)
+        except Exception as exc:  # pylint: disable=broad-except
+          log(f"  {kind} E{e} M{m} K{k} N{n} {cfg}: skipped: {type(exc).__name__}: "
+              f"{str(exc).splitlines()[0][:100]}")
+          continue
+        if best is None or ms < best[0]:
+          best = (ms, cfg)
+      key = tile_key(kind, e, m, a, b, dtype)
+      if best is None:
+        log(f"{key}: no candidate ran")
+        continue
+      log(f"{key}: {best[1]}  {best[0]:.3f} ms")
+      table[key] = best[1]
+  with open(path, "w") as f:
+    json.dump(table, f, indent=1, sort_keys=True)
+    f.write("\n")
+  _tile_table.cache_clear()
+  return table

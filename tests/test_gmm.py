@@ -215,3 +215,44 @@ def test_mgpu_glue_numerics_with_fake_kernels(monkeypatch):
       np.testing.assert_allclose(g, r, rtol=2e-2, atol=5e-2, err_msg=f"{wgrad} {name}")
     np.testing.assert_array_equal(got[0][210:], 0)
     np.testing.assert_array_equal(got[1][210:], 0)
+
+
+def test_autotune_table_reaches_the_kernels(monkeypatch, tmp_path):
+  """autotune (fake Hopper kernels) writes one entry per kernel call; gmm then hands exactly
+  those tiles to the kernels. Candidates that do not divide the shape are never tried."""
+  seen = []
+
+  class Recording(_FakeMgpu):
+    @staticmethod
+    def ragged_dot(lhs, rhs, *, transpose_rhs=False, **kw):
+      seen.append(("dx" if transpose_rhs else "fwd", kw["block_n"], kw["block_k"]))
+      return _FakeMgpu.ragged_dot(lhs, rhs, transpose_rhs=transpose_rhs, **kw)
+
+    @staticmethod
+    def transposed_ragged_dot(lhs, rhs, **kw):
+      seen.append(("wgrad", kw["block_n"], kw["block_m"]))
+      return _FakeMgpu.transposed_ragged_dot(lhs, rhs, **kw)
+
+  monkeypatch.setattr(gmm_lib, "_mgpu_module", lambda *a, **k: Recording)
+  monkeypatch.setattr(gmm_lib, "TILES_FILE", str(tmp_path / "tiles.json"))
+  cands = [dict(block_m=64, block_n=64, block_k=32, max_concurrent_steps=2),
+           dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4),
+           dict(block_m=512, block_n=512, block_k=512, max_concurrent_steps=2)]  # never fits
+  e, m, k, n = 4, 256, 128, 192                        # n = 192: block_n 128 does not divide it
+  table = gmm_lib.autotune([(e, m, k, n)], jnp.bfloat16, 1, gmm_lib.TILES_FILE, cands,
+                           log=lambda s: None)
+  assert not [s for s in seen if 512 in s]
+  fwd, dx, wgrad = (gmm_lib.tile_key(kind, e, m, a, b, jnp.bfloat16)
+                    for kind, a, b in (("fwd", k, n), ("dx", n, k), ("wgrad", k, n)))
+  assert set(table) == {fwd, dx, wgrad}, table
+  assert table[fwd] == table[wgrad] == cands[0], table   # block_n 128 does not divide N = 192
+  assert table[dx] in cands[:2], table                   # both divide dx's (A, B) = (192, 128)
+  seen.clear()
+  gs = jnp.asarray([64, 64, 64, 64], jnp.int32)
+  x = jnp.ones((m, k), jnp.bfloat16)
+  w = jnp.ones((e, k, n), jnp.bfloat16)
+  jax.grad(lambda x, w: jnp.sum(gmm_lib.gmm(x, w, gs, backend="auto", wgrad="mgpu")),
+           argnums=(0, 1))(x, w)
+  dx_cfg = table[dx]
+  assert sorted(seen) == sorted([("fwd", 64, 32), ("dx", dx_cfg["block_n"], dx_cfg["block_k"]),
+                                 ("wgrad", 64, 64)]), seen
