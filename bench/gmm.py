@@ -135,20 +135,8 @@ def torch_times(x, w, gs_np, ct, iters):
   def fwd_bwd():
     return torch.autograd.grad(gmm_t(), (xt, wt), ctt)
 
-  sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-
-  def run(fn):
-    fn()
-    sync()
-    times = []
-    for _ in range(iters):
-      t0 = time.perf_counter()
-      fn()
-      sync()
-      times.append(time.perf_counter() - t0)
-    return 1e3 * min(times)
-
-  return run(fwd), run(fwd_bwd)
+  wait = (lambda _: torch.cuda.synchronize()) if dev == "cuda" else (lambda _: None)
+  return tuple(timing.best_wall_ms(fn, iters, wait) for fn in (fwd, fwd_bwd))
 
 
 def make_data(shape, dtype, seed=0):

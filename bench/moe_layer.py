@@ -269,18 +269,6 @@ def torch_layer(w, x, cfg, dtype):
   return sync, fwd, fwd_bwd, reset, peak
 
 
-def torch_best_ms(sync, fn, iters):
-  fn()
-  sync()
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    times.append(time.perf_counter() - t0)
-  return 1e3 * min(times)
-
-
 def torch_row(row, w, bias, x, cfg, dtype, iters):
   """Fill a 'torch' row: forward checked against the JAX layer, then fwd and fwd+bwd times."""
   want = np.asarray(jax.jit(lambda w, b, x: layer(w, b, x, cfg))(w, bias, x), np.float32)
@@ -293,7 +281,7 @@ def torch_row(row, w, bias, x, cfg, dtype, iters):
     raise AssertionError(f"torch layer differs from the JAX layer: rel err {err:.2e} > {tol}")
   row["note"] = f"forward rel err vs the JAX layer {err:.1e}"
   for mode, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-    row[mode] = torch_best_ms(sync, fn, iters)
+    row[mode] = timing.best_wall_ms(fn, iters, lambda _: sync())
   row["peak"] = peak()
   return row
 

@@ -4,12 +4,18 @@ import time
 import jax
 
 
-def best_ms(fn, args, iters: int) -> float:
-  """Best wall ms of fn(*args) over `iters` calls, after one warmup call (compile)."""
-  jax.block_until_ready(fn(*args))
+def best_wall_ms(fn, iters: int, wait=lambda out: None) -> float:
+  """Best wall ms of fn() over `iters` calls after one warmup call; wait(out) blocks until the
+  call's device work is done (jax.block_until_ready, or torch.cuda.synchronize for torch)."""
+  wait(fn())
   times = []
   for _ in range(iters):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    wait(fn())
     times.append(time.perf_counter() - t0)
   return 1e3 * min(times)
+
+
+def best_ms(fn, args, iters: int) -> float:
+  """Best wall ms of the JAX call fn(*args) over `iters` calls, after one warmup call (compile)."""
+  return best_wall_ms(lambda: fn(*args), iters, jax.block_until_ready)
