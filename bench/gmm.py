@@ -59,18 +59,9 @@ def default_backends():
   names = gmm_lib.available_backends()
   if "mgpu" in gmm_lib.available_wgrads():
     names.append("custom:mgpu")
-  if _torch() is not None:
+  if timing.grouped_mm_torch() is not None:
     names.append("torch")
   return names
-
-
-def _torch():
-  """The torch module if it imports and has torch._grouped_mm (CUDA, or CPU since 2.9), else None."""
-  try:
-    import torch  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return None
-  return torch if hasattr(torch, "_grouped_mm") else None
 
 
 def group_sizes_for(name, e, m):
@@ -110,7 +101,7 @@ def jax_fns(backend, gs_np):
 def torch_times(x, w, gs_np, ct, iters):
   """torch._grouped_mm forward and forward+backward best-of-iters ms, on the same data as the JAX
   rows (CUDA if torch sees it, else CPU). Raises if its forward disagrees with lax.ragged_dot."""
-  torch = _torch()
+  torch = timing.grouped_mm_torch()
   dev = "cuda" if torch.cuda.is_available() else "cpu"
   tdtype = {jnp.bfloat16: torch.bfloat16, jnp.float32: torch.float32}[jnp.dtype(x.dtype).type]
   to_t = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(dev, tdtype)

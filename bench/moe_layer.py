@@ -105,24 +105,15 @@ def default_backends():
     names.append("custom:mgpu")
     if "mgpu" in gmm_lib.available_wgrads():
       names.append("custom:mgpu:mgpu")
-  if torch_module() is not None:
+  if timing.grouped_mm_torch() is not None:
     names.append("torch")
   return names
-
-
-def torch_module():
-  """torch if it imports and has torch._grouped_mm, else None."""
-  try:
-    import torch  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return None
-  return torch if hasattr(torch, "_grouped_mm") else None
 
 
 def parse_backend(spec):
   """'padded' | 'custom:mgpu:segment' | 'torch' -> (base, gmm kwargs other than capacity)."""
   if spec == "torch":
-    if torch_module() is None:
+    if timing.grouped_mm_torch() is None:
       raise app.UsageError("backend 'torch': torch with torch._grouped_mm is not importable")
     return "torch", {}
   base, *rest = spec.split(":")
@@ -224,7 +215,7 @@ def torch_layer(w, x, cfg, dtype):
   Returns (torch, fwd, fwd_bwd, reset_peak, peak): fwd() -> y [T, D]; fwd_bwd() -> grads of
   sum(y^2) w.r.t. x and the four weights, as in loss_and_grads.
   """
-  torch = torch_module()
+  torch = timing.grouped_mm_torch()
   dev = "cuda" if torch.cuda.is_available() else "cpu"
   tdtype = {jnp.dtype(jnp.bfloat16): torch.bfloat16, jnp.dtype(jnp.float32): torch.float32}[
       jnp.dtype(dtype)]

@@ -1,4 +1,4 @@
-"""Wall-clock timing for the benchmarks."""
+"""Wall-clock timing for the benchmarks, and their optional PyTorch baseline."""
 import time
 
 import jax
@@ -19,3 +19,12 @@ def best_wall_ms(fn, iters: int, wait=lambda out: None) -> float:
 def best_ms(fn, args, iters: int) -> float:
   """Best wall ms of the JAX call fn(*args) over `iters` calls, after one warmup call (compile)."""
   return best_wall_ms(lambda: fn(*args), iters, jax.block_until_ready)
+
+
+def grouped_mm_torch():
+  """torch if it imports and has torch._grouped_mm (CUDA; CPU since torch 2.9), else None."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return torch if hasattr(torch, "_grouped_mm") else None
