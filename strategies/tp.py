@@ -22,7 +22,7 @@ Collectives per layer (t = tensor, d = data; x bytes = B_d*S*D*4, all on the cri
                y[T, D] (x bytes): summing after the weighted combine moves T*D, not T*K*D
             3. shared expert out h[B,S,Fs_t] @ wo[Fs_t, D] {U_t} -> all-reduce over t (x bytes)
             4. all-reduce over (d, t) of the router statistics (every t rank routes the same
-               tokens: summed over t and divided by t, exact for t a power of 2)
+               tokens; t rank 0's count, the others add zeros: exact for any t)
   backward: 5. ONE all-reduce over t per block input (2 x x bytes per layer): the normed h that
                attention (q, k, v) and the MLP (router, MoE, shared expert) read is typed
                *reduced* over t (Megatron's "f": gather_in = common.sharding.gather_weight), so
@@ -45,6 +45,7 @@ rather than with the parameters.
   python run.py --strategy=tp --mesh=data:4,tensor:2 --devices=8 --steps=3 --hlo_stats
 """
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from common import cost as cost_lib
@@ -88,7 +89,6 @@ def layout(cfg, mesh):
   # normed h as attention and the MLP read it: the same values, typed reduced over t (its
   # cotangent is an unreduced partial per t rank, summed once in gather_in's backward)
   h_spec = P(mesh_lib.DATA, None, None, reduced=frozenset({T}))
-  t_size = mesh_lib.axis_size(mesh, T)
 
   def moe_fn(p, x, positions):
     def body(p, x, pos):                                            # x [b, S, D] local, same on all t
@@ -103,8 +103,12 @@ def layout(cfg, mesh):
       y = moe.unpermute(ys, order, r.weights)                       # [T, D] {U_t}
       with jax.named_scope("moe_psum_tensor"):
         y = jax.lax.psum(y, T)                                      # the one reduction per MoE
-      # every t rank routed the same tokens: sum over (d, t), / t (exact for t a power of 2)
-      stats = jax.tree.map(lambda v: jax.lax.psum(v, (mesh_lib.DATA, T)) / t_size, stats)
+      # every t rank routed the same tokens: count them once (t rank 0), sum over (d, t); the
+      # aux-loss gradient then reaches the router through rank 0 only, and is summed over t
+      # (the always-true data term types the mask varying over data too, so every stat, even one
+      # the data shards agree on, is psum'd as a per-device value)
+      first = ((jax.lax.axis_index(T) == 0) & (jax.lax.axis_index(mesh_lib.DATA) >= 0)).astype(jnp.float32)
+      stats = jax.tree.map(lambda v: jax.lax.psum(v * first, (mesh_lib.DATA, T)), stats)
       return y.reshape(b, s, d).astype(x.dtype), stats
     specs = {"router": P(), "bias": P(), "wi_0": P(None, None, T), "wi_1": P(None, None, T),
              "wo": P(None, T, None)}
