@@ -130,26 +130,12 @@ def torch_times(x, w, gs_np, ct, iters):
   return tuple(timing.best_wall_ms(fn, iters, wait) for fn in (fwd, fwd_bwd))
 
 
-def make_data(shape, dtype, seed=0):
-  e, m, k, n = shape
-  keys = jax.random.split(jax.random.key(seed), 3)
-
-  @jax.jit
-  def make():
-    x = jax.random.normal(keys[0], (m, k), dtype)
-    w = (jax.random.normal(keys[1], (e, k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
-    ct = jax.random.normal(keys[2], (m, n), dtype)
-    return x, w, ct
-
-  return make()
-
-
 def bench_shape(name, scale, dtype, iters, backends):
   """Rows (shape, backend, mode, ms, tflops, frac_dense) for one shape."""
   shape = scaled_shape(name, scale)
   e, m, k, n = shape
   gs_np = group_sizes_for(name, e, m)
-  x, w, ct = make_data(shape, dtype)
+  x, w, ct = gmm_lib.random_problem(shape, dtype)
   gs = jnp.asarray(gs_np)
   flops = 2.0 * int(gs_np.sum()) * k * n
   dense_ms = timing.best_ms(jax.jit(lambda a, b: a @ b), (x, w[0]), iters)

@@ -371,6 +371,22 @@ def _kernel_calls(dtype) -> dict:
   }
 
 
+def random_problem(shape, dtype, seed=0):
+  """(x [M, K], w [E, K, N] (normal / sqrt(K)), ct [M, N]) for shape (E, M, K, N), made in one
+  jitted call (no f32 copy of w outside it): the benchmarks' and autotune's data."""
+  e, m, k, n = shape
+  keys = jax.random.split(jax.random.key(seed), 3)
+
+  @jax.jit
+  def make():
+    x = jax.random.normal(keys[0], (m, k), dtype)
+    w = (jax.random.normal(keys[1], (e, k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+    ct = jax.random.normal(keys[2], (m, n), dtype)
+    return x, w, ct
+
+  return make()
+
+
 def autotune(shapes, dtype, iters: int, path: str, candidates=None, log=print) -> dict:
   """Tune tiles for shapes [(E, M, K, N)] with even groups: per kernel call, the fastest config
   of `candidates` that divides the shape and matches ragged_dot (rel. 2e-2); the winners are
@@ -382,11 +398,8 @@ def autotune(shapes, dtype, iters: int, path: str, candidates=None, log=print) -
   except FileNotFoundError:
     table = {}
   for e, m, k, n in shapes:
-    keys = jax.random.split(jax.random.key(0), 3)
-    args = (jax.random.normal(keys[0], (m, k), dtype),
-            (jax.random.normal(keys[1], (e, k, n)) / np.sqrt(k)).astype(dtype),
-            jnp.full((e,), m // e, jnp.int32).at[-1].add(m % e),
-            jax.random.normal(keys[2], (m, n), dtype))
+    x, w, ct = random_problem((e, m, k, n), dtype)
+    args = (x, w, jnp.full((e,), m // e, jnp.int32).at[-1].add(m % e), ct)
     for kind, (call, ref) in _kernel_calls(dtype).items():
       a, b = (n, k) if kind == "dx" else (k, n)
       want = np.asarray(jax.jit(ref)(*args), np.float32)
