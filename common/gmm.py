@@ -67,6 +67,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from common import sharding
+
 BACKENDS = ("ragged_dot", "padded", "custom")
 
 # Tile config of the Mosaic-GPU kernels where the tile table has no entry for a call's shape
@@ -277,22 +279,13 @@ def _gmm_custom_bwd(kernel, wgrad, out_dtype, res, dy):
 _gmm_custom.defvjp(_gmm_custom_fwd, _gmm_custom_bwd)
 
 
-def _varying_axes(a) -> frozenset:
-  """Manual mesh axes `a` varies over inside a shard_map (jax 0.10: manual_axis_type.varying;
-  older and some newer releases: .vma)."""
-  t = jax.typeof(a)
-  mat = getattr(t, "manual_axis_type", None)
-  return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
-
-
 def _same_vma(x, w):
   """Inside a shard_map, cast x and w to the union of their varying manual axes. A custom_vjp
   must return cotangents typed like its inputs: experts replicated over the axes the tokens
   vary over (dp, fsdp, cp) would otherwise get a varying dw back. The pcast's transpose is the
   psum of dw over those axes, exactly what autodiff of ragged_dot inserts."""
-  vx, vw = _varying_axes(x), _varying_axes(w)
-  cast = lambda a, missing: jax.lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a
-  return cast(x, vw - vx), cast(w, vx - vw)
+  union = sharding.varying_axes(x) | sharding.varying_axes(w)
+  return sharding.to_varying(x, union), sharding.to_varying(w, union)
 
 
 # ---------------------------------------------------------------- public API

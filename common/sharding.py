@@ -22,6 +22,21 @@ def spec_axes(spec, dim: int) -> tuple[str, ...]:
   return _axes(entries[dim]) if dim < len(entries) else ()
 
 
+def varying_axes(a) -> frozenset:
+  """Manual mesh axes `a` varies over inside a shard_map (jax 0.10: manual_axis_type.varying;
+  older and some newer releases: .vma)."""
+  t = jax.typeof(a)
+  mat = getattr(t, "manual_axis_type", None)
+  return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
+
+
+def to_varying(a, axes) -> jax.Array:
+  """Inside a shard_map: `a` typed varying over every axis of `axes` (pcast of the ones it is not
+  varying over yet; the transpose psums its cotangent over them)."""
+  missing = tuple(sorted(set(axes) - varying_axes(a)))
+  return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+
 def gather_weight(w: jax.Array, out_spec: P, grad_axes: Sequence[str]) -> jax.Array:
   """All-gather a sharded weight to `out_spec` for use; the gradient comes back reduce-scattered.
 

@@ -105,10 +105,9 @@ def layout(cfg, mesh):
         y = jax.lax.psum(y, T)                                      # the one reduction per MoE
       # every t rank routed the same tokens: count them once (t rank 0), sum over (d, t); the
       # aux-loss gradient then reaches the router through rank 0 only, and is summed over t
-      # (the always-true data term types the mask varying over data too, so every stat, even one
-      # the data shards agree on, is psum'd as a per-device value)
-      first = ((jax.lax.axis_index(T) == 0) & (jax.lax.axis_index(mesh_lib.DATA) >= 0)).astype(jnp.float32)
-      stats = jax.tree.map(lambda v: jax.lax.psum(v * first, (mesh_lib.DATA, T)), stats)
+      first = (jax.lax.axis_index(T) == 0).astype(jnp.float32)
+      tok = (mesh_lib.DATA, T)
+      stats = jax.tree.map(lambda v: jax.lax.psum(sharding.to_varying(v, tok) * first, tok), stats)
       return y.reshape(b, s, d).astype(x.dtype), stats
     specs = {"router": P(), "bias": P(), "wi_0": P(None, None, T), "wi_1": P(None, None, T),
              "wo": P(None, T, None)}
