@@ -129,11 +129,12 @@ def rms_norm(x, w, eps):
 
 
 def rope(x, positions, theta):
-  """x [B, S, N, Dh], positions [B, S] (true positions, so CP-reordered tokens rotate right)."""
+  """x [B, S, ..heads.., Dh], positions [B, S] (true positions: CP-reordered tokens rotate right)."""
   half = x.shape[-1] // 2
   inv_freq = 1.0 / (theta ** (np.arange(half, dtype=np.float32) / half))       # [Dh/2]
   ang = positions.astype(jnp.float32)[..., None] * inv_freq                     # [B, S, Dh/2]
-  cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]          # [B, S, 1, Dh/2]
+  heads = (slice(None), slice(None)) + (None,) * (x.ndim - 3)                   # any head dims
+  cos, sin = jnp.cos(ang)[heads], jnp.sin(ang)[heads]                          # [B, S, 1.., Dh/2]
   x1, x2 = x[..., :half], x[..., half:]
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -150,21 +151,23 @@ def _gather_kv(a, spec):
 def attention(p, x, positions, cfg: Config, lay: Layout, path: str):
   """Causal GQA attention. x [B, S, D] -> [B, S, D]."""
   wq, wk, wv, wo = (lay.use(f"{path}/{n}", p[n]) for n in ("wq", "wk", "wv", "wo"))
-  b, s, _ = x.shape
-  q = rope(jnp.einsum("bsd,dhk->bshk", x, wq), positions, cfg.rope_theta)      # [B, S, H, Dh]
-  k = rope(jnp.einsum("bsd,dhk->bshk", x, wk), positions, cfg.rope_theta)      # [B, S, KV, Dh]
-  v = jnp.einsum("bsd,dhk->bshk", x, wv)                                       # [B, S, KV, Dh]
+  kv, g, dh = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+  # H = KV x G viewed on the weights, never on activations: a reshape of [B, S, H, Dh] would
+  # drop the batch dim's sharding when B is 1 per shard (jax >= 0.11)
+  wq = wq.reshape(wq.shape[0], kv, g, dh)                                      # [D, KV, G, Dh]
+  wo = wo.reshape(kv, g, dh, wo.shape[-1])                                     # [KV, G, Dh, D]
+  q = rope(jnp.einsum("bsd,dkgh->bskgh", x, wq), positions, cfg.rope_theta)    # [B, S, KV, G, Dh]
+  k = rope(jnp.einsum("bsd,dkh->bskh", x, wk), positions, cfg.rope_theta)      # [B, S, KV, Dh]
+  v = jnp.einsum("bsd,dkh->bskh", x, wv)                                       # [B, S, KV, Dh]
   k_pos = positions
   if lay.kv is not None:                                                       # CP: gather K/V
     k, v = _gather_kv(k, lay.kv), _gather_kv(v, lay.kv)                     # [B, T, KV, Dh]
     k_pos = jax.reshard(positions, lay.kv_pos)                                 # [B, T]
-  g = cfg.n_heads // cfg.n_kv_heads
-  q = q.reshape(b, s, cfg.n_kv_heads, g, cfg.head_dim)                         # [B, S, KV, G, Dh]
-  scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32) / np.sqrt(cfg.head_dim)
+  scores = jnp.einsum("bskgh,btkh->bkgst", q, k).astype(jnp.float32) / np.sqrt(dh)
   causal = k_pos[:, None, None, None, :] <= positions[:, None, None, :, None]  # [B, 1, 1, S, T]
   probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(v.dtype)
-  o = jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(b, s, cfg.n_heads, cfg.head_dim)
-  return jnp.einsum("bshk,hkd->bsd", o, wo, out_sharding=lay.row)              # [B, S, D]
+  o = jnp.einsum("bkgst,btkh->bskgh", probs, v)                                # [B, S, KV, G, Dh]
+  return jnp.einsum("bskgh,kghd->bsd", o, wo, out_sharding=lay.row)            # [B, S, D]
 
 
 def shared_expert(p, x, lay: Layout, path: str):

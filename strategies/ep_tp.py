@@ -77,7 +77,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from common import compact
+from common import buffers, compact
 from common import cost as cost_lib
 from common import mesh as mesh_lib
 from common import model, moe
@@ -153,14 +153,16 @@ def moe_local_experts(p, x, positions, cfg, n_local: int, rows: int):
     first = i * n_local
     c = compact.compact(experts, experts >= 0, first, n_local, rows)  # M rows, sorted
     tok = c.copy // k                                                  # [M], pad -> T
-    xs = jnp.where(c.valid[:, None], x.reshape(t, d)[jnp.minimum(tok, t - 1)], 0)  # [M, D]
+    xs = jnp.where(c.valid[:, None], x.reshape(t, d)[jnp.minimum(tok, t - 1)],
+                   buffers.pad_value(x.dtype))                          # [M, D], pad rows
     w = jnp.where(c.valid, w_all[jnp.minimum(c.copy, t * k - 1)], 0)   # [M]
   with jax.named_scope("expert_gmm"):
     ys = moe.swiglu_experts(xs, c.group_sizes, p, cfg.gmm_backend)    # [M, D]
   y = jnp.zeros((t, d), ys.dtype).at[tok].add(ys * w[:, None].astype(ys.dtype), mode="drop")
   stats["dropped"] = stats["dropped"] + c.overflow
   stats = jax.tree.map(lambda v: jax.lax.psum(v, ("data", "expert")), stats)
-  return y.reshape(b, s, d).astype(x.dtype), stats                    # y {U_expert}
+  y = jax.lax.pcast(y.reshape(b, s, d).astype(x.dtype), "expert", to="unreduced")
+  return y, stats                                                     # y [b, S, D] {U_expert}
 
 
 def layout(cfg, mesh):
