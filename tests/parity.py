@@ -3,13 +3,14 @@ init and data, and chex-assert per-step loss, aux loss, grad norm, every gradien
 post-step params. Reference runs are cached per model config, so many strategies share one."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import chex
 import jax
 import numpy as np
 
-from common import cost, hlo
+from common import buffers, cost, hlo
 from common import mesh as mesh_lib
 from common import train
 import strategies
@@ -39,25 +40,31 @@ def make_mesh(name: str, mesh_spec: str | None):
   return mesh_lib.make_mesh(shape)
 
 
-def job(name: str, cfg, mesh_spec: str | None) -> train.Job:
+def job(name: str, cfg, mesh_spec: str | None, *, init=None, poison: bool = False) -> train.Job:
   """Compiled train step (with grads in the metrics), cached: HLO tests reuse parity's compile.
-  Every entry point here applies parity_config, so all share one compile per (name, cfg, mesh)."""
-  return _job(name, parity_config(cfg), mesh_spec)
+  Every entry point here applies parity_config, so all share one compile per (name, cfg, mesh).
+  init: cfg -> numpy params (a module-level function); poison: trace with NaN in every padded
+  exchange buffer (common/buffers.py)."""
+  return _job(name, parity_config(cfg), mesh_spec, init, poison)
 
 
 @functools.lru_cache(maxsize=None)
-def _job(name: str, cfg, mesh_spec: str | None) -> train.Job:
-  return train.build(strategies.get(name), cfg, make_mesh(name, mesh_spec), with_grads=True)
+def _job(name: str, cfg, mesh_spec: str | None, init=None, poison: bool = False) -> train.Job:
+  with (buffers.poisoned() if poison else contextlib.nullcontext()):
+    return train.build(strategies.get(name), cfg, make_mesh(name, mesh_spec), with_grads=True,
+                       init=init)
 
 
-def run(name: str, cfg, mesh_spec: str | None, steps: int) -> list[dict]:
+def run(name: str, cfg, mesh_spec: str | None, steps: int, *, init=None,
+        poison: bool = False) -> list[dict]:
   """-> per step {loss, aux_loss, grad_norm, dropped, grads, params (after the step)} as numpy."""
-  return _run(name, parity_config(cfg), mesh_spec, steps)
+  return _run(name, parity_config(cfg), mesh_spec, steps, init, poison)
 
 
 @functools.lru_cache(maxsize=None)
-def _run(name: str, cfg, mesh_spec: str | None, steps: int) -> list[dict]:
-  job = _job(name, cfg, mesh_spec)
+def _run(name: str, cfg, mesh_spec: str | None, steps: int, init=None,
+         poison: bool = False) -> list[dict]:
+  job = _job(name, cfg, mesh_spec, init, poison)
   params, opt_state, out = job.params, job.opt_state, []
   for i in range(steps):
     params, opt_state, m = job.step(params, opt_state, job.batch(i))
@@ -67,8 +74,8 @@ def _run(name: str, cfg, mesh_spec: str | None, steps: int) -> list[dict]:
   return out
 
 
-def reference(cfg, steps: int) -> list[dict]:
-  return run("reference", cfg.model_only(), None, steps)
+def reference(cfg, steps: int, *, init=None) -> list[dict]:
+  return run("reference", cfg.model_only(), None, steps, init=init)
 
 
 def assert_parity(got: list[dict], want: list[dict], rtol=RTOL, atol=ATOL) -> None:
@@ -91,10 +98,11 @@ def parity_config(cfg):
   return cfg.replace(adam_eps=PARITY_ADAM_EPS)
 
 
-def check(name: str, cfg, mesh_spec: str, steps: int = 3, **tol) -> list[dict]:
+def check(name: str, cfg, mesh_spec: str, steps: int = 3, *, init=None, poison: bool = False,
+          **tol) -> list[dict]:
   """Run `name` on `mesh_spec` and assert parity with the reference. Returns the strategy's run."""
-  got = run(name, cfg, mesh_spec, steps)
-  assert_parity(got, reference(cfg, steps), **tol)
+  got = run(name, cfg, mesh_spec, steps, init=init, poison=poison)
+  assert_parity(got, reference(cfg, steps, init=init), **tol)
   return got
 
 
@@ -109,14 +117,28 @@ def assert_cost_model(name: str, cfg, mesh_spec: str, tol: float = 0.1) -> dict:
   return table
 
 
+# Two layouts of one strategy differ only in how the global router statistics are grouped into
+# per-shard partial sums before the psum. Reassociating n float32 additions moves a sum by at most
+# (n-1)·u relative (u = 2^-24); the step-0 aux loss combines per-layer products of such sums, so
+# two correct layouts may differ by a few ulps (measured: 1 ulp on cp, 4.1e-7 on tp on an AMD
+# EPYC host), while a missing or double-counted shard moves it by percents. Bit-equality across
+# layouts is not a property of the code, only of one CPU's rounding; it is asserted where it
+# holds by construction: rerunning one compiled layout on the same inputs.
+LAYOUT_AUX_RTOL = 2e-6
+
+
 def assert_layout_invariance(name: str, cfg, mesh_specs, steps: int = 3) -> None:
-  """Two layouts of one strategy: the same aux loss at step 0 to the bit (same params and data,
-  only the reduction grouping differs), and the same losses at every step."""
+  """Two layouts of one strategy: the same aux loss at step 0 (LAYOUT_AUX_RTOL, same params and
+  data, only the reduction grouping differs) and the same losses at every step; a rerun of the
+  first layout's compiled step on the same inputs is bit-identical."""
   a, b = (run(name, cfg, m, steps) for m in mesh_specs)
-  np.testing.assert_array_equal(a[0]["aux_loss"], b[0]["aux_loss"])
+  np.testing.assert_allclose(a[0]["aux_loss"], b[0]["aux_loss"], rtol=LAYOUT_AUX_RTOL, atol=0)
   for x, y in zip(a, b):
     np.testing.assert_allclose(x["aux_loss"], y["aux_loss"], rtol=1e-6)
     np.testing.assert_allclose(x["loss"], y["loss"], rtol=1e-6)
+  j = job(name, cfg, mesh_specs[0])
+  once, twice = (_np(j.step(j.params, j.opt_state, j.batch(0))) for _ in range(2))
+  chex.assert_trees_all_equal(once, twice)
 
 
 def assert_contract(name: str, cfg, mesh_spec: str) -> train.Job:
