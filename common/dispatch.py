@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from common import moe
+from common import buffers, moe
 from common.config import ConfigError
 
 METHODS = ("a2a", "ragged")
@@ -146,7 +146,7 @@ def pack(x, plan: Plan, k: int, c: int):
   """x [T, D] -> send [EP, C, D]: copy (t, k) at [dst, slot]; dropped copies nowhere."""
   ep = plan.counts.shape[0]
   rows = jnp.repeat(x, k, axis=0)                                        # [T*K, D] copy order
-  return jnp.zeros((ep, c, x.shape[1]), x.dtype).at[plan.dst, plan.slot].set(rows, mode="drop")
+  return buffers.padded((ep, c, x.shape[1]), x.dtype).at[plan.dst, plan.slot].set(rows, mode="drop")
 
 
 def unpack(back, plan: Plan):
@@ -200,7 +200,7 @@ def send(xt, experts, keep, *, n_experts, ep_axes, ep, method="a2a", exchange=Tr
     me = jax.lax.axis_index(ep_axes)
     (io, ss, oo, rs), _ = ragged_params(a, me)
     recv = (ragged_fn or jax.lax.ragged_all_to_all)(
-        xs, jnp.zeros((ep * c, d), xt.dtype), io, ss, oo, rs, axis_name=ep_axes)   # [EP*C, D]
+        xs, buffers.padded((ep * c, d), xt.dtype), io, ss, oo, rs, axis_name=ep_axes)  # [EP*C, D]
     seg = segment_ids(g[:, me, :].reshape(ep * n_local), ep * c)        # [EP*C] in 0..EP*L
     meta["a"] = a
     return recv[None, None], jnp.where(seg < ep * n_local, seg % n_local, n_local)[None, None], meta
@@ -222,9 +222,10 @@ def receive(out, meta, *, ep_axes, method="a2a", exchange=True, ragged_fn=None):
     me = jax.lax.axis_index(ep_axes)
     _, (io, ss, oo, rs) = ragged_params(meta["a"], me)
     back = (ragged_fn or jax.lax.ragged_all_to_all)(
-        out.reshape(-1, d), jnp.zeros((meta["pos"].shape[0], d), out.dtype), io, ss, oo, rs,
+        out.reshape(-1, d), buffers.padded((meta["pos"].shape[0], d), out.dtype), io, ss, oo, rs,
         axis_name=ep_axes)                                               # [T*K, D] expert-sorted
-    return back[meta["pos"]]
+    sent = meta["dst"] < meta["a"].shape[0]                              # dropped copies: unsent
+    return jnp.where(sent[:, None], back[meta["pos"]], 0)
   back = jax.lax.all_to_all(out[:, 0], ep_axes, 0, 0, tiled=True) if exchange else out[0]
   return unpack(back, Plan(meta["dst"], meta["slot"], meta["pos"], None))   # back [EP_dst, C, D]
 

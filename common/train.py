@@ -46,8 +46,10 @@ def make_train_step(cfg, lay: model.Layout, opt: optim.Optimizer, with_grads: bo
   return step
 
 
-def build(strategy, cfg, mesh, *, with_grads: bool = False, compile_only: bool = False) -> Job:
-  """strategy: a module from strategies/ (see strategies/__init__.py for the contract)."""
+def build(strategy, cfg, mesh, *, with_grads: bool = False, compile_only: bool = False,
+          init: Callable | None = None) -> Job:
+  """strategy: a module from strategies/ (see strategies/__init__.py for the contract).
+  init: cfg -> numpy params (default model.init_params)."""
   ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
   with ctx:
     if mesh is not None:
@@ -72,7 +74,7 @@ def build(strategy, cfg, mesh, *, with_grads: bool = False, compile_only: bool =
       b0 = {k: jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), jnp.int32,
                                     sharding=_ns(mesh, bspec)) for k in ("tokens", "targets", "positions")}
     else:
-      params = put(model.init_params(cfg), specs, mesh)
+      params = put((init or model.init_params)(cfg), specs, mesh)
       opt_state = jax.jit(opt.init)(params)
       b0 = batch(0)
     t0 = time.perf_counter()

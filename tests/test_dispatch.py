@@ -125,6 +125,17 @@ def test_three_shards_with_a_dropped_copy():
   np.testing.assert_array_equal(back_ragged, want)
 
 
+@pytest.mark.parametrize("method", [A2A, "ragged"])
+def test_round_trip_never_reads_padding(method):
+  """Every padded buffer starts as NaN (common/buffers.py): the padding is really there (NaN in
+  the received buffer), and no padding row comes back as a copy's row."""
+  from common import buffers
+  with buffers.poisoned():
+    buf, _, back = exchange(X3, E3, K3, 6, method=method)
+  assert np.isnan(buf).any()
+  np.testing.assert_array_equal(back, np.repeat(np.asarray(X3), 2, axis=1) * K3.reshape(3, 4, 1))
+
+
 def test_no_exchange_keeps_rows_local():
   """batch_on_expert: the send buffer stays put, ids name global experts (E = padding)."""
   buf, ids, back = exchange(X2, E2, K2, 4, exchange=False)
