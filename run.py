@@ -17,7 +17,8 @@ F = flags.FLAGS
 flags.DEFINE_string("strategy", None, "strategy to train (see strategies/); omit to compare all")
 flags.DEFINE_string("compare", None, "'all' or a comma list of strategies to compare")
 flags.DEFINE_string("model", "tiny", "model preset: tiny | mixtral-test | deepseek-test | mixtral-8x7b")
-flags.DEFINE_integer("steps", None, "training steps (default 20; 3 in compare mode)")
+flags.DEFINE_integer("steps", None, "training steps (default 20; 3 in compare mode; 0 = compile "
+                     "and report only)")
 flags.DEFINE_integer("batch", None, "global batch (sequences); default from the preset")
 flags.DEFINE_integer("seq", None, "sequence length; default from the preset")
 flags.DEFINE_integer("layers", None, "override the number of layers")
@@ -45,6 +46,40 @@ flags.DEFINE_string("compilation_cache", "~/.cache/moe-sharding/jax",
 
 
 class UsageError(Exception):
+  pass
+
+
+def check_flags() -> None:
+  """Every flag value that can be judged without JAX, before anything compiles."""
+  import math
+  import os
+  if F.devices < 1:
+    raise UsageError(f"--devices={F.devices} must be >= 1")
+  if F.steps is not None and F.steps < 0:
+    raise UsageError(f"--steps={F.steps} must be >= 0")
+  if F.steps == 0 and not F.strategy:
+    raise UsageError("--steps=0 in compare mode: use --compile_only to compare without running")
+  for name in ("batch", "seq", "layers"):
+    v = getattr(F, name)
+    if v is not None and v < 1:
+      raise UsageError(f"--{name}={v} must be >= 1")
+  if F.lr is not None and not (math.isfinite(F.lr) and F.lr > 0):
+    raise UsageError(f"--lr={F.lr} must be a finite number > 0")
+  if F.metrics_file:                         # fail now, not after a long compile
+    d = os.path.dirname(os.path.abspath(F.metrics_file))
+    if not os.path.isdir(d) or not os.access(d, os.W_OK):
+      raise UsageError(f"--metrics_file={F.metrics_file}: directory {d} does not exist or "
+                       "is not writable")
+  if F.report_dir:
+    try:
+      os.makedirs(F.report_dir, exist_ok=True)
+    except OSError as e:
+      raise UsageError(f"--report_dir={F.report_dir}: {e.strerror}") from None
+    if not os.access(F.report_dir, os.W_OK):
+      raise UsageError(f"--report_dir={F.report_dir} is not writable")
+
+
+class NonFinite(Exception):
   pass
 
 
@@ -113,7 +148,7 @@ def train_one(cfg) -> None:
         print(f"  {kind:<20s} count {v['count']:>4d}  bytes/device {v['bytes']:>12,d}")
   out = open(F.metrics_file, "w") if F.metrics_file else None
   params, opt_state = job.params, job.opt_state
-  steps = F.steps or 20
+  steps = 20 if F.steps is None else F.steps
   tokens = cfg.batch * cfg.seq_len
   for i in range(steps):
     b = job.batch(i)
@@ -129,6 +164,10 @@ def train_one(cfg) -> None:
           f"{tokens / dt:,.0f} tok/s", flush=True)
     if out:
       out.write(json.dumps(rec) + "\n")
+    if not (np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])):
+      if out:
+        out.close()                            # keeps every step up to this one
+      raise NonFinite(f"non-finite loss at step {i}")
   if out:
     out.write(json.dumps({"summary": True, "strategy": F.strategy, "mesh": mesh_desc,
                           "model": F.model, "compile_s": job.compile_s, "flops": stats["flops"],
@@ -143,15 +182,17 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  _setup_devices(F.devices)
-  cfg = make_config()
   if F.strategy and F.compare:
     raise UsageError("give --strategy or --compare, not both")
+  check_flags()
+  _setup_devices(F.devices)
+  cfg = make_config()
   if F.strategy:
     train_one(cfg)
   else:
     from common import compare
-    compare.main(cfg, names=F.compare or "all", mesh_spec=F.mesh, steps=F.steps or 3,
+    compare.main(cfg, names=F.compare or "all", mesh_spec=F.mesh,
+                 steps=3 if F.steps is None else F.steps,
                  report_dir=F.report_dir, compile_only=F.compile_only, model_name=F.model)
 
 
@@ -159,10 +200,10 @@ def _run():
   from common.config import ConfigError
   try:
     app.run(main)
-  except (ConfigError, UsageError) as e:
+  except (ConfigError, UsageError, NonFinite) as e:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(1 if isinstance(e, NonFinite) else 2)
 
 
 if __name__ == "__main__":

@@ -117,9 +117,12 @@ def measure(row: dict, job, steps: int, compile_only: bool) -> dict:
     losses.append(float(np.asarray(m["loss"])))
     times.append(time.perf_counter() - t0)
     dropped += float(np.asarray(m["dropped"]))
+    if not (np.isfinite(losses[-1]) and np.isfinite(float(np.asarray(m["grad_norm"])))):
+      row["nonfinite_step"], row["parity"] = i, "NON-FINITE"   # stop here, mark the row
+      break
   row["losses"] = losses
   row["step_s"] = statistics.median(times[1:] or times)
-  row["dropped_frac"] = dropped / (steps * cfg.batch * cfg.seq_len * cfg.top_k * cfg.n_layers)
+  row["dropped_frac"] = dropped / (len(losses) * cfg.batch * cfg.seq_len * cfg.top_k * cfg.n_layers)
   return row
 
 
@@ -157,12 +160,15 @@ def render(rows: list[dict], compile_only: bool, simulated: bool) -> str:
                                          "dropped")]
   lines = []
   for r in rows:
-    if "error" in r:
-      lines.append([r["strategy"], r.get("mesh", "-"), f"skipped: {r['error']}"])
+    if "error" in r:                    # a skipped row keeps the columns: its reason in one cell
+      cells = dict.fromkeys(head, "-")
+      cells.update({"strategy": r["strategy"], "mesh": r.get("mesh", "-"),
+                    "collectives/step (count:bytes)": f"skipped: {r['error']}"})
+      lines.append([cells[h] for h in head])
       continue
     cells = {
         "strategy": r["strategy"], "mesh": r["mesh"],
-        "final loss": f"{r['losses'][-1]:.5f}" if "losses" in r else "-",
+        "final loss": f"{r['losses'][-1]:.5f}" if r.get("losses") else "-",
         "max dloss": f"{r['max_dloss']:.1e}" if "max_dloss" in r else "-",
         "parity": r.get("parity", "-"),
         "collectives/step (count:bytes)": _collective_cell(r),
@@ -174,15 +180,15 @@ def render(rows: list[dict], compile_only: bool, simulated: bool) -> str:
         "step ms": f"{1e3 * r['step_s']:.1f}" if "step_s" in r else "-",
         "dropped": f"{r['dropped_frac']:.1%}" if "dropped_frac" in r else "-",
     }
+    if "nonfinite_step" in r:           # never print nan as a result
+      cells["final loss"] = cells["max dloss"] = "-"
+      cells["parity"] = f"NON-FINITE at step {r['nonfinite_step']}"
     lines.append([cells[h] for h in head])
-  widths = [max(len(h), *(len(l[i]) for l in lines if len(l) == len(head))) for i, h in enumerate(head)]
+  widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h)
+            for i, h in enumerate(head)]
   out = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |",
          "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-  for l in lines:
-    if len(l) != len(head):
-      out.append(f"| {l[0]} | {l[1]} | {l[2]} |")
-    else:
-      out.append("| " + " | ".join(c.ljust(w) for c, w in zip(l, widths)) + " |")
+  out += ["| " + " | ".join(c.ljust(w) for c, w in zip(l, widths)) + " |" for l in lines]
   return "\n".join(out)
 
 
@@ -201,7 +207,7 @@ def write_report(rows, report_dir: str, model_name: str) -> None:
         w.writerow({"strategy": r["strategy"], "mesh": r.get("mesh", "")})
         continue
       flat = {k: r.get(k) for k in fields}
-      flat["final_loss"] = r["losses"][-1] if "losses" in r else None
+      flat["final_loss"] = r["losses"][-1] if r.get("losses") and "nonfinite_step" not in r else None
       flat["temp_bytes"] = r["memory"]["temp_bytes"]
       for k in KINDS:
         flat[f"{k}_count"] = r["collectives"][k]["count"]
@@ -269,7 +275,8 @@ def main(cfg, names: str, mesh_spec: str | None, steps: int, report_dir: str | N
   rows = [measure(*built[n], steps, compile_only) for n in wanted]
   ref = next((r for r in rows if r["strategy"] == "reference" and "losses" in r), None)
   for r in rows:
-    if ref is not None and "losses" in r:
+    if ref is not None and "losses" in r and "nonfinite_step" not in r \
+        and "nonfinite_step" not in ref:
       d = np.abs(np.array(r["losses"]) - np.array(ref["losses"]))
       r["max_dloss"] = float(d.max())
       r["parity"] = "PASS" if np.all(d <= LOSS_TOL * (1 + np.abs(ref["losses"]))) else "FAIL"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 class ConfigError(ValueError):
@@ -70,6 +71,10 @@ class Config:
     def need(cond, msg):
       if not cond:
         raise ConfigError(msg)
+    for name in ("vocab", "d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers", "n_experts",
+                 "d_ff", "seq_len", "batch"):
+      need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
+    need(math.isfinite(self.lr) and self.lr > 0, f"lr={self.lr} must be a finite number > 0")
     need(self.n_heads % self.n_kv_heads == 0,
          f"n_heads={self.n_heads} not divisible by n_kv_heads={self.n_kv_heads}")
     need(1 <= self.top_k <= self.n_experts, f"top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
@@ -80,7 +85,6 @@ class Config:
     need(self.top_k <= self.topk_group * (self.n_experts // self.n_group),
          "top_k larger than the experts in the kept groups")
     need(self.capacity_factor >= 0, f"capacity_factor={self.capacity_factor} must be >= 0")
-    need(self.seq_len >= 1 and self.batch >= 1, "batch and seq_len must be >= 1")
     need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (RoPE)")
     return self
 

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +38,16 @@ def _run(*args, timeout=300):
     (["--strategy=shard_exp_on_fsdp", "--mesh=fsdp:2,expert:4", "--batch=4"],
      "batch=4 is not divisible by mesh axis fsdpxexpert=8"),
     (["--strategy=reference", "--mesh=data:8"], "takes no --mesh"),
+    (["--strategy=dp", "--devices=0"], "--devices=0 must be >= 1"),
+    (["--strategy=dp", "--steps=-1"], "--steps=-1 must be >= 0"),
+    (["--steps=0"], "--steps=0 in compare mode: use --compile_only"),
+    (["--strategy=dp", "--layers=0"], "--layers=0 must be >= 1"),
+    (["--strategy=dp", "--batch=0"], "--batch=0 must be >= 1"),
+    (["--strategy=dp", "--lr=-1"], "--lr=-1.0 must be a finite number > 0"),
+    (["--strategy=dp", "--lr=nan"], "--lr=nan must be a finite number > 0"),
+    (["--strategy=dp", "--metrics_file=/no/such/dir/m.jsonl"],
+     "--metrics_file=/no/such/dir/m.jsonl: directory /no/such/dir does not exist"),
+    (["--report_dir=/proc/no_such_dir"], "--report_dir=/proc/no_such_dir:"),
 ])
 def test_bad_flags_one_line_error(args, message):
   r = _run(*args)
@@ -76,3 +87,57 @@ def test_cli_losses_match_reference(tmp_path):
   assert len(ep) == 2
   for a, b in zip(ep, ref):
     assert abs(a - b) <= 1e-5 * abs(b), (ep, ref)
+
+
+def test_steps_zero_compiles_and_reports(tmp_path):
+  path = tmp_path / "m.jsonl"
+  r = _run("--strategy=reference", "--steps=0", f"--metrics_file={path}")
+  assert r.returncode == 0, r.stderr
+  recs = [json.loads(l) for l in path.read_text().splitlines()]
+  assert len(recs) == 1 and recs[0]["summary"] is True        # 0 steps run, the summary stays
+  assert "loss" not in r.stdout
+
+
+def test_non_finite_loss_stops_with_one_line_error(tmp_path):
+  path = tmp_path / "m.jsonl"
+  r = _run("--strategy=reference", "--lr=1e30", "--steps=6", f"--metrics_file={path}")
+  assert r.returncode == 1, r.stderr
+  lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("error: non-finite loss at step "), r.stderr
+  n = int(lines[0].rsplit(" ", 1)[1])
+  recs = [json.loads(l) for l in path.read_text().splitlines()]
+  assert [rec["step"] for rec in recs] == list(range(n + 1))    # every step up to N, no summary
+  assert all(np.isfinite(rec["loss"]) for rec in recs[:-1])
+  assert not (np.isfinite(recs[-1]["loss"]) and np.isfinite(recs[-1]["grad_norm"]))
+
+
+def _table_rows(stdout):
+  return [l for l in stdout.splitlines() if l.startswith("|")]
+
+
+def test_compare_all_skipped_rows_are_aligned():
+  r = _run("--compare=ep,fsdp", "--model=mixtral-test", "--devices=64", "--compile_only")
+  assert r.returncode == 0, r.stderr
+  rows = _table_rows(r.stdout)
+  assert len(rows) == 4 and all("skipped: " in l for l in rows[2:]), r.stdout
+  # a markdown table: every row has the header's cells, and the borders line up
+  assert {l.count("|") for l in rows} == {rows[0].count("|")}, r.stdout
+  assert {tuple(i for i, c in enumerate(l) if c == "|") for l in rows} == \
+      {tuple(i for i, c in enumerate(rows[0]) if c == "|")}, r.stdout
+
+
+def test_compare_marks_a_non_finite_row():
+  from common import compare
+  ok = {"strategy": "dp", "mesh": "data:8", "losses": [1.0, 0.9], "max_dloss": 0.0,
+        "parity": "PASS", "collectives": {k: {"count": 0, "bytes": 0} for k in compare.KINDS},
+        "param_bytes": 1, "opt_bytes": 1, "memory": {"temp_bytes": 1}, "step_s": 0.1,
+        "dropped_frac": 0.0}
+  bad = dict(ok, strategy="ep", losses=[1.0, float("nan")], nonfinite_step=1, parity="NON-FINITE")
+  bad.pop("max_dloss")
+  skipped = {"strategy": "shard_exp_on_fsdp", "mesh": "fsdp:16,expert:4",
+             "error": "n_experts=8 is not divisible by mesh axis expertxfsdp=64"}
+  table = compare.render([ok, bad, skipped], compile_only=False, simulated=True)
+  rows = table.splitlines()
+  assert "nan" not in table and "NON-FINITE at step 1" in rows[3], table
+  assert {tuple(i for i, c in enumerate(l) if c == "|") for l in rows if l.startswith("| ")} == \
+      {tuple(i for i, c in enumerate(rows[0]) if c == "|")}, table
