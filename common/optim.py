@@ -1,6 +1,6 @@
-"""AdamW and Muon over the model's parameter pytree.
+"""AdamW and Muon over the model's parameter pytree, built from optax.
 
-Leaf roles (by path; see `muon_kind` and `_label`):
+Leaf roles (by path; see `muon_kind` and `muon_dims`):
 
 * ``moe/bias`` (aux-loss-free routing bias) is frozen: its optimizer update is
   exactly zero and it gets no weight decay. The train step updates it itself.
@@ -12,29 +12,44 @@ Leaf roles (by path; see `muon_kind` and `_label`):
   (attention, shared expert, per-expert matrices); AdamW with the same
   hyperparameters for embed, unembed, norms and router.
 
-Muon details (choices documented here once):
+Muon is the optax.chain
 
-* Momentum ``m = mu * m + g`` (no dampening). Nesterov (default on) feeds
-  ``g + mu * m`` to Newton-Schulz, otherwise ``m``. The scale of the direction
-  does not matter: Newton-Schulz normalises it by its Frobenius norm.
-* Newton-Schulz: 5 quintic steps with (a, b, c) = (3.4445, -4.7750, 2.0315) in
-  float32, on the wide orientation (transposed when rows > cols). It maps the
-  singular values into roughly [0.7, 1.2], not exactly 1.
-* Matrix views: attn wq/wk/wv [D, H, Dh] -> [D, H*Dh]; attn wo [H, Dh, D] ->
-  [H*Dh, D]; shared wi_0/wi_1/wo as they are; expert weights [E, a, b] are E
-  independent [a, b] matrices (vmap over E).
-* Update ``p -= lr * (sqrt(max(1, rows/cols)) * O + wd * p)`` where O is the
-  orthogonalised direction of an [rows, cols] matrix view. The factor (from
-  Keller Jordan's Muon) keeps the per-element RMS of tall matrices' updates
-  comparable to that of wide ones.
+  optax.trace(mu, nesterov)        momentum m = mu*m + g; Nesterov feeds g + mu*m
+  orthogonalize(ns_steps)          Newton-Schulz of each leaf's direction
+  scale_by_fan_ratio()             * sqrt(max(1, fan_out / fan_in))
+  optax.add_decayed_weights(wd)    + wd * p
+  optax.scale(-lr)
 
-Sharding (explicit mode): elementwise Adam/momentum code keeps the param's
-sharding. Newton-Schulz needs whole matrices, so each "matrix" direction is
-resharded to fully replicated P() and each "experts" direction to
-P(spec[0], None, None) (expert dim kept, the rest gathered) before NS, and
-the result is resharded back to the param's spec. Experts sharded only on
-the expert dim therefore need no collective at all. Without a mesh (or when
-already laid out like that) nothing is resharded.
+* Momentum is optax.trace's heavy-ball sum (Nesterov on by default), kept in
+  the param's layout; scale_by_muon's own momentum (a bias-corrected EMA) is
+  switched off (beta=0), see `orthogonalize` for why.
+* Newton-Schulz is optax.contrib.scale_by_muon's: 5 quintic steps with
+  (a, b, c) = (3.4445, -4.7750, 2.0315), in float32, after dividing by the
+  Frobenius norm (+ 1e-7), on the wide orientation (transposed when
+  fan_in > fan_out). It maps the singular values into roughly [0.7, 1.2],
+  not exactly 1.
+* Matrix views (optax.contrib.MuonDimensionNumbers, `muon_dims`): the
+  reduction (fan-in) axes become the rows, the output axes the columns, every
+  other axis is a batch axis orthogonalised independently (vmap). attn
+  wq/wk/wv [D, H, Dh] -> [D, H*Dh]; attn wo [H, Dh, D] -> [H*Dh, D]; shared
+  wi_0/wi_1 [D, Fs], wo [Fs, D] as they are; experts [E, D, F] / [E, F, D]:
+  E independent matrices.
+* Scale: sqrt(max(1, fan_out / fan_in)) on the [fan_in, fan_out] view: Keller
+  Jordan's rule (written as sqrt(max(1, rows / cols)) for PyTorch's [out, in]
+  weights) and the width scaling of optax.contrib.muon, whose scale_by_muon
+  applies none, hence `scale_by_fan_ratio`. The hand-written Muon before this
+  used the transposed factor sqrt(max(1, fan_in / fan_out)).
+
+Sharding (explicit mode): elementwise code (momentum, decay, Adam) keeps the
+param's sharding. Newton-Schulz needs each matrix whole, and optax's does not
+reshard: on a matrix sharded along a row or column axis its dot products fail
+to type-check (jax.sharding ShardingTypeError). So `orthogonalize` reshards
+each direction to its Newton-Schulz layout -- batch axes keep their sharding,
+the matrix axes are gathered (P() for attention / shared matrices,
+P(spec[0], None, None) for experts) -- and the result back to the param's
+spec. Experts sharded only on the expert dim need no collective at all; a
+D-sharded expert or matrix is all-gathered once (its direction only). Without
+a mesh (or when already laid out like that) nothing is resharded.
 """
 
 from __future__ import annotations
@@ -46,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
+from optax.contrib import MuonDimensionNumbers
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -94,6 +110,20 @@ def muon_kind(path) -> str | None:
     return None
 
 
+def muon_dims(path) -> MuonDimensionNumbers | None:
+    """Reduction (fan-in) and output axes of a Muon leaf; the other axes are batch axes."""
+    kind = muon_kind(path)
+    if kind == "experts":  # [E, D, F] / [E, F, D]: E independent matrices
+        return MuonDimensionNumbers(reduction_axis=(1,), output_axis=(2,))
+    if kind == "matrix" and "attn" in _names(path):
+        if _names(path)[-1] == "wo":  # [H, Dh, D] -> [H*Dh, D]
+            return MuonDimensionNumbers(reduction_axis=(0, 1), output_axis=(2,))
+        return MuonDimensionNumbers(reduction_axis=(0,), output_axis=(1, 2))  # [D, H*Dh]
+    if kind == "matrix":  # shared [D, Fs] / [Fs, D]
+        return MuonDimensionNumbers(reduction_axis=(0,), output_axis=(1,))
+    return None
+
+
 def _is_frozen(path) -> bool:
     names = _names(path)
     return len(names) >= 2 and names[-2:] == ("moe", "bias")
@@ -106,28 +136,8 @@ def _decay_mask(params):
 
 
 # ----------------------------------------------------------------------------
-# Newton-Schulz orthogonalisation.
-
-def newton_schulz(g: jax.Array, steps: int = 5, eps: float = NS_EPS) -> jax.Array:
-    """Approximate the orthogonal factor U V^T of a 2-D matrix (float32)."""
-    a, b, c = NS_COEFFS
-    x = g.astype(jnp.float32)
-    x = x / (jnp.linalg.norm(x) + eps)
-    tall = x.shape[0] > x.shape[1]
-    if tall:  # iterate on the wide side: the Gram matrix is the small one
-        x = x.T
-    for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if tall else x
-
-
-def _matrix_view(path, shape) -> tuple[int, int]:
-    """[rows, cols] 2-D view of a "matrix" leaf."""
-    if _names(path)[-1] == "wo" and len(shape) == 3:  # attn wo [H, Dh, D]
-        return shape[0] * shape[1], shape[2]
-    return shape[0], math.prod(shape[1:])  # wq/wk/wv [D, H, Dh]; shared as-is
-
+# Muon pieces optax does not provide: the reshard around Newton-Schulz and the
+# suite's shape factor.
 
 def _spec(x) -> tuple:
     """The explicit PartitionSpec of x padded to x.ndim (all None if none)."""
@@ -145,42 +155,50 @@ def _reshard(x, spec: tuple):
     return jax.reshard(x, NamedSharding(mesh, P(*spec)))
 
 
-def orthogonalize(path, d: jax.Array, ns_steps: int = 5) -> jax.Array:
-    """Shape-scaled Newton-Schulz direction of one Muon leaf (param layout)."""
-    spec = _spec(d)
-    if muon_kind(path) == "experts":
-        rows, cols = d.shape[1], d.shape[2]
-        local = _reshard(d, (spec[0], None, None))
-        o = jax.vmap(lambda m: newton_schulz(m, ns_steps))(local)
-    else:
-        rows, cols = _matrix_view(path, d.shape)
-        local = _reshard(d, (None,) * d.ndim)
-        o = newton_schulz(local.reshape(rows, cols), ns_steps).reshape(d.shape)
-    o = o * math.sqrt(max(1.0, rows / cols))
-    return _reshard(o.astype(d.dtype), spec)
+def orthogonalize(ns_steps: int = 5) -> optax.GradientTransformation:
+    """Newton-Schulz direction of each Muon leaf, in float32, returned in the param's layout.
 
-
-class MuonState(NamedTuple):
-    momentum: Any
-
-
-def scale_by_muon(momentum: float = 0.95, ns_steps: int = 5,
-                  nesterov: bool = True) -> optax.GradientTransformation:
-    """Muon direction (before -lr): orthogonalised (Nesterov) momentum."""
-
-    def init(params):
-        return MuonState(jax.tree.map(jnp.zeros_like, params))
+    The orthogonalisation is optax.contrib.scale_by_muon's, run with beta=0
+    (no momentum of its own: optax.trace before it keeps the momentum in the
+    param's layout). scale_by_muon does momentum and Newton-Schulz in one
+    update, so resharding around the whole of it would gather the gradient
+    *and* the momentum -- twice the bytes; here only the direction moves.
+    """
+    def one(path, d):
+        dims = muon_dims(path)
+        ns = optax.contrib.scale_by_muon(NS_COEFFS, ns_steps, beta=0.0, eps=NS_EPS,
+                                         nesterov=False, weight_dimension_numbers=dims)
+        spec = _spec(d)
+        # gather the matrix axes, keep the batch (expert) axes as they are
+        matrix_axes = set(dims.reduction_axis) | set(dims.output_axis)
+        local = _reshard(d.astype(jnp.float32), tuple(
+            None if ax in matrix_axes else s for ax, s in enumerate(spec)))
+        o, _ = ns.update(local, ns.init(local))
+        # materialise o: XLA may otherwise recompute NS's last elementwise steps inside
+        # the consumer's fusion, rounding differently per program; NS amplifies that
+        o = jax.lax.optimization_barrier(o)
+        return _reshard(o.astype(d.dtype), spec)
 
     def update(updates, state, params=None):
         del params
-        buf = jax.tree.map(lambda m, g: momentum * m + g, state.momentum, updates)
-        direction = (jax.tree.map(lambda m, g: g + momentum * m, buf, updates)
-                     if nesterov else buf)
-        out = jax.tree_util.tree_map_with_path(
-            lambda p, d: orthogonalize(p, d, ns_steps), direction)
-        return out, MuonState(buf)
+        return jax.tree_util.tree_map_with_path(one, updates), state
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def scale_by_fan_ratio() -> optax.GradientTransformation:
+    """Multiply each Muon leaf by sqrt(max(1, fan_out / fan_in)) (see the module docstring)."""
+    def one(path, o):
+        dims = muon_dims(path)
+        fan_in = math.prod(o.shape[a] for a in dims.reduction_axis)
+        fan_out = math.prod(o.shape[a] for a in dims.output_axis)
+        return o * math.sqrt(max(1.0, fan_out / fan_in))
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map_with_path(one, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
 
 
 # ----------------------------------------------------------------------------
@@ -200,7 +218,9 @@ def make_optimizer(name: str, lr: float, weight_decay: float = 0.0, b1=0.9, b2=0
     transforms = {"adam": adamw, "frozen": optax.set_to_zero()}
     if name == "muon":
         transforms["muon"] = optax.chain(
-            scale_by_muon(muon_momentum, ns_steps, nesterov),
+            optax.trace(decay=muon_momentum, nesterov=nesterov),
+            orthogonalize(ns_steps),
+            scale_by_fan_ratio(),
             optax.add_decayed_weights(weight_decay),
             optax.scale(-lr))
 

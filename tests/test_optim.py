@@ -1,4 +1,5 @@
-"""Tests for common.optim: AdamW vs numpy, Newton-Schulz, Muon views and sharding."""
+"""Tests for common.optim: AdamW vs numpy, Newton-Schulz vs numpy, Muon views, momentum and
+sharding."""
 
 import chex
 import jax
@@ -78,6 +79,12 @@ def test_muon_kind():
               "['layers'][0]['moe']['router']", "['layers'][0]['moe']['bias']"):
         assert kinds[k] is None
     assert optim.muon_kind(("layers", 0, "moe", "wo")) == "experts"
+    dims = lambda *path: tuple(optim.muon_dims(path) or ())
+    assert dims("layers", 0, "moe", "wi_0") == ((1,), (2,))      # batched over E
+    assert dims("layers", 0, "attn", "wk") == ((0,), (1, 2))     # [D, KV*Dh]
+    assert dims("layers", 0, "attn", "wo") == ((0, 1), (2,))     # [H*Dh, D]
+    assert dims("layers", 0, "shared", "wo") == ((0,), (1,))
+    assert dims("layers", 0, "moe", "router") == ()
 
 
 def test_adamw_matches_numpy(tiny):
@@ -90,23 +97,35 @@ def test_adamw_matches_numpy(tiny):
                                       params["layers"][i]["moe"]["bias"])
 
 
+def _newton_schulz(g, steps=5):
+    """Reference Newton-Schulz (float64): the quintic on the wide orientation."""
+    a, b, c = optim.NS_COEFFS
+    x = g.astype(np.float64)
+    x = x / (np.linalg.norm(x) + optim.NS_EPS)
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
 @pytest.mark.parametrize("shape", [(16, 32), (32, 16)])
 def test_newton_schulz_singular_values(shape):
     g = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
-    o = optim.newton_schulz(g)
-    assert o.shape == shape
+    tree = {"shared": {"wi_0": g}}
+    o = jax.jit(lambda t: optim.orthogonalize().update(t, ())[0])(tree)["shared"]["wi_0"]
+    assert o.shape == shape and o.dtype == np.float32
+    np.testing.assert_allclose(o, _newton_schulz(g), rtol=1e-4, atol=1e-6)
     s = np.linalg.svd(np.asarray(o), compute_uv=False)
     assert s.min() > 0.5 and s.max() < 1.5, s
-
-
-_ns = jax.jit(optim.newton_schulz)
 
 
 def _muon_2d(g, p):
     """Expected first-step Muon update of one 2-D view (with weight decay)."""
     rows, cols = g.shape
     d = (1 + MU) * g  # Nesterov first step: m = g, direction = g + mu * m
-    return -LR * (np.sqrt(max(1.0, rows / cols)) * np.asarray(_ns(d)) + WD * p)
+    return -LR * (np.sqrt(max(1.0, cols / rows)) * _newton_schulz(d) + WD * p)   # fan_out/fan_in
 
 
 def test_muon_matrix_views(tiny):
@@ -138,6 +157,19 @@ def test_muon_matrix_views(tiny):
     np.testing.assert_allclose(new["layers"][0]["moe"]["router"],
                                ref["layers"][0]["moe"]["router"], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(lay["moe"]["bias"], 0.0)
+
+
+def test_muon_nesterov_momentum_two_steps():
+    """Step 2 orthogonalises g2 + mu * (mu * g1 + g2) (momentum m = mu * m + g)."""
+    rng = np.random.default_rng(4)
+    p, g1, g2 = (rng.standard_normal((FS, D)).astype(np.float32) for _ in range(3))
+    opt = optim.make_optimizer("muon", LR, weight_decay=0.0, muon_momentum=MU)
+    tree = lambda x: {"shared": {"wo": x}}
+    got = _run(opt, tree(p), [tree(g1), tree(g2)])["shared"]["wo"]
+    scale = np.sqrt(max(1.0, D / FS))
+    p1 = p - LR * scale * _newton_schulz((1 + MU) * g1)
+    want = p1 - LR * scale * _newton_schulz(g2 + MU * (MU * g1 + g2))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_muon_sharded_matches_unsharded_and_collectives():
