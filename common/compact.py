@@ -14,7 +14,9 @@ first; only that buffer is sorted by local expert, gathered and multiplied:
   group_sizes [2, 1]; token = copy // K = [0, 2, 1, -]
 
 Buffer bound M (static): a token's K copies go to K distinct experts, so at most
-min(K, n_local) of them land here -> worst case T*min(K, n_local) (dropless). A fraction
+min(K, n_local) of them land here -> worst case T*min(K, n_local) (dropless). With the capacity
+rule (cf > 0) at most C_e = ceil(cf*S*K/E) copies per sequence reach one expert, so b sequences
+keep at most b*n_local*C_e copies here: M is the smaller bound. A fraction
 f in (0, 1] of it trades memory/work for drops: copies past slot M are dropped ("overflow",
 earliest tokens win) and counted. Balanced routing needs about T*K/EP rows.
 """
@@ -27,9 +29,15 @@ import jax
 import jax.numpy as jnp
 
 
-def buffer_rows(tokens: int, top_k: int, n_local: int, fraction: float = 0.0) -> int:
-  """Static buffer size M: worst case T*min(K, e), or ceil(fraction * worst) if fraction > 0."""
+def buffer_rows(tokens: int, top_k: int, n_local: int, fraction: float = 0.0, seqs: int = 0,
+                slots: int = 0) -> int:
+  """Static buffer size M: worst case T*min(K, e), or ceil(fraction * worst) if fraction > 0.
+  With the capacity rule (slots = C_e per sequence and expert, `seqs` sequences among the T
+  tokens) at most seqs*e*C_e copies are kept for e local experts: M is at most that, with no
+  extra drop (common/dispatch.capacity, the same bound)."""
   worst = tokens * min(top_k, n_local)
+  if slots > 0:
+    worst = min(worst, seqs * n_local * slots)
   if fraction <= 0:
     return worst
   return max(1, min(worst, math.ceil(fraction * worst)))

@@ -2,7 +2,8 @@
 
 Per strategy: final loss, max |dloss| vs the single-device reference (PASS/FAIL at the parity
 tolerance), collectives per device per step from the compiled HLO (count and bytes by kind), the
-cost model's prediction (common/cost.py via the strategy's `cost`) and measured/predicted, params
+cost model's prediction (common/cost.py via the strategy's `cost`) and measured/predicted, the
+all-to-all bytes over the routed minimum (`routed_bytes`: how much an EP exchange pads), params
 + optimizer-state bytes per device, XLA's argument/temp bytes, step time (CPU-simulated devices
 are marked) and the dropped-assignment fraction. Writes table.json / table.csv / loss.png /
 bytes.png with --report_dir. --compile_only skips running (collectives and memory only).
@@ -104,6 +105,9 @@ def measure(row: dict, job, steps: int, compile_only: bool) -> dict:
   row["memory"] = stats["memory"]
   specs = strat.param_specs(cfg, mesh) if mesh is not None else None
   row.update(cost.param_memory(model.init_params_shapes(cfg), specs, mesh, cfg.optimizer))
+  a2a = stats["collectives"]["all-to-all"]["bytes"]
+  if a2a and mesh is not None:            # EP padding: a2a bytes / the routed copies' bytes
+    row["a2a_routed"] = a2a / routed_bytes(cfg, mesh.size)
   if mesh is not None and hasattr(strat, "cost"):
     pred = cost.totals(strat.cost(cfg, mesh))
     row["predicted"] = {k: pred[k] for k in KINDS}
@@ -124,6 +128,13 @@ def measure(row: dict, job, steps: int, compile_only: bool) -> dict:
   row["step_s"] = statistics.median(times[1:] or times)
   row["dropped_frac"] = dropped / (len(losses) * cfg.batch * cfg.seq_len * cfg.top_k * cfg.n_layers)
   return row
+
+
+def routed_bytes(cfg, n_devices: int) -> float:
+  """The least an EP exchange can move per device per step: each of its T_loc*K routed copies
+  [D] (f32) once per direction (dispatch, combine) and pass (fwd, bwd), every layer."""
+  t_loc = cfg.batch * cfg.seq_len / n_devices
+  return 4 * cfg.n_layers * t_loc * cfg.top_k * cfg.d_model * 4
 
 
 def _fmt_bytes(b) -> str:
@@ -153,7 +164,7 @@ def _ratio(row) -> str:
 
 def render(rows: list[dict], compile_only: bool, simulated: bool) -> str:
   head = ["strategy", "mesh", "final loss", "max dloss", "parity", "collectives/step (count:bytes)",
-          "bytes/dev", "meas/pred", "params+opt/dev", "temp/dev", "step ms" + ("*" if simulated else ""),
+          "bytes/dev", "meas/pred", "a2a/routed", "params+opt/dev", "temp/dev", "step ms" + ("*" if simulated else ""),
           "dropped"]
   if compile_only:
     head = [h for h in head if h not in ("final loss", "max dloss", "parity", "step ms*", "step ms",
@@ -174,6 +185,7 @@ def render(rows: list[dict], compile_only: bool, simulated: bool) -> str:
         "collectives/step (count:bytes)": _collective_cell(r),
         "bytes/dev": _fmt_bytes(sum(v["bytes"] for v in r["collectives"].values())),
         "meas/pred": _ratio(r),
+        "a2a/routed": f"{r['a2a_routed']:.2f}" if "a2a_routed" in r else "-",
         "params+opt/dev": _fmt_bytes(r["param_bytes"] + r["opt_bytes"]),
         "temp/dev": _fmt_bytes(r["memory"]["temp_bytes"]),
         "step ms*": f"{1e3 * r['step_s']:.1f}" if "step_s" in r else "-",
@@ -197,6 +209,7 @@ def write_report(rows, report_dir: str, model_name: str) -> None:
   with open(os.path.join(report_dir, "table.json"), "w") as f:
     json.dump(rows, f, indent=1, default=float)
   fields = ["strategy", "mesh", "final_loss", "max_dloss", "parity", "step_s", "dropped_frac",
+            "a2a_routed",
             "param_bytes", "opt_bytes", "temp_bytes", "compile_s"] + \
            [f"{k}_{x}" for k in KINDS for x in ("count", "bytes", "predicted")]
   with open(os.path.join(report_dir, "table.csv"), "w", newline="") as f:

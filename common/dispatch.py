@@ -43,11 +43,15 @@ Send plan of one device (T local tokens, K copies each, EP shards of L = E/EP ex
   The receiver gets rows [EP_src, C] and the counts [EP_src, L] (a tiny int all_to_all); row c of
   source i belongs to local expert #{l : cumsum(counts[i])[l] <= c} (L = padding).
 
-Buffer bound (a2a): a token picks K distinct experts, so it sends at most min(K, L) copies to one
-shard: C = T * min(K, L) per destination is the exact worst case and nothing is ever dropped by
-the exchange (the `dropped` metric is the capacity rule's count only). Cost: each device sends
-and receives EP*C rows per exchange, EP*min(K,L)/K (<= EP) times the T*K rows a ragged exchange
-moves; the receive buffer, EP*C = T*min(EP*K, E) rows, is the same for both.
+Buffer bound (a2a, `capacity`): nothing is ever dropped by the exchange (the `dropped` metric is
+the capacity rule's count only).
+  dropless (capacity_factor 0): a token picks K distinct experts, so it sends at most min(K, L)
+    copies to one shard: C = T * min(K, L), the exact worst case. Each device sends and receives
+    EP*C rows per exchange, EP*min(K,L)/K (<= EP) times the T*K rows a ragged exchange moves.
+  capacity_factor cf > 0: at most C_e = ceil(cf*S*K/E) copies of one sequence reach one expert,
+    so a device holding b sequences (whole, or parts of them under ep_as_cp) sends at most
+    b*L*C_e to one shard: C = min(T * min(K, L), b*L*C_e), about cf*T*K/EP, and the exchange
+    moves about cf x the routed T*K rows (tiny, expert:8, cf 1: 1/4 of the dropless bytes).
 
 batch_on_expert=True reproduces MaxText #4179's mis-sharding: the buffer's batch dim is sharded
 over the token axes *including* ep_axes. P((.., "expert"), "expert") is inexpressible here (JAX
@@ -66,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from common import buffers, moe
+from common import buffers, moe, routing
 from common.config import ConfigError
 
 METHODS = ("a2a", "ragged")
@@ -112,9 +116,20 @@ def dispatch_spec(token_axes, ep_axes, batch_on_expert: bool = False) -> P:
   return P(_entry(tuple(a for a in token_axes if a not in ep_axes)), _entry(ep_axes), None, None)
 
 
-def capacity(t_local: int, top_k: int, n_local: int) -> int:
-  """Exact worst case of copies one device sends to one EP shard."""
-  return t_local * min(top_k, n_local)
+def capacity(t_local: int, top_k: int, n_local: int, seqs: int = 0, slots: int = 0) -> int:
+  """C, the rows one device sends to one EP shard of n_local experts, at most.
+  Dropless (slots = 0): T*min(K, L), the exact worst case (a token's K copies go to K distinct
+  experts). With the capacity rule, at most `slots` = C_e = ceil(cf*S*K/E) copies of a sequence
+  reach one expert, so a device holding (parts of) `seqs` sequences sends at most seqs*L*C_e
+  copies to one shard: C is the smaller of the two. Neither bound ever drops a kept copy."""
+  worst = t_local * min(top_k, n_local)
+  return min(worst, seqs * n_local * slots) if slots > 0 else worst
+
+
+def send_rows(cfg, b_loc: int, s_loc: int, ep: int) -> int:
+  """C for a device holding [b_loc, s_loc] tokens (b_loc sequences, whole or in part)."""
+  return capacity(b_loc * s_loc, cfg.top_k, cfg.n_experts // ep, seqs=b_loc,
+                  slots=routing.capacity(cfg, cfg.seq_len))
 
 
 # ----------------------------------------------------------------------------- index helpers
@@ -180,17 +195,18 @@ def _psum(tree, axes):
 
 
 def send(xt, experts, keep, *, n_experts, ep_axes, ep, method="a2a", exchange=True,
-         ragged_fn=None):
+         ragged_fn=None, rows=None):
   """Shard_map body: local tokens xt [T, D] with their experts / keep [T, K] -> the experts'
   rows. Returns (buf, ids, meta):
     a2a      buf [EP_src, 1, C, D]: row c of source i (ids: its local expert, L = padding)
     no exch. buf [1, EP_dst, C, D]: this device's own send buffer (ids: global expert, E = pad)
     ragged   buf [1, 1, EP*C, D]: rows of source 0, 1, .. back to back, each run by expert
-  meta: what `receive` needs to bring the rows back."""
+  meta: what `receive` needs to bring the rows back. rows: C (default: the dropless worst case;
+  it must bound the kept copies this device sends to one shard)."""
   t, d = xt.shape
   k, n_local = experts.shape[1], n_experts // ep
   plan = make_plan(experts, keep, n_experts, ep)
-  c = capacity(t, k, n_local)
+  c = capacity(t, k, n_local) if rows is None else rows
   meta = {"dst": plan.dst, "slot": plan.slot, "pos": plan.pos}
   if method == "ragged":
     rows = jnp.repeat(xt, k, axis=0)                                     # [T*K, D] copy order
@@ -237,7 +253,7 @@ def _dispatch_body(p, x, positions, *, cfg, ep_axes, ep, token_axes, method, exc
   r, keep, stats = moe.route_tokens(p, x, positions, cfg, experts_all=gather_sequence)
   buf, ids, meta = send(x.reshape(b * s, d), r.experts, keep, n_experts=cfg.n_experts,
                         ep_axes=ep_axes, ep=ep, method=method, exchange=exchange,
-                        ragged_fn=ragged_fn)
+                        ragged_fn=ragged_fn, rows=send_rows(cfg, b, s, ep))
   meta["weights"] = r.weights                                            # [T, K], 0 if dropped
   return buf, ids, meta, _psum(stats, token_axes)
 

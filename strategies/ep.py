@@ -16,11 +16,14 @@ Mesh axes: (data, fsdp, expert)   (MaxText's default "EP as FSDP/DP": every axis
 |   and combine buffer                     |   on (data, fsdp) only, expert dim on expert (#4179) |
 
 MoE (common/dispatch.py): route the local tokens, pack their K copies into a send buffer
-[EP, C, D] with C = T_loc*min(K, E/EP) (the exact worst case: dropless, nothing padded away),
-all_to_all over expert, sort the received rows by local expert, SwiGLU gmm on the local experts,
+[EP, C, D], all_to_all over expert, sort the received rows by local expert, SwiGLU gmm on the local experts,
 all_to_all back, combine. cfg.dispatch: "a2a" (that; any backend), "ragged" (ragged_all_to_all:
 moves only the routed rows, GPU/TPU only), "auto" (ragged on GPU/TPU, a2a on CPU). The padded
-a2a moves EP*min(K,L)/K (<= EP) times the ragged bytes.
+a2a moves EP*min(K,L)/K (<= EP) times the ragged bytes. C, rows per destination shard:
+  capacity_factor 0 (dropless): T_loc*min(K, L), the exact worst case (tiny, EP 8: 4x the routed
+    T_loc*K/EP; DeepSeek-V3 shape, EP 64: 32x)
+  capacity_factor cf > 0: min(T_loc*min(K, L), b_loc*L*C_e), C_e = ceil(cf*S*K/E) slots per
+    sequence and expert (the capacity rule already drops past them): about cf*T_loc*K/EP
 
 Collectives per layer (d/f/e = data/fsdp/expert; C as above; L = E/EP):
   forward : 1. all-gather over f of attn wq/wk/wv/wo, router, shared wi_0/wi_1/wo  (fsdp_use)
@@ -141,8 +144,9 @@ def activation_shardings(cfg, mesh):
           ("dispatch buffer [N_src, EP, C, D]", f"{t.shape} @ {t.sharding.spec}")]
 
 
-def cost(cfg, mesh, token_axes=TOKENS):
-  """Per-device collective bytes per step (see the docstring's schedule)."""
+def cost(cfg, mesh, token_axes=TOKENS, batch_axes=TOKENS):
+  """Per-device collective bytes per step (see the docstring's schedule). batch_axes: the axes
+  splitting B (ep_as_cp: (data, fsdp); the rest of token_axes split S)."""
   f, e = mesh_lib.axis_size(mesh, FSDP), mesh_lib.axis_size(mesh, EXPERT)
   d, n = mesh_lib.axis_size(mesh, DATA), mesh_lib.axis_size(mesh, *token_axes)
   flag = cfg.dispatch_batch_on_expert
@@ -173,8 +177,8 @@ def cost(cfg, mesh, token_axes=TOKENS):
   terms.append(T("all-reduce", "opt", "grad-norm partial sums", 4 * (len(mats) + len(expert)), n))
   terms += layouts.stats_cost(cfg, mesh, token_axes)
   if not flag and e > 1:
-    t_loc = cfg.batch * cfg.seq_len // n
-    c = dispatch.capacity(t_loc, cfg.top_k, cfg.n_experts // e)
+    b_loc = cfg.batch // mesh_lib.axis_size(mesh, *batch_axes)
+    c = dispatch.send_rows(cfg, b_loc, cfg.batch * cfg.seq_len // n // b_loc, e)
     buf = e * c * cfg.d_model * cost_lib.F32                     # [EP, C, D]
     terms += [T("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, L] (int32)",
                 cfg.n_layers * (2 * buf + cfg.n_experts * 4), e),

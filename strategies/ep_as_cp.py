@@ -24,7 +24,8 @@ rule needs whole sequences: the expert ids and positions (ints) are all-gathered
 Because S is split over expert, the global batch only needs to divide by data*fsdp: batch 2 on
 fsdp:2,expert:4 gives each device a quarter of one sequence (a fractional per-device batch).
 
-Collectives per layer (d/f/e = data/fsdp/expert; kv = B_loc*S*KV*Dh*4; C = T_loc*min(K, E/EP))
+Collectives per layer (d/f/e = data/fsdp/expert; kv = B_loc*S*KV*Dh*4; C as in ep.py, b_loc the
+sequences a device holds parts of)
   forward : 1. all-gather over f of the weight matrices and experts (as ep.py)
             2. all-gather over e of K and V (2 x kv)                          [critical path]
             3. "dispatch_a2a" / "combine_a2a": all-to-all over e of the counts and of
@@ -130,4 +131,5 @@ def activation_shardings(cfg, mesh):
 
 
 def cost(cfg, mesh):
-  return ep.cost(cfg, mesh, token_axes=TOKENS) + layouts.cp_kv_cost(cfg, mesh, CP, BATCH)
+  return (ep.cost(cfg, mesh, token_axes=TOKENS, batch_axes=BATCH)
+          + layouts.cp_kv_cost(cfg, mesh, CP, BATCH))

@@ -38,7 +38,9 @@ The prefix sum is O(T*K) int work; the sort, the row gathers, the gmm and the sc
 O(M), where MaxText #3600 sorts and permutes all T*K gathered copies. M = T*min(K, e) (worst
 case, dropless, default) or ceil(ep_tp_capacity * T*min(K, e)) (balanced routing needs
 T*K/EP); copies past slot M are dropped (earliest tokens win) and counted into `dropped`, which
-is otherwise the reference's capacity-rule count (0 extra with the worst-case bound).
+is otherwise the reference's capacity-rule count (0 extra with the worst-case bound). With
+capacity_factor cf > 0 the worst case itself shrinks to b*e*C_e (b sequences of the data shard,
+C_e = ceil(cf*S*K/E) slots per sequence and expert), about cf*T*K/EP rows, with no extra drop.
 
 Collectives per layer ([T, D] = one data shard's activations, f32; named scopes in quotes)
   forward : 1. "seq_ag": all-gather over expert of the normed h before q/k/v: [T/EP, D] -> [T, D]
@@ -80,7 +82,7 @@ from jax.sharding import PartitionSpec as P
 from common import buffers, compact
 from common import cost as cost_lib
 from common import mesh as mesh_lib
-from common import model, moe
+from common import model, moe, routing
 from common.config import ConfigError
 from common.sharding import gather_weight, reduce_scatter
 
@@ -130,9 +132,10 @@ def batch_spec(cfg, mesh):
 
 def buffer_rows(cfg, mesh) -> int:
   """M, the per-device row budget of the compacted MoE buffer."""
-  tokens = cfg.batch // mesh.shape["data"] * cfg.seq_len
+  seqs = cfg.batch // mesh.shape["data"]                              # gathered: whole sequences
   n_local = cfg.n_experts // mesh.shape["expert"]
-  return compact.buffer_rows(tokens, cfg.top_k, n_local, cfg.ep_tp_capacity)
+  return compact.buffer_rows(seqs * cfg.seq_len, cfg.top_k, n_local, cfg.ep_tp_capacity,
+                             seqs=seqs, slots=routing.capacity(cfg, cfg.seq_len))
 
 
 def moe_local_experts(p, x, positions, cfg, n_local: int, rows: int):

@@ -26,7 +26,8 @@ cfg.expert_fsdp_mode (--expert_fsdp_mode), T = B*S/N local tokens:
   "gather" (MaxText): all-gather the experts over fsdp at the MoE input -> [E@expert, D, F];
      fsdp is data parallelism for the MoE, tokens move over expert only (all_to_all, as ep.py);
      expert grads reduce-scatter back over fsdp. Per layer 3*E/EP*D*F*4 B gathered (fwd) and
-     3*E/N*D*F*4 B scattered (bwd); token buffers [EP, C, D], C = T*min(K, E/EP).
+     3*E/N*D*F*4 B scattered (bwd); token buffers [EP, C, D], C as in ep.py
+     (T*min(K, E/EP) dropless; about cf*T*K/EP with capacity factor cf).
   "ep": fsdp x expert is one EP group of N (common/dispatch.py over (expert, fsdp)): experts
      never move, no weight collective and no expert-grad reduction at all. Tokens: each routed
      copy still goes to exactly one device (a ragged exchange moves the same T*K rows; (N-1)/N
@@ -167,8 +168,7 @@ def cost(cfg, mesh):
     terms += [T("all-gather", "fwd", "experts over fsdp", experts / e, f),
               T("reduce-scatter", "bwd", "expert grads over fsdp", experts / n, f)]
   if ep > 1:
-    t_loc = cfg.batch * cfg.seq_len // n
-    c = dispatch.capacity(t_loc, cfg.top_k, cfg.n_experts // ep)
+    c = dispatch.send_rows(cfg, cfg.batch // n, cfg.seq_len, ep)     # batch over every axis
     per_layer = 4 * ep * c * cfg.d_model * cost_lib.F32 + cfg.n_experts * 4   # + counts [EP, L]
     terms.append(T("all-to-all", "fwd+bwd", "dispatch/combine [EP, C, D] x4, counts",
                    cfg.n_layers * per_layer, ep))

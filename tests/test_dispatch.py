@@ -125,6 +125,25 @@ def test_three_shards_with_a_dropped_copy():
   np.testing.assert_array_equal(back_ragged, want)
 
 
+def test_capacity_factor_bound_hand_worked():
+  """E 8 over EP 4 (L 2), K 2, one sequence of S 8 on this device, capacity factor 1:
+  C_e = ceil(1*8*2/8) = 2 slots per expert, so C = b*L*C_e = 1*2*2 = 4 rows per shard, where the
+  dropless worst case T*min(K, L) = 16 is 4x larger. Every token picks experts 0 and 1 (both on
+  shard 0): the capacity rule keeps 2 copies each, and shard 0 receives exactly the bound."""
+  from common import routing
+  from common.config import get_config
+  cfg = get_config("tiny", n_experts=8, top_k=2, seq_len=8, capacity_factor=1.0)
+  c = dispatch.send_rows(cfg, 1, 8, 4)
+  assert c == 4 and dispatch.capacity(8, 2, 2) == 16
+  experts = jnp.array([[0, 1]] * 8)
+  keep = routing.capacity_keep(experts[None], jnp.arange(8)[None], 2, 8).reshape(8, 2)
+  np.testing.assert_array_equal(keep, [[True, True]] * 2 + [[False, False]] * 6)
+  plan = dispatch.make_plan(experts, keep, 8, 4)
+  np.testing.assert_array_equal(plan.counts, [[2, 2], [0, 0], [0, 0], [0, 0]])
+  send = dispatch.pack(jnp.arange(10., 18.)[:, None], plan, 2, c)       # token t has value 10+t
+  np.testing.assert_array_equal(send[..., 0], [[10, 11, 10, 11]] + [[0] * 4] * 3)  # full: = C
+
+
 @pytest.mark.parametrize("method", [A2A, "ragged"])
 def test_round_trip_never_reads_padding(method):
   """Every padded buffer starts as NaN (common/buffers.py): the padding is really there (NaN in

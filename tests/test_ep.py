@@ -65,6 +65,21 @@ def test_cost_model_within_10_percent(model, mesh):
   assert table[A2A]["predicted"] == table[A2A]["measured"]
 
 
+def test_capacity_factor_sizes_the_exchange():
+  """capacity_factor 1.0 on tiny, expert:8: C = b_loc*L*C_e = 1*1*8 = 8 rows per shard instead of
+  the dropless T_loc*min(K, L) = 32, so the all-to-alls move <= 30% of the dropless bytes; parity
+  (dropped counts included) holds and the cost model is still exact."""
+  cfg = get_config("tiny", capacity_factor=1.0)
+  got = parity.check("ep", cfg, "expert:8")
+  assert any(r["dropped"] > 0 for r in got)                        # the capacity rule bites
+  a2a = lambda c: hlo.collective_stats(parity.job("ep", c, "expert:8").compiled.as_text())[A2A]
+  capped, dropless = a2a(cfg), a2a(_cfg("tiny"))
+  assert capped["count"] == dropless["count"] == 5 * cfg.n_layers
+  assert capped["bytes"] <= 0.3 * dropless["bytes"], (capped, dropless)
+  table = parity.assert_cost_model("ep", cfg, "expert:8")
+  assert table[A2A]["predicted"] == table[A2A]["measured"]
+
+
 # ----------------------------------------------------------------------------- MaxText #4179
 @pytest.mark.parametrize("mesh", ["expert:8", "data:2,expert:4", "fsdp:2,expert:4"])
 def test_dispatch_buffer_batch_does_not_steal_expert(mesh):

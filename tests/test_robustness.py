@@ -29,7 +29,7 @@ def dead_expert_init(cfg):
 
 CASES = [("ep", dict(capacity_factor=1.0), "data:2,expert:4"),
          ("ep_as_cp", dict(context_sharding="expert"), "fsdp:2,expert:4"),
-         ("shard_exp_on_fsdp", {}, "fsdp:2,expert:4"),
+         ("shard_exp_on_fsdp", dict(expert_fsdp_mode="ep", capacity_factor=1.0), "fsdp:2,expert:4"),
          ("ep_tp", dict(capacity_factor=1.0), "data:4,expert:2")]
 
 
