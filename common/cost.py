@@ -83,16 +83,16 @@ def param_memory(param_shapes, specs, mesh, optimizer: str) -> dict[str, float]:
   device, everything whole).
 
   AdamW keeps 2 f32 moments per param; Muon keeps 1 momentum for its matrices and AdamW's 2
-  moments for the rest (common.optim.muon_kind decides)."""
+  moments for the rest (the roles in common.optim.MUON_ROLES)."""
   from common import optim
-  flat = jax.tree_util.tree_flatten_with_path(param_shapes)[0]
+  flat = jax.tree.leaves(param_shapes, is_leaf=lambda l: hasattr(l, "role"))
   flat_specs = ([None] * len(flat) if mesh is None else
                 jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
   params = opt = 0.0
-  for (path, leaf), spec in zip(flat, flat_specs):
+  for leaf, spec in zip(flat, flat_specs):
     b = nbytes(leaf.shape) / (1 if mesh is None else spec_shards(spec, mesh))
     params += b
-    if optimizer == "muon" and optim.muon_kind(path) is not None:
+    if optimizer == "muon" and leaf.role in optim.MUON_ROLES:
       opt += b
     else:
       opt += 2 * b

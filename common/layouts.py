@@ -26,34 +26,10 @@ from common import model, moe
 from common.config import ConfigError
 from common.sharding import gather_weight
 
-# (parent, leaf name) -> the D dim of that weight; parent None = any parent.
-_D_DIM = {(None, "embed"): 1, (None, "unembed"): 0, (None, "router"): 0,
-          ("attn", "wq"): 0, ("attn", "wk"): 0, ("attn", "wv"): 0, ("attn", "wo"): 2,
-          ("moe", "wi_0"): 1, ("moe", "wi_1"): 1, ("moe", "wo"): 2,
-          ("shared", "wi_0"): 0, ("shared", "wi_1"): 0, ("shared", "wo"): 1}
-
-
-def _names(path) -> list[str]:
-  return [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-
-
-def fsdp_dim(path) -> int | None:
-  """The dim of a param (given its pytree path) sharded by FSDP; None = replicated."""
-  names = _names(path)
-  leaf, parent = names[-1], (names[-2] if len(names) > 1 else None)
-  return _D_DIM.get((parent, leaf), _D_DIM.get((None, leaf)))
-
-
-def fsdp_param_specs(cfg, fsdp_axes) -> dict:
-  """Every matrix sharded on its D dim over `fsdp_axes` (str or tuple); norms and bias replicated."""
-  def spec(path, leaf):
-    d = fsdp_dim(path)
-    if d is None:
-      return P()
-    entries = [None] * len(leaf.shape)
-    entries[d] = fsdp_axes
-    return P(*entries)
-  return jax.tree_util.tree_map_with_path(spec, model.init_params_shapes(cfg))
+def fsdp_table(fsdp_axes) -> dict:
+  """role -> PartitionSpec: every matrix on its model dim D (common.model.D_DIM) over
+  `fsdp_axes` (str or tuple); norms and the router bias are left out, i.e. replicated."""
+  return {role: P(*(None,) * d, fsdp_axes) for role, d in model.D_DIM.items()}
 
 
 def check_fsdp(cfg, mesh, fsdp_axes) -> None:
@@ -61,9 +37,9 @@ def check_fsdp(cfg, mesh, fsdp_axes) -> None:
 
 
 def fsdp_use(grad_axes):
-  """Layout.use: all-gather the weight (backward: reduce-scatter over the gathered axes, all-reduce
-  over the other grad axes — see common.sharding.gather_weight)."""
-  return lambda path, w: gather_weight(w, P(), grad_axes) if w.ndim > 1 else w
+  """Layout.use: all-gather a D-sharded weight (backward: reduce-scatter over the gathered axes,
+  all-reduce over the other grad axes — see common.sharding.gather_weight); norms pass."""
+  return lambda role, w: gather_weight(w, P(), grad_axes) if role in model.D_DIM else w
 
 
 def moe_all_local(cfg, x_spec: P, grad_axes, cp_axis: str | None = None):
@@ -126,8 +102,6 @@ def _axes(a) -> tuple[str, ...]:
   return (a,) if isinstance(a, str) else tuple(a)
 
 
-def _leaves(cfg):
-  return jax.tree_util.tree_flatten_with_path(model.init_params_shapes(cfg))[0]
 
 
 def stats_cost(cfg, mesh, token_axes) -> list[cost_lib.Term]:
@@ -142,7 +116,7 @@ def stats_cost(cfg, mesh, token_axes) -> list[cost_lib.Term]:
 
 
 def fsdp_cost(cfg, mesh, fsdp_axes, grad_axes) -> list[cost_lib.Term]:
-  """FSDP weight traffic of fsdp_param_specs + gather_weight, per device per step:
+  """FSDP weight traffic of fsdp_table + gather_weight, per device per step:
   all-gather of every matrix (fwd; the bwd reuses it), reduce-scatter of its gradient over
   fsdp_axes, an all-reduce of the scattered (1/f) gradient over the other grad axes
   (gather_weight scatters first), norm-scale gradients and statistics all-reduced over all grad axes,
@@ -151,8 +125,9 @@ def fsdp_cost(cfg, mesh, fsdp_axes, grad_axes) -> list[cost_lib.Term]:
   f = mesh_lib.axis_size(mesh, *fsdp_axes)
   rest = tuple(a for a in grad_axes if a not in fsdp_axes)
   r, n = mesh_lib.axis_size(mesh, *rest), mesh_lib.axis_size(mesh, *grad_axes)
-  mats = [cost_lib.nbytes(l.shape) for p, l in _leaves(cfg) if fsdp_dim(p) is not None]
-  norms = sum(cost_lib.nbytes(l.shape) for p, l in _leaves(cfg) if _names(p)[-1].endswith("norm"))
+  leaves = model.param_leaves(cfg)
+  mats = [cost_lib.nbytes(l.shape) for l in leaves if l.role in model.D_DIM]
+  norms = sum(cost_lib.nbytes(l.shape) for l in leaves if l.role in model.NORMS)
   terms = []
   if f > 1:
     terms += [cost_lib.Term("all-gather", "fwd", f"weights over {fsdp_axes}", sum(mats), f),

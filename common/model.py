@@ -1,7 +1,7 @@
 """Decoder-only MoE transformer: init, forward, loss. Shared by the reference and every strategy.
 
-  tokens [B, S] -> embed -> L x [RMSNorm -> causal GQA attention (RoPE) -> +res
-                                 -> RMSNorm -> MoE FFN (+ shared expert) -> +res]
+  tokens [B, S] -> embed -> scan over L x block [RMSNorm -> causal GQA attention (RoPE) -> +res
+                                              -> RMSNorm -> MoE FFN (+ shared expert) -> +res]
          -> RMSNorm -> unembed -> next-token cross-entropy (+ aux losses)
 
 A strategy does not rewrite the model. It hands `forward` a `Layout`:
@@ -9,7 +9,8 @@ A strategy does not rewrite the model. It hands `forward` a `Layout`:
          e.g. the row-parallel attention output under TP)
   kv     sharding K/V [B, T, KV, Dh] and kv_pos [B, T] are resharded to before attention (CP
          all-gathers them over the context axis here; dK/dV come back reduce-scattered)
-  use    (path, w) -> w, applied to every non-routed weight right before its use (FSDP all-gather)
+  use    (role, w) -> w, applied to every non-routed weight right before its use (FSDP all-gather);
+         role: its entry in ROLES (w is one layer's slice inside the layer scan)
   moe    (p_moe, x [B, S, D], positions [B, S]) -> (y, stats): the routed MoE, where the strategy
          places its shard_map and token exchange. stats are GLOBAL sums (see routing.router_stats).
   gather_in / scatter_out / row_out: sequence parallelism (Megatron-SP, ep_tp).
@@ -31,6 +32,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from common import moe as moe_lib
 from common import routing
@@ -38,8 +40,8 @@ from common import sharding
 from common.config import Config
 
 
-def _identity_use(path: str, w):
-  del path
+def _identity_use(role: str, w):
+  del role
   return w
 
 
@@ -64,62 +66,113 @@ class Layout:
     return self.x if self.row_out is None else self.row_out
 
 
-# ----------------------------------------------------------------------------- init
+# ----------------------------------------------------------------------------- parameters
+# Every parameter's role, declared once below next to its shape. Strategies lay parameters out by
+# role (a role -> PartitionSpec table, `param_specs`); the optimizer, weight decay and the cost
+# models read roles too. Per-layer roles are stacked: [L, ...], scanned by `forward`.
+LAYER_ROLES = ("attn_norm", "attn_q", "attn_kv", "attn_o", "mlp_norm", "router", "bias",
+               "expert_in", "expert_out", "shared_in", "shared_out")
+ROLES = ("embed", "final_norm", "unembed") + LAYER_ROLES
+NORMS = ("attn_norm", "mlp_norm", "final_norm")                     # [D] scales
+EXPERTS = ("expert_in", "expert_out")                               # [E, D, F] / [E, F, D]
+D_DIM = {"embed": 1, "unembed": 0, "router": 0, "attn_q": 0, "attn_kv": 0, "attn_o": 2,
+         "expert_in": 1, "expert_out": 2, "shared_in": 0, "shared_out": 1}   # the model dim D
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeLeaf:
+  """A parameter's declaration: full shape ([L, ...] for a layer role) and role."""
+  shape: tuple
+  role: str
+
+
 def _param_tree(cfg: Config, leaf) -> dict:
-  """The param pytree; leaf(shape, fan_in) makes a normal(0, 1/fan_in) leaf, fan_in=0 -> ones,
-  fan_in=-1 -> zeros."""
+  """The param pytree of one layer's / the model's leaves: leaf(shape, fan_in, role) makes a
+  normal(0, 1/fan_in) leaf, fan_in=0 -> ones, fan_in=-1 -> zeros."""
   d, h, kv, dh, e, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                            cfg.n_experts, cfg.d_ff, cfg.vocab)
-  layers = []
-  for _ in range(cfg.n_layers):
-    layer = {
-        "attn_norm": leaf((d,), 0),
-        "attn": {"wq": leaf((d, h, dh), d), "wk": leaf((d, kv, dh), d),
-                 "wv": leaf((d, kv, dh), d), "wo": leaf((h, dh, d), h * dh)},
-        "mlp_norm": leaf((d,), 0),
-        "moe": {"router": leaf((d, e), d), "bias": leaf((e,), -1),
-                "wi_0": leaf((e, d, f), d), "wi_1": leaf((e, d, f), d), "wo": leaf((e, f, d), f)},
-    }
+
+  def layer():
+    out = {
+        "attn_norm": leaf((d,), 0, "attn_norm"),
+        "attn": {"wq": leaf((d, h, dh), d, "attn_q"), "wk": leaf((d, kv, dh), d, "attn_kv"),
+                 "wv": leaf((d, kv, dh), d, "attn_kv"), "wo": leaf((h, dh, d), h * dh, "attn_o")},
+        "mlp_norm": leaf((d,), 0, "mlp_norm"),
+        "moe": {"router": leaf((d, e), d, "router"), "bias": leaf((e,), -1, "bias"),
+                "wi_0": leaf((e, d, f), d, "expert_in"), "wi_1": leaf((e, d, f), d, "expert_in"),
+                "wo": leaf((e, f, d), f, "expert_out")}}
     if cfg.n_shared_experts:
       fs = cfg.shared_d_ff
-      layer["shared"] = {"wi_0": leaf((d, fs), d), "wi_1": leaf((d, fs), d), "wo": leaf((fs, d), fs)}
-    layers.append(layer)
-  return {"embed": leaf((v, d), 1), "layers": layers, "final_norm": leaf((d,), 0),
-          "unembed": leaf((d, v), d)}
+      out["shared"] = {"wi_0": leaf((d, fs), d, "shared_in"), "wi_1": leaf((d, fs), d, "shared_in"),
+                       "wo": leaf((fs, d), fs, "shared_out")}
+    return out
+
+  embed = leaf((v, d), 1, "embed")
+  layers = [layer() for _ in range(cfg.n_layers)]                   # drawn layer by layer
+  return {"embed": embed, "layers": layers, "final_norm": leaf((d,), 0, "final_norm"),
+          "unembed": leaf((d, v), d, "unembed")}
+
+
+def _stack(tree: dict, stack) -> dict:
+  return {**tree, "layers": jax.tree.map(lambda *ls: stack(ls), *tree["layers"],
+                                         is_leaf=lambda l: isinstance(l, ShapeLeaf))}
 
 
 def init_params(cfg: Config, seed: int | None = None) -> dict:
   """Deterministic numpy float32 init: the same values whatever strategy asks."""
   rng = np.random.default_rng(cfg.seed if seed is None else seed)
 
-  def leaf(shape, fan_in):
+  def leaf(shape, fan_in, role):
+    del role
     if fan_in == 0:
       return np.ones(shape, np.float32)
     if fan_in == -1:
       return np.zeros(shape, np.float32)
     return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
-  return _param_tree(cfg, leaf)
+  return _stack(_param_tree(cfg, leaf), np.stack)
 
 
 def init_params_shapes(cfg: Config) -> dict:
-  """The param pytree with shape tuples as leaves (for building spec trees)."""
-  return _param_tree(cfg, lambda shape, fan_in: ShapeLeaf(shape))
+  """The param pytree with ShapeLeaf(shape, role) leaves (for spec trees and cost models)."""
+  return _stack(_param_tree(cfg, lambda shape, fan_in, role: ShapeLeaf(shape, role)),
+                lambda ls: ShapeLeaf((len(ls),) + ls[0].shape, ls[0].role))
 
 
-@dataclasses.dataclass(frozen=True)
-class ShapeLeaf:
-  """A pytree leaf holding a parameter's shape."""
-  shape: tuple
+def layer_params(params: dict, i: int) -> dict:
+  """Layer i's params: one slice of the stacked [L, ...] leaves."""
+  return jax.tree.map(lambda a: a[i], params["layers"])
+
+
+def param_leaves(cfg: Config) -> list:
+  """The ShapeLeaf(shape, role) of every parameter, in pytree order."""
+  return jax.tree.leaves(init_params_shapes(cfg), is_leaf=lambda l: isinstance(l, ShapeLeaf))
+
+
+def param_roles(cfg: Config) -> dict:
+  """The param pytree with role strings as leaves."""
+  return jax.tree.map(lambda l: l.role, init_params_shapes(cfg),
+                      is_leaf=lambda l: isinstance(l, ShapeLeaf))
+
+
+def param_specs(cfg: Config, table: dict) -> dict:
+  """A strategy's role -> PartitionSpec table (one layer's array; roles it omits are replicated)
+  -> the spec pytree of the params; layer roles get the leading [L] dim, never sharded."""
+  def spec(leaf):
+    p = table.get(leaf.role, P())
+    return P(None, *p) if leaf.role in LAYER_ROLES else p
+  return jax.tree.map(spec, init_params_shapes(cfg), is_leaf=lambda l: isinstance(l, ShapeLeaf))
 
 
 def abstract_params(cfg: Config, specs, mesh) -> dict:
   """ShapeDtypeStructs with shardings, for compile-only studies of large configs."""
+  shapes = init_params_shapes(cfg)
+  is_leaf = lambda l: isinstance(l, ShapeLeaf)
   if mesh is None:
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), init_params_shapes(cfg))
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), shapes, is_leaf=is_leaf)
   return jax.tree.map(
       lambda s, p: jax.ShapeDtypeStruct(s.shape, jnp.float32,
                                         sharding=jax.sharding.NamedSharding(mesh, p)),
-      init_params_shapes(cfg), specs)
+      shapes, specs, is_leaf=is_leaf)
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -148,9 +201,10 @@ def _gather_kv(a, spec):
                                                if x not in sharding.spec_axes(spec, 1)))
 
 
-def attention(p, x, positions, cfg: Config, lay: Layout, path: str):
+def attention(p, x, positions, cfg: Config, lay: Layout):
   """Causal GQA attention. x [B, S, D] -> [B, S, D]."""
-  wq, wk, wv, wo = (lay.use(f"{path}/{n}", p[n]) for n in ("wq", "wk", "wv", "wo"))
+  wq, wk, wv, wo = (lay.use(r, p[n]) for n, r in (("wq", "attn_q"), ("wk", "attn_kv"),
+                                                   ("wv", "attn_kv"), ("wo", "attn_o")))
   kv, g, dh = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
   # H = KV x G viewed on the weights, never on activations: a reshape of [B, S, H, Dh] would
   # drop the batch dim's sharding when B is 1 per shard (jax >= 0.11)
@@ -170,29 +224,32 @@ def attention(p, x, positions, cfg: Config, lay: Layout, path: str):
   return jnp.einsum("bskgh,kghd->bsd", o, wo, out_sharding=lay.row)            # [B, S, D]
 
 
-def shared_expert(p, x, lay: Layout, path: str):
+def shared_expert(p, x, lay: Layout):
   """Dense SwiGLU shared expert. x [B, S, D] -> [B, S, D]."""
-  w0, w1, wo = (lay.use(f"{path}/{n}", p[n]) for n in ("wi_0", "wi_1", "wo"))
+  w0, w1, wo = (lay.use(r, p[n]) for n, r in (("wi_0", "shared_in"), ("wi_1", "shared_in"),
+                                               ("wo", "shared_out")))
   h = jax.nn.silu(jnp.einsum("bsd,df->bsf", x, w0)) * jnp.einsum("bsd,df->bsf", x, w1)  # [B, S, Fs]
   return jnp.einsum("bsf,fd->bsd", h, wo, out_sharding=lay.row)
 
 
+def block(x, lp, positions, cfg: Config, lay: Layout):
+  """One decoder layer. x [B, S, D], lp: one layer's params -> (x [B, S, D], its router stats)."""
+  h = lay.gather_in(rms_norm(x, lay.use("attn_norm", lp["attn_norm"]), cfg.norm_eps))
+  x = x + lay.scatter_out(attention(lp["attn"], h, positions, cfg, lay))
+  h = lay.gather_in(rms_norm(x, lay.use("mlp_norm", lp["mlp_norm"]), cfg.norm_eps))
+  y, stats = lay.moe(lp["moe"], h, positions)
+  if "shared" in lp:
+    y = y + shared_expert(lp["shared"], h, lay)
+  return x + lay.scatter_out(y), stats
+
+
 def forward(params, batch, cfg: Config, lay: Layout):
-  """-> (logits [B, S, V], per-layer stats list)."""
+  """-> (logits [B, S, V], router stats {name: [L, ...]}). The layers are one `block` scanned
+  over the stacked [L, ...] layer params: compile time does not grow with depth."""
   tokens, positions = batch["tokens"], batch["positions"]
   embed = lay.use("embed", params["embed"])
   x = embed.at[tokens].get(out_sharding=lay.x)                                 # [B, S, D]
-  stats = []
-  for i, lp in enumerate(params["layers"]):
-    path = f"layers/{i}"
-    h = lay.gather_in(rms_norm(x, lay.use(f"{path}/attn_norm", lp["attn_norm"]), cfg.norm_eps))
-    x = x + lay.scatter_out(attention(lp["attn"], h, positions, cfg, lay, f"{path}/attn"))
-    h = lay.gather_in(rms_norm(x, lay.use(f"{path}/mlp_norm", lp["mlp_norm"]), cfg.norm_eps))
-    y, st = lay.moe(lp["moe"], h, positions)
-    if "shared" in lp:
-      y = y + shared_expert(lp["shared"], h, lay, f"{path}/shared")
-    x = x + lay.scatter_out(y)
-    stats.append(st)
+  x, stats = jax.lax.scan(lambda x, lp: block(x, lp, positions, cfg, lay), x, params["layers"])
   x = rms_norm(x, lay.use("final_norm", params["final_norm"]), cfg.norm_eps)
   logits = jnp.einsum("bsd,dv->bsv", x, lay.use("unembed", params["unembed"]))  # [B, S, V]
   return logits, stats
@@ -205,14 +262,11 @@ def loss_fn(params, batch, cfg: Config, lay: Layout):
   tgt = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
   ce = jnp.mean(jax.nn.logsumexp(logits, axis=-1) - tgt)
   n_tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
-  aux = z = jnp.zeros((), jnp.float32)
-  for st in stats:
-    a, zz = routing.aux_losses(st, n_tokens, cfg.n_experts)
-    aux, z = aux + a, z + zz
+  aux, z = routing.aux_losses(stats, n_tokens, cfg.n_experts)                  # [L] each
+  aux, z = jnp.sum(aux), jnp.sum(z)
   loss = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
   metrics = {"loss": loss, "ce_loss": ce, "aux_loss": aux, "z_loss": z,
-             "dropped": sum(st["dropped"] for st in stats),
-             "counts": jnp.stack([st["counts"] for st in stats])}              # [L, E]
+             "dropped": jnp.sum(stats["dropped"]), "counts": stats["counts"]}  # counts [L, E]
   return loss, metrics
 
 

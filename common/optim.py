@@ -1,12 +1,12 @@
 """AdamW and Muon over the model's parameter pytree, built from optax.
 
-Leaf roles (by path; see `muon_kind` and `muon_dims`):
+Leaf roles (common.model.ROLES, declared once with each parameter; see `muon_dims`):
 
-* ``moe/bias`` (aux-loss-free routing bias) is frozen: its optimizer update is
+* "bias" (aux-loss-free routing bias) is frozen: its optimizer update is
   exactly zero and it gets no weight decay. The train step updates it itself.
 * Weight decay (decoupled, AdamW style: ``p -= lr * wd * p``) applies to every
-  leaf with ndim >= 2: embed, unembed, router, attention, expert and shared
-  matrices. Norm scales (1-D) and the bias are not decayed.
+  role but the norm scales and the bias (NO_DECAY): embed, unembed, router,
+  attention, expert and shared matrices.
 * "adamw": optax.adamw on every trainable leaf.
 * "muon": momentum orthogonalised by Newton-Schulz for the hidden matrices
   (attention, shared expert, per-expert matrices); AdamW with the same
@@ -15,8 +15,8 @@ Leaf roles (by path; see `muon_kind` and `muon_dims`):
 Muon is the optax.chain
 
   optax.trace(mu, nesterov)        momentum m = mu*m + g; Nesterov feeds g + mu*m
-  orthogonalize(ns_steps)          Newton-Schulz of each leaf's direction
-  scale_by_fan_ratio()             * sqrt(max(1, fan_out / fan_in))
+  orthogonalize(roles, ns_steps)   Newton-Schulz of each leaf's direction
+  scale_by_fan_ratio(roles)        * sqrt(max(1, fan_out / fan_in))
   optax.add_decayed_weights(wd)    + wd * p
   optax.scale(-lr)
 
@@ -33,7 +33,8 @@ Muon is the optax.chain
   other axis is a batch axis orthogonalised independently (vmap). attn
   wq/wk/wv [D, H, Dh] -> [D, H*Dh]; attn wo [H, Dh, D] -> [H*Dh, D]; shared
   wi_0/wi_1 [D, Fs], wo [Fs, D] as they are; experts [E, D, F] / [E, F, D]:
-  E independent matrices.
+  E independent matrices. The stacked layer dim [L] of every layer role is one
+  more batch axis.
 * Scale: sqrt(max(1, fan_out / fan_in)) on the [fan_in, fan_out] view: Keller
   Jordan's rule (written as sqrt(max(1, rows / cols)) for PyTorch's [out, in]
   weights) and the width scaling of optax.contrib.muon, whose scale_by_muon
@@ -45,8 +46,8 @@ param's sharding. Newton-Schulz needs each matrix whole, and optax's does not
 reshard: on a matrix sharded along a row or column axis its dot products fail
 to type-check (jax.sharding ShardingTypeError). So `orthogonalize` reshards
 each direction to its Newton-Schulz layout -- batch axes keep their sharding,
-the matrix axes are gathered (P() for attention / shared matrices,
-P(spec[0], None, None) for experts) -- and the result back to the param's
+the matrix axes are gathered (P(None, ...) for attention / shared matrices,
+P(None, spec[1], None, None) for [L, E, D, F] experts) -- and the result back to the param's
 spec. Experts sharded only on the expert dim need no collective at all; a
 D-sharded expert or matrix is all-gathered once (its direction only). Without
 a mesh (or when already laid out like that) nothing is resharded.
@@ -63,11 +64,11 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
+from common import model
+
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 
-_ATTN_IN = ("wq", "wk", "wv")
-_FFN = ("wi_0", "wi_1", "wo")
 
 
 class Optimizer(NamedTuple):
@@ -77,62 +78,41 @@ class Optimizer(NamedTuple):
 
 
 # ----------------------------------------------------------------------------
-# Leaf roles.
+# What each role gets (roles: common.model.ROLES, one per leaf).
 
-def _names(path) -> tuple:
-    """Plain key names (str / int) of a tree path."""
-    out = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                k = getattr(k, attr)
-                break
-        out.append(k)
-    return tuple(out)
+# Muon's matrix view of one layer's array: (reduction = fan-in axes, output axes); the
+# others (E of the experts, and the stacked layer dim) are batch axes.
+_MUON_VIEW = {
+    "attn_q": ((0,), (1, 2)), "attn_kv": ((0,), (1, 2)),   # [D, H|KV, Dh] -> [D, H*Dh]
+    "attn_o": ((0, 1), (2,)),                               # [H, Dh, D] -> [H*Dh, D]
+    "shared_in": ((0,), (1,)), "shared_out": ((0,), (1,)),  # [D, Fs], [Fs, D]
+    "expert_in": ((1,), (2,)), "expert_out": ((1,), (2,)),  # [E, D, F], [E, F, D]: E matrices
+}
+MUON_ROLES = tuple(_MUON_VIEW)
+NO_DECAY = ("attn_norm", "mlp_norm", "final_norm", "bias")    # norm scales; the frozen bias
 
 
-def muon_kind(path) -> str | None:
-    """"matrix" / "experts" for leaves Muon orthogonalises, else None.
-
-    ``path`` is a tuple of keys as given by ``jax.tree_util.tree_flatten_with_path``
-    (plain strings and ints work too).
-    """
-    names = _names(path)
-    if not names:
+def muon_dims(role: str) -> MuonDimensionNumbers | None:
+    """Muon's dimension numbers for one layer's array of `role` (the stacked [L] dim of a layer
+    role is mapped over, see `_per_layer`)."""
+    if role not in _MUON_VIEW:
         return None
-    leaf, parents = names[-1], names[:-1]
-    if "attn" in parents and leaf in _ATTN_IN + ("wo",):
-        return "matrix"
-    if "shared" in parents and leaf in _FFN:
-        return "matrix"
-    if "moe" in parents and leaf in _FFN:
-        return "experts"
-    return None
+    red, out = _MUON_VIEW[role]
+    return MuonDimensionNumbers(reduction_axis=red, output_axis=out)
 
 
-def muon_dims(path) -> MuonDimensionNumbers | None:
-    """Reduction (fan-in) and output axes of a Muon leaf; the other axes are batch axes."""
-    kind = muon_kind(path)
-    if kind == "experts":  # [E, D, F] / [E, F, D]: E independent matrices
-        return MuonDimensionNumbers(reduction_axis=(1,), output_axis=(2,))
-    if kind == "matrix" and "attn" in _names(path):
-        if _names(path)[-1] == "wo":  # [H, Dh, D] -> [H*Dh, D]
-            return MuonDimensionNumbers(reduction_axis=(0, 1), output_axis=(2,))
-        return MuonDimensionNumbers(reduction_axis=(0,), output_axis=(1, 2))  # [D, H*Dh]
-    if kind == "matrix":  # shared [D, Fs] / [Fs, D]
-        return MuonDimensionNumbers(reduction_axis=(0,), output_axis=(1,))
-    return None
+def _per_layer(role, fn):
+    """fn on one layer's array, mapped (lax.map, a loop) over the stacked [L] dim of a layer
+    role: optax would otherwise merge L with E into one batch dim, a reshape that explicit
+    sharding rejects when E is sharded (a vmap rounds differently between sharded and
+    unsharded programs, which Newton-Schulz amplifies past the parity tolerance)."""
+    return (lambda a: jax.lax.map(fn, a)) if role in model.LAYER_ROLES else fn
 
 
-def _is_frozen(path) -> bool:
-    names = _names(path)
-    return len(names) >= 2 and names[-2:] == ("moe", "bias")
-
-
-def _decay_mask(params):
-    """True for leaves that get weight decay: trainable and ndim >= 2."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: jnp.ndim(x) >= 2 and not _is_frozen(p), params)
+def _by_path(roles, fn) -> dict:
+    """{keystr(path): fn(role)} over a roles pytree: how a transform that sees a masked params
+    tree (optax.multi_transform) finds its leaves' roles."""
+    return {jax.tree_util.keystr(p): fn(r) for p, r in jax.tree_util.tree_flatten_with_path(roles)[0]}
 
 
 # ----------------------------------------------------------------------------
@@ -155,7 +135,7 @@ def _reshard(x, spec: tuple):
     return jax.reshard(x, NamedSharding(mesh, P(*spec)))
 
 
-def orthogonalize(ns_steps: int = 5) -> optax.GradientTransformation:
+def orthogonalize(roles, ns_steps: int = 5) -> optax.GradientTransformation:
     """Newton-Schulz direction of each Muon leaf, in float32, returned in the param's layout.
 
     The orthogonalisation is optax.contrib.scale_by_muon's, run with beta=0
@@ -164,16 +144,20 @@ def orthogonalize(ns_steps: int = 5) -> optax.GradientTransformation:
     update, so resharding around the whole of it would gather the gradient
     *and* the momentum -- twice the bytes; here only the direction moves.
     """
+    role_of = _by_path(roles, lambda r: r)
+
     def one(path, d):
-        dims = muon_dims(path)
+        role = role_of[jax.tree_util.keystr(path)]
+        dims = muon_dims(role)
         ns = optax.contrib.scale_by_muon(NS_COEFFS, ns_steps, beta=0.0, eps=NS_EPS,
                                          nesterov=False, weight_dimension_numbers=dims)
         spec = _spec(d)
-        # gather the matrix axes, keep the batch (expert) axes as they are
-        matrix_axes = set(dims.reduction_axis) | set(dims.output_axis)
+        # gather the matrix axes, keep the batch (expert, layer) axes as they are
+        shift = 1 if role in model.LAYER_ROLES else 0
+        matrix_axes = {a + shift for a in dims.reduction_axis + dims.output_axis}
         local = _reshard(d.astype(jnp.float32), tuple(
             None if ax in matrix_axes else s for ax, s in enumerate(spec)))
-        o, _ = ns.update(local, ns.init(local))
+        o = _per_layer(role, lambda m: ns.update(m, ns.init(m))[0])(local)
         # materialise o: XLA may otherwise recompute NS's last elementwise steps inside
         # the consumer's fusion, rounding differently per program; NS amplifies that
         o = jax.lax.optimization_barrier(o)
@@ -186,12 +170,15 @@ def orthogonalize(ns_steps: int = 5) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update)
 
 
-def scale_by_fan_ratio() -> optax.GradientTransformation:
+def scale_by_fan_ratio(roles) -> optax.GradientTransformation:
     """Multiply each Muon leaf by sqrt(max(1, fan_out / fan_in)) (see the module docstring)."""
+    role_of = _by_path(roles, lambda r: r)
+
     def one(path, o):
-        dims = muon_dims(path)
-        fan_in = math.prod(o.shape[a] for a in dims.reduction_axis)
-        fan_out = math.prod(o.shape[a] for a in dims.output_axis)
+        role = role_of[jax.tree_util.keystr(path)]
+        dims, shape = muon_dims(role), o.shape[1:] if role in model.LAYER_ROLES else o.shape
+        fan_in = math.prod(shape[a] for a in dims.reduction_axis)
+        fan_out = math.prod(shape[a] for a in dims.output_axis)
         return o * math.sqrt(max(1.0, fan_out / fan_in))
 
     def update(updates, state, params=None):
@@ -204,33 +191,33 @@ def scale_by_fan_ratio() -> optax.GradientTransformation:
 # ----------------------------------------------------------------------------
 # Public factory.
 
-def make_optimizer(name: str, lr: float, weight_decay: float = 0.0, b1=0.9, b2=0.95,
+def make_optimizer(name: str, roles, lr: float, weight_decay: float = 0.0, b1=0.9, b2=0.95,
                    eps=1e-8, muon_momentum=0.95, ns_steps=5, nesterov=True) -> Optimizer:
-    """Build "adamw" or "muon" as a pure (init, update) pair.
+    """Build "adamw" or "muon" as a pure (init, update) pair for params shaped like `roles`
+    (common.model.param_roles: a role string per leaf).
 
     ``update`` returns the new params (not the deltas) and the new state; it
     is jittable and deterministic. See the module docstring for the roles.
     """
     if name not in ("adamw", "muon"):
         raise ValueError(f"unknown optimizer {name!r}; expected 'adamw' or 'muon'")
-    adamw = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                        mask=_decay_mask)
+    decay = jax.tree.map(lambda r: r not in NO_DECAY, roles)
+    adamw = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay)
     transforms = {"adam": adamw, "frozen": optax.set_to_zero()}
     if name == "muon":
         transforms["muon"] = optax.chain(
             optax.trace(decay=muon_momentum, nesterov=nesterov),
-            orthogonalize(ns_steps),
-            scale_by_fan_ratio(),
+            orthogonalize(roles, ns_steps),
+            scale_by_fan_ratio(roles),
             optax.add_decayed_weights(weight_decay),
             optax.scale(-lr))
 
-    def label(path, _):
-        if _is_frozen(path):
+    def label(role):
+        if role == "bias":
             return "frozen"
-        return "muon" if name == "muon" and muon_kind(path) else "adam"
+        return "muon" if name == "muon" and role in MUON_ROLES else "adam"
 
-    tx = optax.multi_transform(
-        transforms, lambda params: jax.tree_util.tree_map_with_path(label, params))
+    tx = optax.multi_transform(transforms, jax.tree.map(label, roles))
 
     def update(grads, state, params):
         updates, state = tx.update(grads, state, params)

@@ -118,12 +118,12 @@ def router_stats(r: Routing, keep: jax.Array, n_experts: int) -> dict:
 
 
 def aux_losses(stats: dict, n_tokens: int, n_experts: int) -> tuple[jax.Array, jax.Array]:
-  """stats hold GLOBAL sums for one layer -> (load-balance aux loss, z-loss)."""
+  """stats hold GLOBAL sums, [..., E] per layer -> (load-balance aux loss, z-loss) per layer."""
   f = jax.lax.stop_gradient(stats["counts"]) / n_tokens
   p = stats["prob_sum"] / n_tokens
-  return n_experts * jnp.sum(f * p), stats["z_sum"] / n_tokens
+  return n_experts * jnp.sum(f * p, axis=-1), stats["z_sum"] / n_tokens
 
 
 def update_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
-  """Aux-loss-free balancing: b_e += rate * sign(mean(load) - load_e)."""
-  return bias + rate * jnp.sign(jnp.mean(load) - load)
+  """Aux-loss-free balancing, per layer: b_e += rate * sign(mean(load) - load_e). [.., E]."""
+  return bias + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)

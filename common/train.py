@@ -35,9 +35,9 @@ def make_train_step(cfg, lay: model.Layout, opt: optim.Optimizer, with_grads: bo
   def step(params, opt_state, batch):
     (loss, m), grads = jax.value_and_grad(model.loss_fn, has_aux=True)(params, batch, cfg, lay)
     new_params, new_opt_state = opt.update(grads, opt_state, params)
-    if cfg.bias_update_rate:
-      for i, lp in enumerate(new_params["layers"]):
-        lp["moe"]["bias"] = routing.update_bias(lp["moe"]["bias"], m["counts"][i], cfg.bias_update_rate)
+    if cfg.bias_update_rate:                                    # [L, E], the whole step's counts
+      moe = new_params["layers"]["moe"]
+      moe["bias"] = routing.update_bias(moe["bias"], m["counts"], cfg.bias_update_rate)
     metrics = {k: m[k] for k in ("loss", "ce_loss", "aux_loss", "z_loss", "dropped")}
     metrics["grad_norm"] = global_norm(grads)
     if with_grads:
@@ -55,8 +55,8 @@ def build(strategy, cfg, mesh, *, with_grads: bool = False, compile_only: bool =
     if mesh is not None:
       strategy.check(cfg, mesh)
     specs = strategy.param_specs(cfg, mesh) if mesh is not None else None
-    opt = optim.make_optimizer(cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                               eps=cfg.adam_eps)
+    opt = optim.make_optimizer(cfg.optimizer, model.param_roles(cfg), lr=cfg.lr,
+                               weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
     lay = strategy.layout(cfg, mesh)
     step_fn = make_train_step(cfg, lay, opt, with_grads)
     bspec = strategy.batch_spec(cfg, mesh) if mesh is not None else None

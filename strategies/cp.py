@@ -73,7 +73,7 @@ def check(cfg, mesh):
 
 
 def param_specs(cfg, mesh):
-  return layouts.fsdp_param_specs(cfg, mesh_lib.FSDP)
+  return model.param_specs(cfg, layouts.fsdp_table(mesh_lib.FSDP))  # fsdp.py's table
 
 
 def batch_spec(cfg, mesh):

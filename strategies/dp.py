@@ -37,7 +37,7 @@ def check(cfg, mesh):
 
 
 def param_specs(cfg, mesh):
-  return jax.tree.map(lambda _: P(), model.init_params_shapes(cfg))
+  return model.param_specs(cfg, {})                                 # every role replicated
 
 
 def batch_spec(cfg, mesh):

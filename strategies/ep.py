@@ -97,12 +97,10 @@ def check(cfg, mesh):
 
 
 def param_specs(cfg, mesh):
-  """fsdp.py's specs (D over fsdp) with the expert dim of the routed experts over expert."""
-  specs = layouts.fsdp_param_specs(cfg, FSDP)
-  for lp in specs["layers"]:
-    lp["moe"].update(wi_0=P(EXPERT, FSDP, None), wi_1=P(EXPERT, FSDP, None),
-                     wo=P(EXPERT, None, FSDP))
-  return specs
+  """fsdp.py's table (D over fsdp) with the routed experts' E dim over expert."""
+  return model.param_specs(cfg, {**layouts.fsdp_table(FSDP),
+                                 "expert_in": P(EXPERT, FSDP, None),    # [E@e, D@f, F]
+                                 "expert_out": P(EXPERT, None, FSDP)})  # [E@e, F, D@f]
 
 
 def batch_spec(cfg, mesh):
@@ -150,14 +148,12 @@ def cost(cfg, mesh, token_axes=TOKENS, batch_axes=TOKENS):
   f, e = mesh_lib.axis_size(mesh, FSDP), mesh_lib.axis_size(mesh, EXPERT)
   d, n = mesh_lib.axis_size(mesh, DATA), mesh_lib.axis_size(mesh, *token_axes)
   flag = cfg.dispatch_batch_on_expert
-  leaves = jax.tree_util.tree_flatten_with_path(model.init_params_shapes(cfg))[0]
-  names = [tuple(str(getattr(k, "key", k)) for k in p)[-2:] for p, _ in leaves]
-  is_expert = [nm[0] == "moe" and nm[-1] in EXPERT_WEIGHTS for nm in names]
-  expert = [cost_lib.nbytes(l.shape) / (1 if flag else e) for x, (_, l) in zip(is_expert, leaves)
-            if x]                                                    # gathered size
-  mats = [cost_lib.nbytes(l.shape) for x, (p, l) in zip(is_expert, leaves)
-          if layouts.fsdp_dim(p) is not None and not x]
-  norms = sum(cost_lib.nbytes(l.shape) for nm, (_, l) in zip(names, leaves) if nm[-1].endswith("norm"))
+  leaves = model.param_leaves(cfg)
+  expert = [cost_lib.nbytes(l.shape) / (1 if flag else e) for l in leaves
+            if l.role in model.EXPERTS]                              # gathered size
+  mats = [cost_lib.nbytes(l.shape) for l in leaves
+          if l.role in model.D_DIM and l.role not in model.EXPERTS]
+  norms = sum(cost_lib.nbytes(l.shape) for l in leaves if l.role in model.NORMS)
   ge = f * e if flag else f                                   # the experts' gather group
   T = cost_lib.Term
   terms = []

@@ -107,23 +107,12 @@ def check(cfg, mesh):
     raise ConfigError(f"ep_tp_capacity={cfg.ep_tp_capacity} must be in [0, 1] (0 = worst case)")
 
 
-def _spec(path: str, ndim: int) -> P:
-  """path like '/layers/0/attn/wq'."""
-  name = path.rsplit("/", 1)[-1]
-  if "/attn/" in path:
-    return P("expert", None, None) if name == "wo" else P(None, "expert", None)
-  if "/shared/" in path:
-    return P("expert", None) if name == "wo" else P(None, "expert")
-  if "/moe/" in path and name not in ("router", "bias"):
-    return P("expert", None, None)
-  return P(*(None,) * ndim)
-
-
 def param_specs(cfg, mesh):
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(model.init_params_shapes(cfg))
-  path = lambda kp: "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp)
-  return jax.tree_util.tree_unflatten(
-      treedef, [_spec("/" + path(kp), len(s.shape)) for kp, s in leaves])
+  return model.param_specs(cfg, {
+      "attn_q": P(None, "expert", None), "attn_kv": P(None, "expert", None),  # column-parallel
+      "attn_o": P("expert", None, None),                                       # row-parallel
+      "shared_in": P(None, "expert"), "shared_out": P("expert", None),
+      "expert_in": P("expert", None, None), "expert_out": P("expert", None, None)})  # e whole
 
 
 def batch_spec(cfg, mesh):
@@ -187,8 +176,8 @@ def layout(cfg, mesh):
     with jax.named_scope("combine_rs"):
       return reduce_scatter(y, X_SPEC)
 
-  def use(path, w):             # embed / unembed: one gradient all-reduce over (data, expert)
-    return gather_weight(w, P(), ("data", "expert")) if path in ("embed", "unembed") else w
+  def use(role, w):             # embed / unembed: one gradient all-reduce over (data, expert)
+    return gather_weight(w, P(), ("data", "expert")) if role in ("embed", "unembed") else w
 
   return model.Layout(x=X_SPEC, use=use, moe=moe_fn, gather_in=gather_in,
                       scatter_out=scatter_out, row_out=ROW)
@@ -210,14 +199,11 @@ def cost(cfg, mesh):
   act = cost_lib.nbytes((t, cfg.d_model))                           # one gathered [T, D] f32
   rk = cost_lib.nbytes((t, cfg.top_k))                              # one [T, K] of routing
   ids = (2 if cfg.capacity_factor > 0 else 1) * rk                  # expert ids (+ raw, capacity)
-  names = [jax.tree_util.keystr(kp) for kp, _ in
-           jax.tree_util.tree_flatten_with_path(model.init_params_shapes(cfg))[0]]
-  leaves = jax.tree.leaves(model.init_params_shapes(cfg), is_leaf=lambda l: hasattr(l, "shape"))
+  leaves = model.param_leaves(cfg)
   specs = jax.tree.leaves(param_specs(cfg, mesh), is_leaf=lambda l: isinstance(l, P))
-  size = {n: cost_lib.nbytes(l.shape) for n, l in zip(names, leaves)}
-  sharded = [size[n] / ep for n, s in zip(names, specs) if any(s)]
-  norms = sum(v for n, v in size.items() if "norm" in n)
-  whole = sum(v for n, v in size.items() if any(w in n for w in ("embed", "router")))
+  sharded = [cost_lib.nbytes(l.shape) / ep for l, s in zip(leaves, specs) if any(s)]
+  norms = sum(cost_lib.nbytes(l.shape) for l in leaves if l.role in model.NORMS)
+  whole = sum(cost_lib.nbytes(l.shape) for l in leaves if l.role in ("embed", "unembed", "router"))
   stats = n_layers * (2 * cfg.n_experts + 2) * cost_lib.F32 + cost_lib.F32
   terms = [
       cost_lib.Term("all-gather", "fwd", "normed h x2, routing ids + weights over expert",

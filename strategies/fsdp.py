@@ -65,7 +65,9 @@ def check(cfg, mesh):
 
 
 def param_specs(cfg, mesh):
-  return layouts.fsdp_param_specs(cfg, mesh_lib.FSDP)
+  # role -> spec: every matrix on its D dim over fsdp (embed [V, D@f], attn wq [D@f, H, Dh], attn
+  # wo [H, Dh, D@f], experts [E, D@f, F] / [E, F, D@f], ...); norms and router bias replicated
+  return model.param_specs(cfg, layouts.fsdp_table(mesh_lib.FSDP))
 
 
 def batch_spec(cfg, mesh):

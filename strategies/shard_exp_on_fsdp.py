@@ -96,10 +96,9 @@ def check(cfg, mesh):
 
 
 def param_specs(cfg, mesh):
-  specs = layouts.fsdp_param_specs(cfg, TOKENS)                     # D over (fsdp, expert)
-  for lp in specs["layers"]:
-    lp["moe"].update({n: STORED for n in EXPERT_WEIGHTS})
-  return specs
+  # D over (fsdp, expert) for every matrix but the experts, stored whole on their E dim
+  return model.param_specs(cfg, {**layouts.fsdp_table(TOKENS), "expert_in": STORED,
+                                 "expert_out": STORED})
 
 
 def batch_spec(cfg, mesh):
@@ -146,22 +145,21 @@ def cost(cfg, mesh):
   n = f * e
   gather = cfg.expert_fsdp_mode == "gather"
   ep = e if gather else n
-  leaves = jax.tree_util.tree_flatten_with_path(model.init_params_shapes(cfg))[0]
-  names = [tuple(layouts._names(p))[-2:] for p, _ in leaves]
-  is_expert = [nm[0] == "moe" and nm[-1] in EXPERT_WEIGHTS for nm in names]
-  experts = sum(cost_lib.nbytes(l.shape) for x, (_, l) in zip(is_expert, leaves) if x)
-  mats = [cost_lib.nbytes(l.shape) for x, (p, l) in zip(is_expert, leaves)
-          if layouts.fsdp_dim(p) is not None and not x]
-  norms = sum(cost_lib.nbytes(l.shape) for nm, (_, l) in zip(names, leaves)
-              if nm[-1].endswith("norm"))
-  muon = sum(cost_lib.nbytes(l.shape) for p, l in leaves if optim.muon_kind(p) == "matrix")
+  leaves = model.param_leaves(cfg)
+  n_experts = sum(l.role in model.EXPERTS for l in leaves)
+  experts = sum(cost_lib.nbytes(l.shape) for l in leaves if l.role in model.EXPERTS)
+  mats = [cost_lib.nbytes(l.shape) for l in leaves
+          if l.role in model.D_DIM and l.role not in model.EXPERTS]
+  norms = sum(cost_lib.nbytes(l.shape) for l in leaves if l.role in model.NORMS)
+  muon = sum(cost_lib.nbytes(l.shape) for l in leaves
+             if l.role in optim.MUON_ROLES and l.role not in model.EXPERTS)
   T = cost_lib.Term
   terms = layouts.stats_cost(cfg, mesh, TOKENS)
   if n > 1:
     terms += [T("all-gather", "fwd", "weight matrices over (fsdp, expert)", sum(mats), n),
               T("reduce-scatter", "bwd", "weight-matrix grads", sum(mats) / n, n),
               T("all-reduce", "bwd", "norm-scale grads", norms, n),
-              T("all-reduce", "opt", "grad-norm partial sums", 4 * (len(mats) + sum(is_expert)), n)]
+              T("all-reduce", "opt", "grad-norm partial sums", 4 * (len(mats) + n_experts), n)]
     if cfg.optimizer == "muon":
       terms.append(T("all-gather", "opt", "Muon matrices whole for Newton-Schulz", muon, n))
   if gather and f > 1:

@@ -70,14 +70,11 @@ def check(cfg, mesh):
 
 
 def param_specs(cfg, mesh):
-  layer = {"attn_norm": P(), "mlp_norm": P(),
-           "attn": {"wq": P(None, T, None), "wk": P(None, T, None), "wv": P(None, T, None),
-                    "wo": P(T, None, None)},
-           "moe": {"router": P(), "bias": P(), "wi_0": P(None, None, T), "wi_1": P(None, None, T),
-                   "wo": P(None, T, None)}}
-  if cfg.n_shared_experts:
-    layer["shared"] = {"wi_0": P(None, T), "wi_1": P(None, T), "wo": P(T, None)}
-  return {"embed": P(), "layers": [layer] * cfg.n_layers, "final_norm": P(), "unembed": P()}
+  return model.param_specs(cfg, {
+      "attn_q": P(None, T, None), "attn_kv": P(None, T, None),   # [D, H_t|KV_t, Dh] column
+      "attn_o": P(T, None, None),                                 # [H_t, Dh, D] row
+      "expert_in": P(None, None, T), "expert_out": P(None, T, None),   # [E, D, F_t], [E, F_t, D]
+      "shared_in": P(None, T), "shared_out": P(T, None)})         # embed, norms, router: replicated
 
 
 def batch_spec(cfg, mesh):

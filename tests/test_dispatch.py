@@ -206,7 +206,7 @@ def _moe_case():
   from common import model
   from common.config import get_config
   cfg = get_config("tiny", batch=8, seq_len=8, n_layers=1)
-  p = model.init_params(cfg)["layers"][0]["moe"]
+  p = model.layer_params(model.init_params(cfg), 0)["moe"]
   x = np.random.default_rng(0).standard_normal((8, 8, cfg.d_model)).astype(np.float32)
   pos = np.broadcast_to(np.arange(8, dtype=np.int32), (8, 8)).copy()
   return cfg, p, x, pos

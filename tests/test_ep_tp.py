@@ -64,7 +64,8 @@ def _sort_shapes(jaxpr: Jaxpr) -> list[tuple]:
 def _moe_inputs(cfg, mesh, seed=1):
   """Layer-0 MoE params and a random normalised-scale input, placed like the strategy's
   (x sequence-parallel like the residual stream)."""
-  params = put(model.init_params(cfg), EP_TP.param_specs(cfg, mesh), mesh)["layers"][0]["moe"]
+  specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), EP_TP.param_specs(cfg, mesh)["layers"]["moe"])
+  params = put(model.layer_params(model.init_params(cfg), 0)["moe"], specs, mesh)
   x = np.random.default_rng(seed).standard_normal((cfg.batch, cfg.seq_len, cfg.d_model))
   pos = np.broadcast_to(np.arange(cfg.seq_len), (cfg.batch, cfg.seq_len)).astype(np.int32)
   return (params, jax.device_put(x.astype(np.float32), NamedSharding(mesh, EP_TP.X_SPEC)),

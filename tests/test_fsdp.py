@@ -35,8 +35,7 @@ def test_hlo_contract(mesh):
   # every weight matrix gathered exactly once (the backward reuses the forward copy), and its
   # gradient reduce-scattered back to 1/f
   f = job.mesh.shape["fsdp"]
-  leaves = jax.tree_util.tree_flatten_with_path(model.init_params_shapes(TINY))[0]
-  mats = sum(int(np.prod(l.shape)) * 4 for p, l in leaves if layouts.fsdp_dim(p) is not None)
+  mats = sum(int(np.prod(l.shape)) * 4 for l in model.param_leaves(TINY) if l.role in model.D_DIM)
   assert stats["all-gather"]["bytes"] == mats
   assert stats["reduce-scatter"]["bytes"] == mats // f
 

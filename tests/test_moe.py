@@ -49,7 +49,7 @@ def test_permute_unpermute_round_trip_values_and_grads():
 
 
 def _layer(cfg):
-  p = model.init_params(cfg)["layers"][0]["moe"]
+  p = model.layer_params(model.init_params(cfg), 0)["moe"]
   rng = np.random.default_rng(1)
   x = rng.standard_normal((2, cfg.seq_len, cfg.d_model)).astype(np.float32)
   pos = np.broadcast_to(np.arange(cfg.seq_len), (2, cfg.seq_len))
@@ -75,7 +75,7 @@ def test_dropped_count_hand_case():
   # 1 sequence of 4 tokens all routed to experts {0, 1} (K=2, E=8), C = ceil(0.5*4*2/8) = 1:
   # each of experts 0 and 1 keeps 1 of 4 assignments -> 6 dropped.
   cfg = get_config("tiny", capacity_factor=0.5, seq_len=4)
-  p = model.init_params(cfg)["layers"][0]["moe"]
+  p = model.layer_params(model.init_params(cfg), 0)["moe"]
   p = dict(p, router=np.zeros_like(p["router"]), bias=np.zeros_like(p["bias"]))
   p["router"][:, 0] = 1.0
   p["router"][:, 1] = 0.5

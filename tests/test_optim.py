@@ -7,35 +7,31 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from common import hlo, optim
+from common import hlo, model, optim
+from common.config import Config
 
-V, D, H, KV, DH, E, F, FS = 8, 4, 2, 1, 3, 2, 6, 5
+V, D, H, KV, DH, E, F, L = 8, 4, 2, 1, 3, 2, 6, 2
+FS = F                                       # one shared expert: Fs = F
 LR, WD, B1, B2, EPS, MU = 0.1, 0.05, 0.9, 0.95, 1e-8, 0.95
+CFG = Config(vocab=V, d_model=D, n_heads=H, n_kv_heads=KV, head_dim=DH, n_layers=L, n_experts=E,
+             d_ff=F, n_shared_experts=1)
+ROLES = model.param_roles(CFG)
 
 
-def _tree(rng, shared=True):
-    """Tiny param tree with the model's structure (float32 numpy)."""
-    r = lambda *s: rng.standard_normal(s).astype(np.float32)
-    layer = {
-        "attn_norm": r(D),
-        "attn": {"wq": r(D, H, DH), "wk": r(D, KV, DH), "wv": r(D, KV, DH), "wo": r(H, DH, D)},
-        "mlp_norm": r(D),
-        "moe": {"router": r(D, E), "bias": r(E), "wi_0": r(E, D, F), "wi_1": r(E, D, F),
-                "wo": r(E, F, D)},
-    }
-    if shared:
-        layer["shared"] = {"wi_0": r(D, FS), "wi_1": r(D, FS), "wo": r(FS, D)}
-    return {"embed": r(V, D), "layers": [layer, {**layer, "attn_norm": r(D)}],
-            "final_norm": r(D), "unembed": r(D, V)}
+def _tree(rng):
+    """Random float32 numpy params with the model's structure: layers stacked [L, ...]."""
+    return jax.tree.map(lambda l: rng.standard_normal(l.shape).astype(np.float32),
+                        model.init_params_shapes(CFG), is_leaf=lambda l: hasattr(l, "role"))
 
 
 def _numpy_adamw(params, grads_seq, wd=WD):
-    """Reference AdamW (eps outside the sqrt, decoupled decay on ndim >= 2)."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    """Reference AdamW (eps outside the sqrt, decoupled decay but on norms; bias frozen)."""
+    flat, treedef = jax.tree_util.tree_flatten(params)
+    roles = jax.tree.leaves(ROLES)
     out = []
-    for i, (path, p) in enumerate(flat):
+    for i, (role, p) in enumerate(zip(roles, flat)):
         p = p.astype(np.float64)
-        if optim._is_frozen(path):
+        if role == "bias":
             out.append(p)
             continue
         m = v = np.zeros_like(p)
@@ -43,7 +39,7 @@ def _numpy_adamw(params, grads_seq, wd=WD):
             g = jax.tree.leaves(grads)[i].astype(np.float64)
             m, v = B1 * m + (1 - B1) * g, B2 * v + (1 - B2) * g * g
             step = (m / (1 - B1 ** t)) / (np.sqrt(v / (1 - B2 ** t)) + EPS)
-            p = p - LR * (step + (wd * p if p.ndim >= 2 else 0.0))
+            p = p - LR * (step + (0.0 if role in model.NORMS else wd * p))
         out.append(p)
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -64,37 +60,27 @@ def _run(opt, params, grads_seq):
 
 def test_unknown_optimizer():
     with pytest.raises(ValueError, match="unknown optimizer"):
-        optim.make_optimizer("sgd", 0.1)
+        optim.make_optimizer("sgd", ROLES, 0.1)
 
 
-def test_muon_kind():
-    tree = _tree(np.random.default_rng(1))
-    kinds = {jax.tree_util.keystr(p): optim.muon_kind(p)
-             for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
-    assert kinds["['layers'][0]['attn']['wq']"] == "matrix"
-    assert kinds["['layers'][1]['attn']['wo']"] == "matrix"
-    assert kinds["['layers'][0]['shared']['wo']"] == "matrix"
-    assert kinds["['layers'][0]['moe']['wi_1']"] == "experts"
-    for k in ("['embed']", "['unembed']", "['final_norm']", "['layers'][0]['attn_norm']",
-              "['layers'][0]['moe']['router']", "['layers'][0]['moe']['bias']"):
-        assert kinds[k] is None
-    assert optim.muon_kind(("layers", 0, "moe", "wo")) == "experts"
-    dims = lambda *path: tuple(optim.muon_dims(path) or ())
-    assert dims("layers", 0, "moe", "wi_0") == ((1,), (2,))      # batched over E
-    assert dims("layers", 0, "attn", "wk") == ((0,), (1, 2))     # [D, KV*Dh]
-    assert dims("layers", 0, "attn", "wo") == ((0, 1), (2,))     # [H*Dh, D]
-    assert dims("layers", 0, "shared", "wo") == ((0,), (1,))
-    assert dims("layers", 0, "moe", "router") == ()
+def test_muon_roles():
+    """Which leaves Muon takes and their matrix views, read off the declared roles."""
+    assert ROLES["layers"]["attn"]["wq"] == "attn_q" and ROLES["layers"]["moe"]["wo"] == "expert_out"
+    dims = lambda role: tuple(optim.muon_dims(role) or ())
+    assert dims("expert_in") == ((1,), (2,))           # one layer [E, D, F]: batched over E
+    assert dims("attn_kv") == ((0,), (1, 2))           # [D, KV*Dh]
+    assert dims("attn_o") == ((0, 1), (2,))            # [H*Dh, D]
+    assert dims("shared_out") == ((0,), (1,))
+    for role in ("embed", "unembed", "final_norm", "attn_norm", "router", "bias"):
+        assert dims(role) == () and role not in optim.MUON_ROLES
 
 
 def test_adamw_matches_numpy(tiny):
     params, grads = tiny
-    opt = optim.make_optimizer("adamw", LR, weight_decay=WD, b1=B1, b2=B2, eps=EPS)
+    opt = optim.make_optimizer("adamw", ROLES, LR, weight_decay=WD, b1=B1, b2=B2, eps=EPS)
     got = _run(opt, params, grads)
     chex.assert_trees_all_close(got, _numpy_adamw(params, grads), rtol=1e-5, atol=1e-6)
-    for i in range(2):
-        np.testing.assert_array_equal(got["layers"][i]["moe"]["bias"],
-                                      params["layers"][i]["moe"]["bias"])
+    np.testing.assert_array_equal(got["layers"]["moe"]["bias"], params["layers"]["moe"]["bias"])
 
 
 def _newton_schulz(g, steps=5):
@@ -112,11 +98,12 @@ def _newton_schulz(g, steps=5):
 
 @pytest.mark.parametrize("shape", [(16, 32), (32, 16)])
 def test_newton_schulz_singular_values(shape):
-    g = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
-    tree = {"shared": {"wi_0": g}}
-    o = jax.jit(lambda t: optim.orthogonalize().update(t, ())[0])(tree)["shared"]["wi_0"]
+    g = np.random.default_rng(2).standard_normal((1,) + shape).astype(np.float32)
+    tree = {"shared": {"wi_0": g}}                       # one layer of a stacked [L, D, Fs]
+    roles = {"shared": {"wi_0": "shared_in"}}
+    o = jax.jit(lambda t: optim.orthogonalize(roles).update(t, ())[0])(tree)["shared"]["wi_0"][0]
     assert o.shape == shape and o.dtype == np.float32
-    np.testing.assert_allclose(o, _newton_schulz(g), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(o, _newton_schulz(g[0]), rtol=1e-4, atol=1e-6)
     s = np.linalg.svd(np.asarray(o), compute_uv=False)
     assert s.min() > 0.5 and s.max() < 1.5, s
 
@@ -129,43 +116,46 @@ def _muon_2d(g, p):
 
 
 def test_muon_matrix_views(tiny):
-    one_layer = lambda t: {**t, "layers": t["layers"][:1]}  # halves the compile
-    params, g = one_layer(tiny[0]), one_layer(tiny[1][0])
-    opt = optim.make_optimizer("muon", LR, weight_decay=WD, b1=B1, b2=B2, eps=EPS,
+    params, g = tiny[0], tiny[1][0]
+    opt = optim.make_optimizer("muon", ROLES, LR, weight_decay=WD, b1=B1, b2=B2, eps=EPS,
                                muon_momentum=MU)
     new = _run(opt, params, [g])
     delta = jax.tree.map(lambda a, b: np.asarray(a) - b, new, params)
-    lay, glay, play = delta["layers"][0], g["layers"][0], params["layers"][0]
-    # experts: each expert matrix independently
-    for name in ("wi_0", "wo"):
-        want = np.stack([_muon_2d(glay["moe"][name][e], play["moe"][name][e])
-                         for e in range(E)])
-        np.testing.assert_allclose(lay["moe"][name], want, rtol=1e-4, atol=1e-6)
-    # attention: [D, H, Dh] as [D, H*Dh]; wo [H, Dh, D] as [H*Dh, D]
-    want = _muon_2d(glay["attn"]["wq"].reshape(D, H * DH),
-                    play["attn"]["wq"].reshape(D, H * DH)).reshape(D, H, DH)
-    np.testing.assert_allclose(lay["attn"]["wq"], want, rtol=1e-4, atol=1e-6)
-    want = _muon_2d(glay["attn"]["wo"].reshape(H * DH, D),
-                    play["attn"]["wo"].reshape(H * DH, D)).reshape(H, DH, D)
-    np.testing.assert_allclose(lay["attn"]["wo"], want, rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(lay["shared"]["wi_1"], _muon_2d(glay["shared"]["wi_1"], play["shared"]["wi_1"]),
-                               rtol=1e-4, atol=1e-6)
+    lay, glay, play = delta["layers"], g["layers"], params["layers"]
+    for i in range(L):                                   # each layer independently
+        # experts: each expert matrix independently
+        for name in ("wi_0", "wo"):
+            want = np.stack([_muon_2d(glay["moe"][name][i, e], play["moe"][name][i, e])
+                             for e in range(E)])
+            np.testing.assert_allclose(lay["moe"][name][i], want, rtol=1e-4, atol=1e-6)
+        # attention: [D, H, Dh] as [D, H*Dh]; wo [H, Dh, D] as [H*Dh, D]
+        want = _muon_2d(glay["attn"]["wq"][i].reshape(D, H * DH),
+                        play["attn"]["wq"][i].reshape(D, H * DH)).reshape(D, H, DH)
+        np.testing.assert_allclose(lay["attn"]["wq"][i], want, rtol=1e-4, atol=1e-6)
+        want = _muon_2d(glay["attn"]["wo"][i].reshape(H * DH, D),
+                        play["attn"]["wo"][i].reshape(H * DH, D)).reshape(H, DH, D)
+        np.testing.assert_allclose(lay["attn"]["wo"][i], want, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(lay["shared"]["wi_1"][i],
+                                   _muon_2d(glay["shared"]["wi_1"][i], play["shared"]["wi_1"][i]),
+                                   rtol=1e-4, atol=1e-6)
     # AdamW leaves match the numpy reference; the bias never moves
     ref = _numpy_adamw(params, [g])
     for k in ("embed", "unembed", "final_norm"):
         np.testing.assert_allclose(new[k], ref[k], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(new["layers"][0]["moe"]["router"],
-                               ref["layers"][0]["moe"]["router"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new["layers"]["moe"]["router"], ref["layers"]["moe"]["router"],
+                               rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(lay["moe"]["bias"], 0.0)
 
 
 def test_muon_nesterov_momentum_two_steps():
     """Step 2 orthogonalises g2 + mu * (mu * g1 + g2) (momentum m = mu * m + g)."""
     rng = np.random.default_rng(4)
-    p, g1, g2 = (rng.standard_normal((FS, D)).astype(np.float32) for _ in range(3))
-    opt = optim.make_optimizer("muon", LR, weight_decay=0.0, muon_momentum=MU)
+    p, g1, g2 = (rng.standard_normal((1, FS, D)).astype(np.float32) for _ in range(3))
+    opt = optim.make_optimizer("muon", {"shared": {"wo": "shared_out"}}, LR, weight_decay=0.0,
+                               muon_momentum=MU)
     tree = lambda x: {"shared": {"wo": x}}
-    got = _run(opt, tree(p), [tree(g1), tree(g2)])["shared"]["wo"]
+    got = _run(opt, tree(p), [tree(g1), tree(g2)])["shared"]["wo"][0]
+    p, g1, g2 = p[0], g1[0], g2[0]
     scale = np.sqrt(max(1.0, D / FS))
     p1 = p - LR * scale * _newton_schulz((1 + MU) * g1)
     want = p1 - LR * scale * _newton_schulz(g2 + MU * (MU * g1 + g2))
@@ -176,29 +166,28 @@ def test_muon_sharded_matches_unsharded_and_collectives():
     mesh = jax.make_mesh((2, 4), ("fsdp", "expert"), axis_types=(AxisType.Explicit,) * 2)
     rng = np.random.default_rng(3)
     r = lambda *s: rng.standard_normal(s).astype(np.float32)
-    experts = lambda: {"layers": [{"moe": {"wi_0": r(8, 4, 6)}}]}
-    matrix = lambda: {"layers": [{"shared": {"wi_0": r(16, 8)}}]}
-    specs = {"layers": [{"moe": {"wi_0": P(("expert", "fsdp"), None, None)},
-                         "shared": {"wi_0": P("fsdp", None)}}]}
-    params = {"layers": [{**experts()["layers"][0], **matrix()["layers"][0]}]}
-    grads = {"layers": [{**experts()["layers"][0], **matrix()["layers"][0]}]}
-    opt = optim.make_optimizer("muon", LR, weight_decay=WD, muon_momentum=MU)
-    put = lambda t: jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, specs)
+    roles = {"moe": {"wi_0": "expert_in"}, "shared": {"wi_0": "shared_in"}}
+    specs = {"moe": {"wi_0": P(None, ("expert", "fsdp"), None, None)},    # [L, E@(e,f), D, F]
+             "shared": {"wi_0": P(None, "fsdp", None)}}                   # [L, D@f, Fs]
+    tree = lambda: {"moe": {"wi_0": r(1, 8, 4, 6)}, "shared": {"wi_0": r(1, 16, 8)}}
+    params, grads = tree(), tree()
+    opt = optim.make_optimizer("muon", roles, LR, weight_decay=WD, muon_momentum=MU)
+    put = lambda t, sp: jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), t, sp)
 
     def step(g, p):
         return opt.update(g, opt.init(p), p)[0]
 
     want = jax.jit(step)(grads, params)
-    got = jax.jit(step)(put(grads), put(params))
+    got = jax.jit(step)(put(grads, specs), put(params, specs))
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
-    assert got["layers"][0]["moe"]["wi_0"].sharding.spec == specs["layers"][0]["moe"]["wi_0"]
+    assert got["moe"]["wi_0"].sharding.spec == specs["moe"]["wi_0"]
 
     def stats(key):
-        sub = lambda t: {"layers": [{key: t["layers"][0][key]}]}
-        sub_specs = sub(specs)
-        args = [jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), sub(t),
-                             sub_specs) for t in (grads, params)]
-        return hlo.collective_stats(jax.jit(step).lower(*args).compile().as_text())
+        sub_opt = optim.make_optimizer("muon", {key: roles[key]}, LR, weight_decay=WD,
+                                       muon_momentum=MU)
+        sub_step = lambda g, p: sub_opt.update(g, sub_opt.init(p), p)[0]
+        args = [put({key: t[key]}, {key: specs[key]}) for t in (grads, params)]
+        return hlo.collective_stats(jax.jit(sub_step).lower(*args).compile().as_text())
 
     expert_stats = stats("moe")
     assert all(s["count"] == 0 for s in expert_stats.values()), expert_stats

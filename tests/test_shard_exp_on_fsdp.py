@@ -37,12 +37,12 @@ def test_parity(model_name, over, mesh):
 def _muon_expert_update(name, mesh_spec, cfg):
   """Collectives of Muon's update alone, on the expert leaves placed with `name`'s param_specs."""
   mesh = parity.make_mesh(name, mesh_spec)
-  pick = lambda t: {"layers": [{"moe": {n: lp["moe"][n] for n in EXPERTS}} for lp in t["layers"]]}
+  pick = lambda t: {"layers": {"moe": {n: t["layers"]["moe"][n] for n in EXPERTS}}}
   params = jax.tree.map(
       lambda s, spec: jax.ShapeDtypeStruct(s.shape, jnp.float32,
                                            sharding=NamedSharding(mesh, spec)),
       pick(model.init_params_shapes(cfg)), pick(strategies.get(name).param_specs(cfg, mesh)))
-  opt = optim.make_optimizer("muon", lr=cfg.lr)
+  opt = optim.make_optimizer("muon", pick(model.param_roles(cfg)), lr=cfg.lr)
   with jax.set_mesh(mesh):
     state = jax.eval_shape(opt.init, params)
     compiled = jax.jit(opt.update).lower(params, state, params).compile()
