@@ -12,10 +12,10 @@ Backend "custom:<wgrad>" selects the weight-gradient reduction of "custom".
 Backend "torch" (default where torch has torch._grouped_mm; CUDA if torch sees it, else CPU)
 runs on the same data, after a check of its forward against lax.ragged_dot.
 
---autotune (Hopper only): common.gmm.autotune on the chosen shapes (even groups): for each
+--autotune (Hopper only): kernels.mgpu.autotune on the chosen shapes (even groups): for each
 Mosaic-GPU kernel call of the custom backend (fwd x@w, dx dy@w^T, wgrad x^T dy) it times every
-tile config of common.gmm.TILE_CANDIDATES that divides the shape and agrees with ragged_dot, and
-writes the fastest to common/mgpu_tiles.json (merged), which common.gmm reads. Commit the file.
+tile config of kernels.mgpu.TILE_CANDIDATES that divides the shape and agrees with ragged_dot, and
+writes the fastest to kernels/mgpu_tiles.json (merged), which kernels.mgpu reads. Commit the file.
 """
 
 import os
@@ -33,6 +33,7 @@ import numpy as np
 
 from common import gmm as gmm_lib
 from common import timing
+from kernels import mgpu
 
 SHAPES = {  # name: (E, M, K, N)
     "mixtral": (8, 16384, 4096, 14336),
@@ -135,7 +136,7 @@ def bench_shape(name, scale, dtype, iters, backends):
   shape = scaled_shape(name, scale)
   e, m, k, n = shape
   gs_np = group_sizes_for(name, e, m)
-  x, w, ct = gmm_lib.random_problem(shape, dtype)
+  x, w, ct = timing.random_problem(shape, dtype)
   gs = jnp.asarray(gs_np)
   flops = 2.0 * int(gs_np.sum()) * k * n
   dense_ms = timing.best_ms(jax.jit(lambda a, b: a @ b), (x, w[0]), iters)
@@ -164,8 +165,8 @@ def main(argv):
       raise app.UsageError("--autotune needs the Mosaic-GPU kernels (a Hopper GPU)")
     dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[_DTYPE.value or "bf16"]
     names = dict.fromkeys(n.removesuffix("_skew") for n in _SHAPES.value)
-    gmm_lib.autotune([scaled_shape(n, _SCALE.value or 1) for n in names], dtype,
-                     _ITERS.value or 10, gmm_lib.TILES_FILE)
+    mgpu.autotune([scaled_shape(n, _SCALE.value or 1) for n in names], dtype,
+                  _ITERS.value or 10, mgpu.TILES_FILE)
     return
   cpu = _on_cpu()
   dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[_DTYPE.value or ("f32" if cpu else "bf16")]

@@ -2,7 +2,7 @@
 # Issue 6's GPU measurements in one go, for a session lent a GPU (the device tool's `run`
 # executes this from the repo root; results land in $OUT, or ./gpu_out without it).
 #   part 1: bash bench/gpu_check.sh tests     (GPU-only tests: mgpu kernel, ragged dispatch)
-#   part 2: bash bench/gpu_check.sh tune      (Hopper tile autotune -> common/mgpu_tiles.json)
+#   part 2: bash bench/gpu_check.sh tune      (Hopper tile autotune -> kernels/mgpu_tiles.json)
 #   part 3: bash bench/gpu_check.sh gmm       (bench/gmm.py, full shapes, bf16)
 #   part 4: bash bench/gpu_check.sh layer     (bench/moe_layer.py, both proxies)
 # Each part stays well inside one 10-minute call; run them as separate calls.
@@ -15,7 +15,7 @@ case "${1:-}" in
   tests) python -m pytest -q -rs tests/test_gmm.py tests/test_dispatch.py -k "mgpu or ragged" \
            2>&1 | tee "$out/tests.txt" ;;
   tune)  python bench/gmm.py --autotune --shapes=mixtral,deepseek 2>&1 | tee "$out/autotune.txt"
-         cp common/mgpu_tiles.json "$out/" ;;
+         cp kernels/mgpu_tiles.json "$out/" ;;
   gmm)   python bench/gmm.py 2>&1 | tee "$out/gmm.txt" ;;
   layer) python bench/moe_layer.py 2>&1 | tee "$out/moe_layer.txt" ;;
   *)     echo "usage: bash bench/gpu_check.sh tests|tune|gmm|layer" >&2; exit 2 ;;

@@ -21,7 +21,7 @@ Params are built directly: router [D, E], wi_0 / wi_1 [E, D, F], wo [E, F, D], n
 --scale divides T, D and F (a CPU mode; CPU timings say nothing about GPU kernels).
 
 Backends (--backends; default: all of common.gmm.available_backends(), plus custom:mgpu and
-custom:mgpu:mgpu where common.gmm reports the Mosaic-GPU kernels):
+custom:mgpu:mgpu where common.gmm reports the Mosaic-GPU kernels that kernels/ registers):
   ragged_dot                 jax.lax.ragged_dot, autodiff by JAX
   padded                     capacity-padded einsum; capacity = largest group of THIS batch's
                              routing rounded up to 8 (dropless for this batch; a real run needs
@@ -131,10 +131,11 @@ def parse_backend(spec):
     raise app.UsageError(f"backend {spec!r}: expected custom[:kernel[:wgrad]]")
   if base != "custom":
     return base, {}
-  kernel = rest[0] if rest else "ragged_dot"
+  try:
+    kernel = gmm_lib.resolve_kernel(rest[0]) if rest else "ragged_dot"
+  except ValueError as err:
+    raise app.UsageError(f"backend {spec!r}: {err}") from None
   wgrad = rest[1] if len(rest) > 1 else "auto"
-  if kernel not in gmm_lib._KERNELS:  # pylint: disable=protected-access
-    raise app.UsageError(f"backend {spec!r}: unknown kernel {kernel!r}")
   return base, {"kernel": kernel, "wgrad": wgrad}
 
 

@@ -15,11 +15,15 @@ Mesh axes: (data, fsdp, expert)   (MaxText's default "EP as FSDP/DP": every axis
 | dispatch buffer (the experts' input)     | [N_src, EP, C, D] @ P((data,fsdp), expert): batch dim|
 |   and combine buffer                     |   on (data, fsdp) only, expert dim on expert (#4179) |
 
-MoE (common/dispatch.py): route the local tokens, pack their K copies into a send buffer
-[EP, C, D], all_to_all over expert, sort the received rows by local expert, SwiGLU gmm on the local experts,
-all_to_all back, combine. cfg.dispatch: "a2a" (that; any backend), "ragged" (ragged_all_to_all:
-moves only the routed rows, GPU/TPU only), "auto" (ragged on GPU/TPU, a2a on CPU). The padded
-a2a moves EP*min(K,L)/K (<= EP) times the ragged bytes. C, rows per destination shard:
+MoE: moe_ep, one full-manual shard_map whose body (moe_body, below) routes the local tokens,
+packs their K copies by destination shard into send [EP, C, D], "dispatch_a2a" all_to_all over
+expert (rows and the counts [EP, L]), "expert_gmm" sorts the received rows by local expert and
+runs the SwiGLU gmm on the L = E/EP local experts, "combine_a2a" all_to_all back, unpacks and
+combines with the routing weights (index helpers: common/dispatch.py). ep_as_cp and
+shard_exp_on_fsdp call moe_ep too. cfg.dispatch: "a2a" (that; any backend), "ragged"
+(strategies/ep_ragged.py: ragged_all_to_all moves only the routed rows, GPU/TPU only), "auto"
+(ragged on GPU/TPU, a2a on CPU). The padded a2a moves EP*min(K,L)/K (<= EP) times the ragged
+bytes. C, rows per destination shard (dispatch.send_rows):
   capacity_factor 0 (dropless): T_loc*min(K, L), the exact worst case (tiny, EP 8: 4x the routed
     T_loc*K/EP; DeepSeek-V3 shape, EP 64: 32x)
   capacity_factor cf > 0: min(T_loc*min(K, L), b_loc*L*C_e), C_e = ceil(cf*S*K/E) slots per
@@ -44,14 +48,15 @@ least the device count and E divides by EP; cost: 4 token all-to-alls of EP*C*D 
 bwd), on the critical path, and worst-case padding unless ragged.
 
 Dispatch fix (MaxText #4179), `dispatch_buffer_type` shows it without running the model:
-  default                        [N_src@(data,fsdp), EP@expert, C, D]
-  --dispatch_batch_on_expert     [N_src@(data,fsdp,expert), EP, C, D]
+  default                        [N_src@(data,fsdp), EP@expert, C, D]   (moe_body's recv)
+  --dispatch_batch_on_expert     [N_src@(data,fsdp,expert), EP, C, D]   (local_moe_body's send)
 The literal mis-sharding P((data,fsdp,expert), expert, ..) raises DuplicateSpecError in JAX; the
 flag builds what Flax's rule resolution made of it (batch keeps `expert`, E loses it): no token
-moves, every device needs every expert, so the experts are all-gathered over (fsdp, expert) and
-their grads reduce-scattered back — the AllGather+ReduceScatter fallback of #4179, here written
-explicitly because shard_map in_specs must match exactly. Same losses; EP x the expert bytes
-gathered per layer instead of the token exchange (and --dispatch is moot: nothing is exchanged).
+moves (local_moe_body packs the send buffer and keeps it), every device needs every expert, so
+the experts are all-gathered over (fsdp, expert) and their grads reduce-scattered back — the
+AllGather+ReduceScatter fallback of #4179, here written explicitly because shard_map in_specs
+must match exactly. Same losses; EP x the expert bytes gathered per layer instead of the token
+exchange (and --dispatch is moot: nothing is exchanged).
 
 HLO contract (every collective of the compiled step; size-1 axes drop out):
   all-gather over fsdp: weight matrices and experts (fwd)
@@ -72,14 +77,18 @@ HLO contract with --dispatch_batch_on_expert (no all-to-all at all):
   python run.py --strategy=ep --mesh=data:2,expert:4 --devices=8 --steps=3 --hlo_stats
   python run.py --strategy=ep --mesh=fsdp:2,expert:4 --dispatch_batch_on_expert --hlo_stats
 """
+import functools
+
 import jax
-from jax.sharding import PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from common import cost as cost_lib
 from common import dispatch, layouts
 from common import mesh as mesh_lib
-from common import model
-from common.sharding import gather_weight
+from common import model, moe
+from common.sharding import gather_weight, spec_axes
 
 NAME = "ep"
 DATA, FSDP, EXPERT = mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.EXPERT
@@ -120,20 +129,145 @@ def moe_weights(p, token_axes, batch_on_expert=False):
 
 def layout(cfg, mesh):
   x_spec = P(TOKENS, None, None)                                    # [B, S, D] @ ((d, f, e),)
-  method = dispatch.resolve_method(cfg.dispatch)
+  flag = cfg.dispatch_batch_on_expert
 
   def moe_fn(p, x, positions):
-    return dispatch.moe_ep(moe_weights(p, TOKENS, cfg.dispatch_batch_on_expert), x, positions,
-                           cfg, ep_axes=(EXPERT,), method=method,
-                           batch_on_expert=cfg.dispatch_batch_on_expert)
+    return moe_ep(moe_weights(p, TOKENS, flag), x, positions, cfg, ep_axes=(EXPERT,),
+                  body=local_moe_body if flag else None)
   return model.Layout(x=x_spec, use=layouts.fsdp_use(TOKENS), moe=moe_fn)
+
+
+# ----------------------------------------------------------------------------- the EP exchange
+def moe_ep(p, x, positions, cfg, *, ep_axes, gather_sequence=None, body=None):
+  """The routed MoE with experts sharded over the mesh axes `ep_axes`, as one full-manual
+  shard_map (also ep_as_cp's and shard_exp_on_fsdp's MoE). Call in explicit-sharding mode.
+  An EP group = the devices that differ only along ep_axes; shard index = their linear index
+  (major first).
+    p: router [D, E], bias [E] whole; wi_0 / wi_1 [E, D, F], wo [E, F, D] with E over ep_axes in
+       that order, D and F whole (moe_weights gathers the FSDP shards).
+    x [B, S, D], positions [B, S]: any token sharding whose axes include ep_axes, e.g.
+       [B, S, D] @ ((data, fsdp, expert), None, None) or ((data, fsdp), expert, None) (ep_as_cp).
+    gather_sequence: the capacity rule's whole-sequence gather when S is sharded.
+    body: the shard_map body; default exchange_body(cfg.dispatch).
+  -> (y with x's sharding, router stats summed over every token axis)."""
+  mesh, x_spec = jax.typeof(x).sharding.mesh, _spec(x)
+  ep_axes = tuple(ep_axes)
+  body = functools.partial(body or exchange_body(cfg.dispatch), cfg=cfg, ep_axes=ep_axes,
+                           ep=_size(mesh, ep_axes), token_axes=_token_axes(x_spec),
+                           gather_sequence=gather_sequence)
+  y, stats = jax.shard_map(body, mesh=mesh,
+                           in_specs=(jax.tree.map(_spec, p), x_spec, P(*tuple(x_spec)[:2])),
+                           out_specs=(x_spec, P()))(p, x, positions)   # y [B, S, D] @ x_spec
+  return y.astype(x.dtype), stats
+
+
+def moe_body(p, x, positions, *, cfg, ep_axes, ep, token_axes, gather_sequence=None):
+  """One device: local tokens x [b, s, D] -> (y [b, s, D], stats summed over token_axes)."""
+  b, s, d = x.shape
+  t, k, n_local = b * s, cfg.top_k, cfg.n_experts // ep
+  r, keep, stats = moe.route_tokens(p, x, positions, cfg, experts_all=gather_sequence)  # [T, K]
+  c = dispatch.send_rows(cfg, b, s, ep)                 # C: rows for one shard, never exceeded
+  plan = dispatch.make_plan(r.experts, keep, cfg.n_experts, ep)          # copy (t, k) -> dst, slot
+  send = dispatch.pack(x.reshape(t, d), plan, k, c)                      # [EP, C, D] by dst shard
+  with jax.named_scope("dispatch_a2a"):
+    recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True)           # [EP, C, D] by src shard
+    counts = jax.lax.all_to_all(plan.counts, ep_axes, 0, 0, tiled=True)  # [EP, L] by src shard
+  with jax.named_scope("expert_gmm"):
+    ids = dispatch.segment_ids(counts, c)                                # [EP, C] in 0..L (L = pad)
+    out = experts_ffn(p, recv, ids, n_local, cfg.gmm_backend)            # [EP, C, D]
+  with jax.named_scope("combine_a2a"):
+    back = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)            # [EP, C, D] by dst shard
+  ycopy = dispatch.unpack(back, plan).reshape(t, k, d)                   # [T, K, D], 0 if dropped
+  y = jnp.einsum("tkd,tk->td", ycopy, r.weights.astype(ycopy.dtype))     # weights 0 if dropped
+  return y.reshape(b, s, d), _psum(stats, token_axes)
+
+
+def experts_ffn(p, rows, ids, n, backend):
+  """rows [..., D] with expert ids [...] in 0..n (n = padding) -> each row through its expert:
+  stable sort by id (padding last), SwiGLU gmm on p's n experts (zero tail), unsort."""
+  shape, d = rows.shape, rows.shape[-1]
+  rows, gid = rows.reshape(-1, d), ids.reshape(-1)                       # [M, D], [M]
+  order = jnp.argsort(gid, stable=True)
+  gs = jnp.sum(jax.nn.one_hot(gid, n, dtype=jnp.int32), axis=0)          # [n], padding excluded
+  ys = moe.swiglu_experts(rows[order], gs, p, backend)                   # [M, D]
+  return jnp.zeros_like(rows).at[order].set(ys.astype(rows.dtype)).reshape(shape)
+
+
+def exchange_body(method: str):
+  """--dispatch -> the shard_map body: "a2a" moe_body; "ragged" ep_ragged.moe_body (GPU/TPU)."""
+  if dispatch.resolve_method(method) == "a2a":
+    return moe_body
+  from strategies import ep_ragged                      # off the main path (it imports this file)
+  return ep_ragged.moe_body
+
+
+def _psum(tree, axes):
+  return jax.tree.map(lambda v: jax.lax.psum(v, axes), tree)
+
+
+def _spec(a):
+  return jax.typeof(a).sharding.spec
+
+
+def _token_axes(x_spec) -> tuple[str, ...]:
+  return tuple(a for i in range(len(x_spec)) for a in spec_axes(x_spec, i))
+
+
+def _size(mesh, axes) -> int:
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+# ----------------------------------------------------------------------------- MaxText #4179
+def local_moe_body(p, x, positions, *, cfg, ep_axes, ep, token_axes, gather_sequence=None):
+  """--dispatch_batch_on_expert: moe_body's send buffer [EP, C, D], never exchanged (its batch
+  dim keeps `expert`): every device runs its own rows through every expert, so p's experts must
+  be whole [E, D, F] (moe_weights gathers them over expert too)."""
+  del ep_axes
+  b, s, d = x.shape
+  t, k, n_local = b * s, cfg.top_k, cfg.n_experts // ep
+  r, keep, stats = moe.route_tokens(p, x, positions, cfg, experts_all=gather_sequence)  # [T, K]
+  c = dispatch.send_rows(cfg, b, s, ep)
+  plan = dispatch.make_plan(r.experts, keep, cfg.n_experts, ep)
+  send = dispatch.pack(x.reshape(t, d), plan, k, c)                      # [EP, C, D], stays here
+  with jax.named_scope("expert_gmm"):
+    ids = dispatch.segment_ids(plan.counts, c)                           # [EP, C] in 0..L (L = pad)
+    ids = jnp.where(ids < n_local, ids + n_local * jnp.arange(ep)[:, None], cfg.n_experts)
+    out = experts_ffn(p, send, ids, cfg.n_experts, cfg.gmm_backend)      # global ids, E = pad
+  ycopy = dispatch.unpack(out, plan).reshape(t, k, d)                    # [T, K, D]
+  y = jnp.einsum("tkd,tk->td", ycopy, r.weights.astype(ycopy.dtype))
+  return y.reshape(b, s, d), _psum(stats, token_axes)
+
+
+def buffer_spec(token_axes, ep_axes, batch_on_expert: bool = False) -> P:
+  """[N_src, EP, rows, D]: batch over the token axes minus ep_axes, expert dim over ep_axes."""
+  ep_axes = tuple(ep_axes)
+  entry = lambda axes: None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
+  rest = tuple(a for a in token_axes if a not in ep_axes)
+  if batch_on_expert:                       # #4179: batch keeps `expert`, so E cannot have it
+    return P(entry(rest + ep_axes), None, None, None)
+  return P(entry(rest), entry(ep_axes), None, None)
+
+
+def buffer_type(cfg, mesh, x_spec, ep_axes, *, batch_on_expert=False, dtype=jnp.float32):
+  """The experts' input buffer as one global array [N_src, EP, rows, D] (ShapeDtypeStruct with
+  its sharding; N_src = token shards, dim 0 = who sent the rows, dim 1 = whose experts they are
+  for): each device's body holds one block of it, moe_body's recv [EP_src, C, D] (ragged:
+  [EP*C, D]; #4179: its own send [EP_dst, C, D]). Computed from the shapes: nothing is traced."""
+  token_axes, ep = _token_axes(x_spec), _size(mesh, ep_axes)
+  n = _size(mesh, token_axes)
+  b_loc = cfg.batch // _size(mesh, spec_axes(x_spec, 0))
+  s_loc = cfg.seq_len // _size(mesh, spec_axes(x_spec, 1))
+  c = dispatch.send_rows(cfg, b_loc, s_loc, ep)
+  ragged = not batch_on_expert and dispatch.resolve_method(cfg.dispatch) == "ragged"
+  shape = (n // ep, ep, ep * c, cfg.d_model) if ragged else (n, ep, c, cfg.d_model)
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(
+      mesh, buffer_spec(token_axes, ep_axes, batch_on_expert)))
 
 
 def dispatch_buffer_type(cfg, mesh):
   """The experts' input buffer (ShapeDtypeStruct with its sharding) for this cfg and mesh."""
-  return dispatch.dispatch_type(cfg, mesh, P(TOKENS, None, None), (EXPERT,),
-                                method=dispatch.resolve_method(cfg.dispatch),
-                                batch_on_expert=cfg.dispatch_batch_on_expert)
+  return buffer_type(cfg, mesh, P(TOKENS, None, None), (EXPERT,),
+                     batch_on_expert=cfg.dispatch_batch_on_expert)
 
 
 def activation_shardings(cfg, mesh):

@@ -18,9 +18,10 @@ Non-expert weights are FSDP over fsdp only (MaxText's rule also shards them over
 weight layout equals cp.py's and FSDP=2+CP=2 vs FSDP=2+EP-as-CP=2 compares like for like.
 
 Only between the two exchanges are tokens "sharded over expert as the experts' inputs": the
-MoE is ep.py's (common/dispatch.py) on the local b x S/EP tokens. Load balancing as cp.py
-(common/layouts.py): S cut into 2*EP chunks, rank i holds chunks i and 2EP-1-i. The capacity
-rule needs whole sequences: the expert ids and positions (ints) are all-gathered over expert.
+MoE is ep.py's moe_ep (one shard_map, its all_to_all exchange) on the local b x S/EP tokens.
+Load balancing as cp.py (common/layouts.py): S cut into 2*EP chunks, rank i holds chunks i and
+2EP-1-i. The capacity rule needs whole sequences: the expert ids and positions (ints) are
+all-gathered over expert (moe_ep's gather_sequence).
 Because S is split over expert, the global batch only needs to divide by data*fsdp: batch 2 on
 fsdp:2,expert:4 gives each device a quarter of one sequence (a fractional per-device batch).
 
@@ -105,18 +106,16 @@ def prepare_batch(b, cfg, mesh):
 def layout(cfg, mesh):
   x_spec = P(BATCH, CP, None)                                       # [B, S, D] @ ((d, f), e, None)
   kv, kv_pos = layouts.cp_kv_specs(BATCH)                           # [B, T, KV, Dh] @ ((d, f),)
-  method = dispatch.resolve_method(cfg.dispatch)
   gather_seq = layouts.sequence_gatherer(CP) if cfg.capacity_factor > 0 else None
 
-  def moe_fn(p, x, positions):
-    return dispatch.moe_ep(ep.moe_weights(p, TOKENS), x, positions, cfg, ep_axes=(EXPERT,),
-                           method=method, gather_sequence=gather_seq)
+  def moe_fn(p, x, positions):                                      # ep.py's exchange, S split
+    return ep.moe_ep(ep.moe_weights(p, TOKENS), x, positions, cfg, ep_axes=(EXPERT,),
+                     gather_sequence=gather_seq)
   return model.Layout(x=x_spec, kv=kv, kv_pos=kv_pos, use=layouts.fsdp_use(TOKENS), moe=moe_fn)
 
 
 def dispatch_buffer_type(cfg, mesh):
-  return dispatch.dispatch_type(cfg, mesh, P(BATCH, CP, None), (EXPERT,),
-                                method=dispatch.resolve_method(cfg.dispatch))
+  return ep.buffer_type(cfg, mesh, P(BATCH, CP, None), (EXPERT,))
 
 
 def activation_shardings(cfg, mesh):

@@ -28,7 +28,7 @@ cfg.expert_fsdp_mode (--expert_fsdp_mode), T = B*S/N local tokens:
      expert grads reduce-scatter back over fsdp. Per layer 3*E/EP*D*F*4 B gathered (fwd) and
      3*E/N*D*F*4 B scattered (bwd); token buffers [EP, C, D], C as in ep.py
      (T*min(K, E/EP) dropless; about cf*T*K/EP with capacity factor cf).
-  "ep": fsdp x expert is one EP group of N (common/dispatch.py over (expert, fsdp)): experts
+  "ep": fsdp x expert is one EP group of N (ep.py's moe_ep over (expert, fsdp)): experts
      never move, no weight collective and no expert-grad reduction at all. Tokens: each routed
      copy still goes to exactly one device (a ragged exchange moves the same T*K rows; (N-1)/N
      of them leave the device vs (EP-1)/EP); the padded buffer [N, C', D], C' = T*min(K, E/N),
@@ -75,6 +75,7 @@ from common import mesh as mesh_lib
 from common import model, optim
 from common.config import ConfigError
 from common.sharding import gather_weight
+from strategies.ep import buffer_type, moe_ep
 
 NAME = "shard_exp_on_fsdp"
 FSDP, EXPERT = mesh_lib.FSDP, mesh_lib.EXPERT
@@ -121,17 +122,14 @@ def ep_axes(cfg):
 
 def layout(cfg, mesh):
   x_spec = P(TOKENS, None, None)                                    # [B, S, D] @ ((f, e),)
-  method = dispatch.resolve_method(cfg.dispatch)
 
-  def moe_fn(p, x, positions):
-    return dispatch.moe_ep(moe_weights(p, cfg.expert_fsdp_mode), x, positions, cfg,
-                           ep_axes=ep_axes(cfg), method=method)
+  def moe_fn(p, x, positions):                                      # ep.py's exchange
+    return moe_ep(moe_weights(p, cfg.expert_fsdp_mode), x, positions, cfg, ep_axes=ep_axes(cfg))
   return model.Layout(x=x_spec, use=layouts.fsdp_use(TOKENS), moe=moe_fn)
 
 
 def activation_shardings(cfg, mesh):
-  t = dispatch.dispatch_type(cfg, mesh, P(TOKENS, None, None), ep_axes(cfg),
-                             method=dispatch.resolve_method(cfg.dispatch))
+  t = buffer_type(cfg, mesh, P(TOKENS, None, None), ep_axes(cfg))
   return [("residual x [B, S, D]", f"[{cfg.batch}@(fsdp,expert), {cfg.seq_len}, {cfg.d_model}]"),
           ("experts in the MoE [E, D, F]",
            "E@expert (gathered over fsdp)" if cfg.expert_fsdp_mode == "gather"

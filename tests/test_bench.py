@@ -66,3 +66,19 @@ def test_moe_layer_bench_torch_row():
     cells = [c.strip() for c in r.strip("|").split("|")]
     assert cells[1] == "torch" and float(cells[2]) > 0 and float(cells[4]) > 0, out
     assert "rel err vs the JAX layer" in cells[-1], out
+
+
+def test_moe_layer_bench_kernel_names():
+  """Kernels named in --backends are checked through common.gmm's registry, which the kernels
+  package fills: custom:mgpu:mgpu runs anywhere (as ragged_dot off Hopper, said in the note),
+  an unknown kernel is a usage error."""
+  out = _run("moe_layer.py", "--proxies=mixtral", "--backends=custom:mgpu:mgpu", "--iters=1",
+             "--scale=512", "--isolate=no")
+  rows = [l for l in out.splitlines() if l.startswith("| mixtral |")]
+  assert len(rows) == 1 and "error" not in rows[0], out
+  if "mgpu" not in out.split("kernels=")[1].split("]")[0]:
+    assert "mgpu unavailable here: runs as ragged_dot" in rows[0], out
+  bad = subprocess.run([sys.executable, os.path.join("bench", "moe_layer.py"),
+                        "--backends=custom:nope"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, check=False)
+  assert bad.returncode != 0 and "unknown gmm kernel 'nope'" in bad.stderr + bad.stdout, bad

@@ -1,7 +1,9 @@
-"""common/dispatch.py: hand-worked send plans and buffers on 2 and 3 shards, the exchange round
-trip (dispatch, identity experts, combine returns every kept copy), worst-case exactness, the
-ragged path's offsets (through a dense emulation of ragged_all_to_all, since XLA:CPU cannot run
-the real op), and the buffer specs."""
+"""common/dispatch.py's index helpers, hand-worked (send plans, buffers, ragged offsets, the
+buffer bound), and the exchange bodies that use them (strategies/ep.py's moe_body and, for
+--dispatch_batch_on_expert, local_moe_body; ep_ragged.py's moe_body through a dense emulation
+of ragged_all_to_all, since XLA:CPU cannot run the real op) with routing and experts replaced by
+stand-ins: the rows each expert receives on 2 and 3 shards, the round trip of every kept copy,
+worst-case exactness, padding never read; then the whole EP MoE against moe_local."""
 import functools
 
 import jax
@@ -10,10 +12,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from common import dispatch
+from common import buffers, dispatch, moe, routing
 from common import mesh as mesh_lib
-from common.config import ConfigError
+from common.config import ConfigError, get_config
+import strategies
+from strategies import ep_ragged
 
+EP = strategies.get("ep")
 A2A = "a2a"
 
 
@@ -33,23 +38,48 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
   return output
 
 
-def exchange(xs, experts, keep, n_experts, method=A2A, exchange=True):
-  """Per shard i: tokens xs[i] [T, D], experts/keep [T, K] -> numpy (buf, ids, copies back)."""
-  ep = len(xs)
+BODIES = {A2A: EP.moe_body, "ragged": functools.partial(ep_ragged.moe_body,
+                                                       ragged_fn=emulated_ragged_all_to_all),
+          "local": EP.local_moe_body}
+
+
+def exchange(monkeypatch, xs, experts, keep, n_experts, body=A2A):
+  """Per shard i: tokens xs[i] [T, D] routed to experts / keep [T, K] through an exchange body,
+  with stand-ins for the routing (combine weight 1000**k for kept copy k) and the experts (expert
+  e multiplies its rows by e + 1). -> numpy per shard: the rows the experts get [EP*C, D] (sorted
+  by expert, padding last), their group sizes, and y [T, D]."""
+  ep, k = len(xs), np.shape(experts)[-1]
+  cfg = get_config("tiny", n_experts=n_experts, top_k=k)                # dropless: C = T*min(K, L)
+  seen = {}
+
+  def route(p, x, positions, cfg, experts_all=None):
+    w = jnp.where(p["keep"], 1000.0 ** jnp.arange(k), 0.0)
+    return routing.Routing(p["experts"], w, None, None), p["keep"], {}
+
+  def experts_fn(xs, gs, p, backend):                          # gs: local experts, or all E
+    seen.update(rows=xs, gs=gs)
+    first = 0 if gs.shape[0] == n_experts else gs.shape[0] * jax.lax.axis_index("expert")
+    return xs * (1 + first + dispatch.segment_ids(gs, xs.shape[0]))[:, None]
+
+  monkeypatch.setattr(moe, "route_tokens", route)
+  monkeypatch.setattr(moe, "swiglu_experts", experts_fn)
+
+  def run(x, e, kp):                                           # x [1, T, D]: b = 1, s = T
+    y, _ = BODIES[body]({"experts": e[0], "keep": kp[0]}, x, None, cfg=cfg, ep_axes=("expert",),
+                        ep=ep, token_axes=("expert",))
+    return seen["rows"][None], seen["gs"][None], y
+
   mesh = mesh_lib.make_mesh({"expert": ep})
-  ragged_fn = emulated_ragged_all_to_all if method == "ragged" else None
-
-  def body(x, e, kp):
-    buf, ids, meta = dispatch.send(x[0], e[0], kp[0], n_experts=n_experts, ep_axes=("expert",),
-                                   ep=ep, method=method, exchange=exchange, ragged_fn=ragged_fn)
-    back = dispatch.receive(buf, meta, ep_axes=("expert",), method=method, exchange=exchange,
-                            ragged_fn=ragged_fn)                          # identity experts
-    return buf[None], ids[None], back[None]
-
   args = [jax.device_put(np.asarray(a), NamedSharding(mesh, P("expert")))
           for a in (np.asarray(xs, np.float32), np.asarray(experts, np.int32), np.asarray(keep))]
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
+  f = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
   return [np.asarray(o) for o in f(*args)]
+
+
+def round_trip(xs, experts, keep):
+  """y of the stand-ins: sum over kept copies k of 1000**k * (e_tk + 1) * x_t."""
+  w = np.asarray(keep) * 1000.0 ** np.arange(np.shape(experts)[-1]) * (np.asarray(experts) + 1)
+  return np.sum(w, axis=-1, keepdims=True) * np.asarray(xs, np.float32)
 
 
 # 2 shards, E=4 (L=2), K=2, T=3: the module docstring's example on shard 0.
@@ -71,25 +101,17 @@ def test_plan_hand_worked():
                                 [[0, 1, 1, 2, 2, 2], [0, 0, 1, 2, 2, 2]])
 
 
-def test_two_shards_a2a_buffers_and_round_trip():
-  buf, ids, back = exchange(X2, E2, K2, 4)
-  # shard 0 owns experts 0, 1: source 0 sends [x1 x0 x2], source 1 [x0 x1 x1] (e0 e0 e1)
-  np.testing.assert_array_equal(buf[0, :, 0, :, 0], [[11, 10, 12, 0, 0, 0], [20, 21, 21, 0, 0, 0]])
-  np.testing.assert_array_equal(ids[0, :, 0], [[0, 1, 1, 2, 2, 2], [0, 0, 1, 2, 2, 2]])
-  # shard 1 owns experts 2, 3: source 0 [x0 x2 x1] (e2 e2 e3), source 1 [x2 x0 x2] (e2 e3 e3)
-  np.testing.assert_array_equal(buf[1, :, 0, :, 0], [[10, 12, 11, 0, 0, 0], [22, 20, 22, 0, 0, 0]])
-  np.testing.assert_array_equal(ids[1, :, 0], [[0, 0, 1, 2, 2, 2], [0, 1, 1, 2, 2, 2]])
-  np.testing.assert_array_equal(back, np.repeat(np.asarray(X2), 2, axis=1))   # every copy home
-
-
-def test_two_shards_ragged_offsets():
-  """Rows of source 0 then source 1, back to back; segment ids over (source, local expert)."""
-  buf, ids, back = exchange(X2, E2, K2, 4, method="ragged")
-  np.testing.assert_array_equal(buf[0, 0, 0, :, 0], [11, 10, 12, 20, 21, 21] + [0] * 6)
-  np.testing.assert_array_equal(ids[0, 0, 0], [0, 1, 1, 0, 0, 1] + [2] * 6)
-  np.testing.assert_array_equal(buf[1, 0, 0, :, 0], [10, 12, 11, 22, 20, 22] + [0] * 6)
-  np.testing.assert_array_equal(ids[1, 0, 0], [0, 0, 1, 0, 1, 1] + [2] * 6)
-  np.testing.assert_array_equal(back, np.repeat(np.asarray(X2), 2, axis=1))
+@pytest.mark.parametrize("body", [A2A, "ragged"])
+def test_two_shards_rows_per_expert_and_round_trip(monkeypatch, body):
+  """Each expert gets the rows of every source of its EP group, source 0's first (a2a: rows
+  [EP_src, C] sorted by local expert; ragged: source runs back to back): the same rows."""
+  rows, gs, y = exchange(monkeypatch, X2, E2, K2, 4, body)
+  # shard 0 owns experts 0, 1: source 0 sends [x1 | x0 x2], source 1 [x0 x1 | x1]
+  np.testing.assert_array_equal(rows[0, :, 0], [11, 20, 21, 10, 12, 21] + [0] * 6)
+  # shard 1 owns experts 2, 3: source 0 sends [x0 x2 | x1], source 1 [x2 | x0 x2]
+  np.testing.assert_array_equal(rows[1, :, 0], [10, 12, 22, 11, 20, 22] + [0] * 6)
+  np.testing.assert_array_equal(gs, [[3, 3], [3, 3]])
+  np.testing.assert_array_equal(y, round_trip(X2, E2, K2))                 # every copy home
 
 
 def test_ragged_params_hand_worked():
@@ -105,24 +127,19 @@ def test_ragged_params_hand_worked():
 
 
 # 3 shards, E=6 (L=2), K=2, T=2; shard 1's copy (1, 1) is dropped by the capacity rule.
-X3 = [[[0.], [1.]], [[10.], [11.]], [[20.], [21.]]]
+X3 = [[[1.], [2.]], [[10.], [11.]], [[20.], [21.]]]
 E3 = [[[5, 0], [2, 3]], [[1, 4], [4, 5]], [[0, 1], [3, 2]]]
 K3 = np.array([[[1, 1], [1, 1]], [[1, 1], [1, 0]], [[1, 1], [1, 1]]], bool)
 
 
-def test_three_shards_with_a_dropped_copy():
-  buf, ids, back = exchange(X3, E3, K3, 6)                               # C = T*min(K,L) = 4
-  b = buf[..., 0, :, 0]                                                  # [receiver, source, C]
-  np.testing.assert_array_equal(b[0], [[0, 0, 0, 0], [10, 0, 0, 0], [20, 20, 0, 0]])
-  np.testing.assert_array_equal(ids[:, :, 0][0], [[0, 2, 2, 2], [1, 2, 2, 2], [0, 1, 2, 2]])
-  np.testing.assert_array_equal(b[1], [[1, 1, 0, 0], [0, 0, 0, 0], [21, 21, 0, 0]])
-  np.testing.assert_array_equal(ids[:, :, 0][1], [[0, 1, 2, 2], [2, 2, 2, 2], [0, 1, 2, 2]])
-  np.testing.assert_array_equal(b[2], [[0, 0, 0, 0], [10, 11, 0, 0], [0, 0, 0, 0]])
-  np.testing.assert_array_equal(ids[:, :, 0][2], [[1, 2, 2, 2], [0, 0, 2, 2], [2, 2, 2, 2]])
-  want = np.repeat(np.asarray(X3), 2, axis=1) * K3.reshape(3, 4, 1)     # dropped copy -> 0
-  np.testing.assert_array_equal(back, want)
-  _, _, back_ragged = exchange(X3, E3, K3, 6, method="ragged")
-  np.testing.assert_array_equal(back_ragged, want)
+@pytest.mark.parametrize("body", [A2A, "ragged"])
+def test_three_shards_with_a_dropped_copy(monkeypatch, body):
+  rows, gs, y = exchange(monkeypatch, X3, E3, K3, 6, body)              # C = T*min(K,L) = 4
+  np.testing.assert_array_equal(rows[0, :, 0], [1, 20, 10, 20] + [0] * 8)  # e0: x0 of 0, of 2
+  np.testing.assert_array_equal(rows[1, :, 0], [2, 21, 2, 21] + [0] * 8)   # none from shard 1
+  np.testing.assert_array_equal(rows[2, :, 0], [10, 11, 1] + [0] * 9)      # e5 misses 1's copy
+  np.testing.assert_array_equal(gs, [[2, 2], [2, 2], [2, 1]])
+  np.testing.assert_array_equal(y, round_trip(X3, E3, K3))               # dropped copy: nothing
 
 
 def test_capacity_factor_bound_hand_worked():
@@ -130,8 +147,6 @@ def test_capacity_factor_bound_hand_worked():
   C_e = ceil(1*8*2/8) = 2 slots per expert, so C = b*L*C_e = 1*2*2 = 4 rows per shard, where the
   dropless worst case T*min(K, L) = 16 is 4x larger. Every token picks experts 0 and 1 (both on
   shard 0): the capacity rule keeps 2 copies each, and shard 0 receives exactly the bound."""
-  from common import routing
-  from common.config import get_config
   cfg = get_config("tiny", n_experts=8, top_k=2, seq_len=8, capacity_factor=1.0)
   c = dispatch.send_rows(cfg, 1, 8, 4)
   assert c == 4 and dispatch.capacity(8, 2, 2) == 16
@@ -144,52 +159,45 @@ def test_capacity_factor_bound_hand_worked():
   np.testing.assert_array_equal(send[..., 0], [[10, 11, 10, 11]] + [[0] * 4] * 3)  # full: = C
 
 
-@pytest.mark.parametrize("method", [A2A, "ragged"])
-def test_round_trip_never_reads_padding(method):
+@pytest.mark.parametrize("body", [A2A, "ragged"])
+def test_round_trip_never_reads_padding(monkeypatch, body):
   """Every padded buffer starts as NaN (common/buffers.py): the padding is really there (NaN in
-  the received buffer), and no padding row comes back as a copy's row."""
-  from common import buffers
+  the rows the experts get), and no padding row reaches a token (ragged: unsent copies masked)."""
   with buffers.poisoned():
-    buf, _, back = exchange(X3, E3, K3, 6, method=method)
-  assert np.isnan(buf).any()
-  np.testing.assert_array_equal(back, np.repeat(np.asarray(X3), 2, axis=1) * K3.reshape(3, 4, 1))
+    rows, _, y = exchange(monkeypatch, X3, E3, K3, 6, body)
+  assert np.isnan(rows).any()
+  np.testing.assert_array_equal(y, round_trip(X3, E3, K3))
 
 
-def test_no_exchange_keeps_rows_local():
-  """batch_on_expert: the send buffer stays put, ids name global experts (E = padding)."""
-  buf, ids, back = exchange(X2, E2, K2, 4, exchange=False)
-  np.testing.assert_array_equal(buf[0, 0, :, :, 0], [[11, 10, 12, 0, 0, 0], [10, 12, 11, 0, 0, 0]])
-  np.testing.assert_array_equal(ids[0, 0], [[0, 1, 1, 4, 4, 4], [2, 2, 3, 4, 4, 4]])
-  np.testing.assert_array_equal(back, np.repeat(np.asarray(X2), 2, axis=1))
+def test_no_exchange_keeps_rows_local(monkeypatch):
+  """--dispatch_batch_on_expert (local_moe_body): the send buffer stays put and every device's
+  own rows go through all E experts (E = padding)."""
+  rows, gs, y = exchange(monkeypatch, X2, E2, K2, 4, "local")
+  np.testing.assert_array_equal(rows[0, :, 0], [11, 10, 12, 10, 12, 11] + [0] * 6)
+  np.testing.assert_array_equal(rows[1, :, 0], [20, 21, 21, 22, 20, 22] + [0] * 6)
+  np.testing.assert_array_equal(gs, [[1, 2, 2, 1], [2, 1, 1, 2]])
+  np.testing.assert_array_equal(y, round_trip(X2, E2, K2))
 
 
 @pytest.mark.parametrize("ep,n_experts,k", [(2, 4, 2), (4, 4, 2), (3, 6, 2)])
-def test_worst_case_is_exact(ep, n_experts, k):
+def test_worst_case_is_exact(monkeypatch, ep, n_experts, k):
   """Every token of every shard picks the first experts: the fullest possible send to shard 0
   (or shards 0 and 1 when L < K) fills C = T*min(K, L) exactly and nothing is lost."""
   t = 5
   rng = np.random.default_rng(ep)
   xs = rng.standard_normal((ep, t, 3)).astype(np.float32)
   experts = np.broadcast_to(np.arange(k), (ep, t, k))
-  buf, ids, back = exchange(xs, experts, np.ones((ep, t, k), bool), n_experts)
-  n_local = n_experts // ep
-  c = dispatch.capacity(t, k, n_local)
-  assert buf.shape == (ep, ep, 1, c, 3)
-  assert (ids[0] < n_local).all()                                      # shard 0's buffer is full
-  np.testing.assert_array_equal(back, np.repeat(xs, k, axis=1))
+  keep = np.ones((ep, t, k), bool)
+  rows, gs, y = exchange(monkeypatch, xs, experts, keep, n_experts)
+  c = dispatch.capacity(t, k, n_experts // ep)
+  assert rows.shape == (ep, ep * c, 3)
+  assert gs[0].sum() == ep * c                                           # shard 0's rows: full
+  np.testing.assert_allclose(y, round_trip(xs, experts, keep), rtol=1e-6)
 
 
 def test_capacity_bound():
   assert dispatch.capacity(10, 2, 1) == 10       # L=1: at most one copy per shard per token
   assert dispatch.capacity(10, 4, 8) == 40       # L>=K: all K copies can go to one shard
-
-
-def test_specs():
-  t = ("data", "fsdp", "expert")
-  assert dispatch.dispatch_spec(t, ("expert",)) == P(("data", "fsdp"), "expert", None, None)
-  assert dispatch.dispatch_spec(t, ("expert",), True) == P(t, None, None, None)
-  assert dispatch.dispatch_spec(t, ("fsdp", "expert")) == P("data", ("fsdp", "expert"), None, None)
-  assert dispatch.dispatch_spec(("expert",), ("expert",)) == P(None, "expert", None, None)
 
 
 def test_method_resolution():
@@ -199,12 +207,12 @@ def test_method_resolution():
   dispatch.check_method("ragged", "gpu")
   with pytest.raises(ConfigError, match=r"^dispatch='ragged' needs ragged_all_to_all"):
     dispatch.check_method("ragged", "cpu")
+  assert EP.exchange_body(A2A) is EP.moe_body and EP.exchange_body("ragged") is ep_ragged.moe_body
 
 
 @functools.lru_cache(maxsize=None)
 def _moe_case():
   from common import model
-  from common.config import get_config
   cfg = get_config("tiny", batch=8, seq_len=8, n_layers=1)
   p = model.layer_params(model.init_params(cfg), 0)["moe"]
   x = np.random.default_rng(0).standard_normal((8, 8, cfg.d_model)).astype(np.float32)
@@ -212,33 +220,30 @@ def _moe_case():
   return cfg, p, x, pos
 
 
-def _moe_ep(method, ragged_fn=None, mesh=None, ep_axes=("expert",)):
-  """Jitted moe_ep on a mesh with tokens over every axis and experts over ep_axes."""
+def _moe_ep(body, mesh=None, ep_axes=("expert",)):
+  """Jitted ep.moe_ep on a mesh with tokens over every axis and experts over ep_axes."""
   cfg, p, x, pos = _moe_case()
   mesh = mesh or mesh_lib.make_mesh({"data": 2, "expert": 4})
   tok = tuple(mesh.axis_names)
   e_entry = ep_axes[0] if len(ep_axes) == 1 else ep_axes
   with jax.set_mesh(mesh):
     pp = {k: jax.device_put(v, P(e_entry, None, None) if v.ndim == 3 else P()) for k, v in p.items()}
-    f = jax.jit(lambda p, x, pos: dispatch.moe_ep(p, x, pos, cfg, ep_axes=ep_axes,
-                                                  method=method, ragged_fn=ragged_fn))
+    f = jax.jit(lambda p, x, pos: EP.moe_ep(p, x, pos, cfg, ep_axes=ep_axes, body=body))
     args = (pp, jax.device_put(x, P(tok, None, None)), jax.device_put(pos, P(tok, None)))
     return f, args
 
 
-@pytest.mark.parametrize("method,mesh,ep_axes", [
+@pytest.mark.parametrize("body,mesh,ep_axes", [
     (A2A, None, ("expert",)),
     ("ragged", None, ("expert",)),
     (A2A, {"data": 2, "fsdp": 2, "expert": 2}, ("expert", "fsdp")),   # shard_exp_on_fsdp "ep"
 ], ids=["a2a", "emulated-ragged", "two-ep-axes"])
-def test_moe_ep_matches_moe_local(method, mesh, ep_axes):
-  """Forward of the whole EP MoE (3 shard_maps) equals the single-device moe_local; an EP group
+def test_moe_ep_matches_moe_local(body, mesh, ep_axes):
+  """Forward of the whole EP MoE (one shard_map) equals the single-device moe_local; an EP group
   may span several mesh axes (shard index = their linear index in ep_axes order)."""
-  from common import moe
   cfg, p, x, pos = _moe_case()
   want, want_stats = moe.moe_local(p, jnp.asarray(x), jnp.asarray(pos), cfg)
-  fn = emulated_ragged_all_to_all if method == "ragged" else None
-  f, args = _moe_ep(method, fn, mesh_lib.make_mesh(mesh) if mesh else None, ep_axes)
+  f, args = _moe_ep(BODIES[body], mesh_lib.make_mesh(mesh) if mesh else None, ep_axes)
   y, stats = f(*args)
   np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(stats["counts"]), np.asarray(want_stats["counts"]))
@@ -246,13 +251,13 @@ def test_moe_ep_matches_moe_local(method, mesh, ep_axes):
 
 def test_ragged_lowers_to_ragged_all_to_all():
   """The real op lowers on CPU (XLA:CPU cannot compile/run it; GPU/TPU only)."""
-  f, args = _moe_ep("ragged")
+  f, args = _moe_ep(ep_ragged.moe_body)
   assert f.lower(*args).as_text().count("ragged_all_to_all") == 2       # dispatch + combine
 
 
 @pytest.mark.skipif(jax.default_backend() == "cpu",
                     reason="ragged_all_to_all is not implemented by XLA:CPU (GPU/TPU only)")
 def test_ragged_runs_on_accelerator():
-  f, args = _moe_ep("ragged")
-  g, _ = _moe_ep(A2A)
+  f, args = _moe_ep(ep_ragged.moe_body)
+  g, _ = _moe_ep(EP.moe_body)
   np.testing.assert_allclose(np.asarray(f(*args)[0]), np.asarray(g(*args)[0]), rtol=1e-5, atol=1e-5)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from common import cost, hlo, layouts
+from common import cost, dispatch, hlo, layouts
 from common.config import ConfigError, get_config
 import strategies
 from tests import parity
@@ -83,14 +83,30 @@ def test_capacity_factor_sizes_the_exchange():
 # ----------------------------------------------------------------------------- MaxText #4179
 @pytest.mark.parametrize("mesh", ["expert:8", "data:2,expert:4", "fsdp:2,expert:4"])
 def test_dispatch_buffer_batch_does_not_steal_expert(mesh):
-  """Pure sharding check (jax.eval_shape of the dispatch stage, nothing compiled or run)."""
+  """Pure sharding check (ep.buffer_type, nothing traced): the experts' input as one global
+  [N_src, EP, C, D] array. Default: each device's block is moe_body's recv, rows from the EP
+  sources of its group for its own experts; the flag: local_moe_body's send, its own rows for
+  every EP shard's experts (tests/test_dispatch.py shows both bodies' rows)."""
   cfg, m = _cfg("tiny"), _mesh(mesh)
+  ep = m.shape["expert"]
+  c = dispatch.send_rows(cfg, 1, cfg.seq_len, ep)                      # one sequence per device
   t = EP.dispatch_buffer_type(cfg, m)                                  # [N_src, EP, C, D]
   spec = tuple(t.sharding.spec)
   assert _axes(spec[1]) == {"expert"} and "expert" not in _axes(spec[0]), spec
-  assert t.shape[:2] == (8, m.shape["expert"])
-  bad = tuple(EP.dispatch_buffer_type(_cfg("tiny", True), m).sharding.spec)
+  assert t.shape[:2] == (8, ep)
+  assert t.sharding.shard_shape(t.shape) == (ep, 1, c, cfg.d_model)    # recv [EP_src, C, D]
+  b = EP.dispatch_buffer_type(_cfg("tiny", True), m)
+  bad = tuple(b.sharding.spec)
   assert "expert" in _axes(bad[0]) and bad[1] is None, bad            # the mis-sharded variant
+  assert b.sharding.shard_shape(b.shape) == (1, ep, c, cfg.d_model)    # send [EP_dst, C, D]
+
+
+def test_buffer_specs():
+  t = ("data", "fsdp", "expert")
+  assert EP.buffer_spec(t, ("expert",)) == P(("data", "fsdp"), "expert", None, None)
+  assert EP.buffer_spec(t, ("expert",), True) == P(t, None, None, None)
+  assert EP.buffer_spec(t, ("fsdp", "expert")) == P("data", ("fsdp", "expert"), None, None)
+  assert EP.buffer_spec(("expert",), ("expert",)) == P(None, "expert", None, None)
 
 
 def test_literal_mis_sharding_is_inexpressible():

@@ -1,6 +1,10 @@
-"""Tests for common/gmm.py: every backend vs a numpy loop reference."""
+"""Tests for common/gmm.py (every backend vs a numpy loop reference, the kernel registry) and
+kernels/mgpu.py (the Hopper glue and tile autotuner, with stand-in kernels on CPU)."""
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +12,7 @@ import numpy as np
 import pytest
 
 from common import gmm as gmm_lib
+from kernels import mgpu as mgpu_lib
 
 M, K, N, E = 24, 8, 6, 4
 # Uneven sizes with an empty group; the first leaves a padded tail (sum 17 < 24).
@@ -102,14 +107,58 @@ def test_backend_names():
       gmm_lib.gmm(x, w, gs, **kw)
 
 
+def test_kernel_registry(monkeypatch):
+  """common.gmm's kernel table: a registered kernel that runs natively here becomes the "custom"
+  default and turns "auto" into "custom"; an unavailable one is still usable by name."""
+  calls = []
+
+  def toy(lhs, rhs, group_sizes, *, out_dtype, transpose_rhs=False):
+    calls.append(transpose_rhs)
+    return gmm_lib._ragged_dot_kernel(lhs, rhs, group_sizes, out_dtype=out_dtype,
+                                      transpose_rhs=transpose_rhs)
+
+  assert "mgpu" in gmm_lib._KERNELS and "mgpu" in gmm_lib._WGRADS  # registered by kernels/
+  monkeypatch.setitem(gmm_lib._KERNELS, "toy", (toy, lambda: True))
+  assert gmm_lib.available_kernels()[-1] == gmm_lib.resolve_kernel("auto") == "toy"
+  assert gmm_lib.resolve_backend("auto") == "custom"
+  x, w, ct = _data()
+  gs = jnp.asarray(GROUP_SIZES[0])
+  with jax.default_matmul_precision("highest"):
+    y, vjp = jax.vjp(lambda x, w: gmm_lib.gmm(x, w, gs), x, w)
+    dx, dw = vjp(ct)
+  assert calls == [False, True]                               # forward, then dx
+  for got, want in zip((y, dx, dw), _reference(x, w, GROUP_SIZES[0], ct)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  monkeypatch.setitem(gmm_lib._KERNELS, "toy", (toy, lambda: False))
+  assert "toy" not in gmm_lib.available_kernels() and gmm_lib.resolve_kernel("toy") == "toy"
+  assert gmm_lib.resolve_kernel("auto") != "toy"
+
+
+def test_kernels_package_loads_lazily():
+  """Importing common.gmm imports no accelerator code; the first kernel lookup imports the
+  `kernels` package (which registers "mgpu"), and on CPU that imports no Pallas GPU module."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  code = ("import sys; from common import gmm\n"
+          "assert 'kernels' not in sys.modules\n"
+          "print(gmm.available_kernels(), sorted(gmm._KERNELS), sorted(gmm._WGRADS))\n"
+          "assert 'kernels.mgpu' in sys.modules\n"
+          "assert not [m for m in sys.modules if 'pallas.ops.gpu' in m]\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=120, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split("\n")[0] == (
+      "['ragged_dot'] ['mgpu', 'ragged_dot'] ['mgpu', 'ragged_dot_general', 'segment']"), out.stdout
+
+
 def test_mgpu_plumbing_traces(monkeypatch):
   """Traces (no run) the mgpu kernel path on any platform: fwd and dx go through the kernel.
 
   The "mgpu" wgrad cannot be traced on CPU (it reads the GPU core count).
   """
   pytest.importorskip("jax.experimental.pallas.ops.gpu.ragged_dot_mgpu")
-  monkeypatch.setattr(gmm_lib, "_mgpu_module", gmm_lib._mgpu_module.__wrapped__)
-  monkeypatch.setattr(gmm_lib, "_on_hopper", lambda: True)
+  monkeypatch.setattr(mgpu_lib, "_mgpu_module", mgpu_lib._mgpu_module.__wrapped__)
+  monkeypatch.setattr(mgpu_lib, "_on_hopper", lambda: True)
   spec = jax.ShapeDtypeStruct
   x, w = spec((256, 256), jnp.bfloat16), spec((4, 256, 384), jnp.bfloat16)
   gs, ct = spec((4,), jnp.int32), spec((256, 384), jnp.float32)
@@ -194,7 +243,7 @@ class _FakeMgpu:
 def test_mgpu_glue_numerics_with_fake_kernels(monkeypatch):
   """The mgpu path's glue (tile checks, transposed weights for dx, tail masking, dtype casts)
   runs on CPU with the Hopper kernels replaced by _FakeMgpu, against the ragged_dot backend."""
-  monkeypatch.setattr(gmm_lib, "_mgpu_module", lambda *a, **k: _FakeMgpu)
+  monkeypatch.setattr(mgpu_lib, "_mgpu_module", lambda *a, **k: _FakeMgpu)
   assert gmm_lib.available_kernels() == ["ragged_dot", "mgpu"]
   assert gmm_lib.resolve_backend("auto") == "custom"
   m, k, n = 256, 128, 256
@@ -234,16 +283,16 @@ def test_autotune_table_reaches_the_kernels(monkeypatch, tmp_path):
       seen.append(("wgrad", kw["block_n"], kw["block_m"]))
       return _FakeMgpu.transposed_ragged_dot(lhs, rhs, **kw)
 
-  monkeypatch.setattr(gmm_lib, "_mgpu_module", lambda *a, **k: Recording)
-  monkeypatch.setattr(gmm_lib, "TILES_FILE", str(tmp_path / "tiles.json"))
+  monkeypatch.setattr(mgpu_lib, "_mgpu_module", lambda *a, **k: Recording)
+  monkeypatch.setattr(mgpu_lib, "TILES_FILE", str(tmp_path / "tiles.json"))
   cands = [dict(block_m=64, block_n=64, block_k=32, max_concurrent_steps=2),
            dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4),
            dict(block_m=512, block_n=512, block_k=512, max_concurrent_steps=2)]  # never fits
   e, m, k, n = 4, 256, 128, 192                        # n = 192: block_n 128 does not divide it
-  table = gmm_lib.autotune([(e, m, k, n)], jnp.bfloat16, 1, gmm_lib.TILES_FILE, cands,
-                           log=lambda s: None)
+  table = mgpu_lib.autotune([(e, m, k, n)], jnp.bfloat16, 1, mgpu_lib.TILES_FILE, cands,
+                            log=lambda s: None)
   assert not [s for s in seen if 512 in s]
-  fwd, dx, wgrad = (gmm_lib.tile_key(kind, e, m, a, b, jnp.bfloat16)
+  fwd, dx, wgrad = (mgpu_lib.tile_key(kind, e, m, a, b, jnp.bfloat16)
                     for kind, a, b in (("fwd", k, n), ("dx", n, k), ("wgrad", k, n)))
   assert set(table) == {fwd, dx, wgrad}, table
   assert table[fwd] == table[wgrad] == cands[0], table   # block_n 128 does not divide N = 192
