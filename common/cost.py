@@ -36,7 +36,18 @@ class Term:
   phase: str       # "fwd" | "bwd" | "opt" | "step"
   what: str        # short description, e.g. "attn wq all-gather over fsdp"
   bytes: float     # per-device result bytes summed over the train step
-  group: int       # devices in the collective's group
+  axes: tuple      # the mesh axes its groups span (size-1 axes dropped)
+  group: int       # devices in one group: the product of those axes' sizes
+
+
+def term(mesh, kind: str, phase: str, what: str, nbytes: float, axes) -> list[Term]:
+  """[Term] over mesh `axes` (a name or a tuple), or [] when they hold one device (nothing
+  moves, and XLA emits nothing)."""
+  axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.shape[a] > 1)
+  if not axes or not nbytes:
+    return []
+  return [Term(kind, phase, what, nbytes, axes, math.prod(mesh.shape[a] for a in axes))]
+
 
   @property
   def wire_bytes(self) -> float:
@@ -54,12 +65,23 @@ def totals(terms: list[Term]) -> dict[str, float]:
   return out
 
 
-def versus(terms: list[Term], measured: dict) -> dict[str, dict]:
-  """{kind: {predicted, measured, ratio}} for every kind either side has."""
-  pred = totals(terms)
+def by_axes(terms: list[Term]) -> dict[tuple[str, frozenset], float]:
+  """{(kind, frozenset(axes)): bytes}: the key common.hlo.collective_stats_by_axes uses."""
+  out: dict = {}
+  for t in terms:
+    key = (t.kind, frozenset(t.axes))
+    out[key] = out.get(key, 0.0) + t.bytes
+  return out
+
+
+def versus(terms: list[Term], measured: dict, by: str = "kind") -> dict:
+  """Predicted against measured bytes for every key either side has. by="kind": measured is
+  hlo.collective_stats; by="axes": hlo.collective_stats_by_axes, keys (kind, frozenset(axes)).
+  -> {key: {predicted, measured, ratio}}."""
+  pred = by_axes(terms) if by == "axes" else totals(terms)
   out = {}
-  for k in hlo.COLLECTIVE_KINDS:
-    p, m = pred[k], measured.get(k, {}).get("bytes", 0)
+  for k in sorted(set(pred) | set(measured), key=str):
+    p, m = pred.get(k, 0.0), measured.get(k, {}).get("bytes", 0)
     if p or m:
       out[k] = {"predicted": p, "measured": m, "ratio": (m / p) if p else float("inf")}
   return out
@@ -99,11 +121,63 @@ def param_memory(param_shapes, specs, mesh, optimizer: str) -> dict[str, float]:
   return {"param_bytes": params, "opt_bytes": opt}
 
 
-def leaves_bytes(tree) -> int:
-  return int(sum(np.prod(getattr(l, "shape", l)) for l in jax.tree.leaves(tree)) * F32)
+def _entry_axes(entry) -> tuple[str, ...]:
+  return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
-def router_stats(cfg, group: int) -> Term:
-  """psum of the per-layer router statistics (counts [E], prob sums [E], z, dropped)."""
-  return Term("all-reduce", "fwd", "router stats psum", cfg.n_layers * (2 * cfg.n_experts + 2) * F32,
-              group)
+def spec_axes(spec) -> tuple[str, ...]:
+  return tuple(a for e in (spec or ()) for a in _entry_axes(e))
+
+
+def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None) -> list[Term]:
+  """The weight traffic of a train step, derived once for every strategy from each parameter's
+  role, stored spec (`specs`, the strategy's param_specs) and how the step uses it:
+
+    gathered[role] = (used_spec, g): the weight is all-gathered to used_spec before use
+      (common.sharding.gather_weight(w, used_spec, g)): per dim stored on axes it is not used
+      on, an all-gather over them (fwd; the minor dim first, each op's bytes the size it gathers
+      to); its gradient comes back reduce-scattered over them (bwd; the major dim first, as
+      gather_weight's backward runs) and is all-reduced over the rest of g (the stored size).
+    otherwise the weight is used as stored: its gradient is a partial sum over the grad axes it
+      is not split over, all-reduced at the stored size. grads[role] overrides `grad_axes` for a
+      role; a tuple of axis tuples is reduced one group after the other (XLA splits the sum of
+      a norm scale that meets a batch- and sequence-sharded activation: sequence axes first).
+  Plus the gradient norm: one scalar all-reduced over every mesh axis (common.train.global_norm).
+  The router bias gets no gradient (stop_gradient), hence no traffic."""
+  from common import model
+  gathered, grads = gathered or {}, grads or {}
+  leaves = model.param_leaves(cfg)
+  flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  out = []
+  for leaf, spec in zip(leaves, flat_specs):
+    if leaf.role == "bias":
+      continue
+    full, stored = nbytes(leaf.shape), spec_axes(spec)
+    local = full / spec_shards(spec, mesh)
+    if leaf.role in gathered:
+      used, g = gathered[leaf.role]
+      moves = [m for m in (tuple(a for a in _entry_axes(e) if a not in spec_axes(used))
+                           for e in spec) if m]                  # per dim, major first
+      shards = spec_shards(spec, mesh)
+      for m in reversed(moves):
+        shards //= math.prod(mesh.shape[a] for a in m)
+        out += term(mesh, "all-gather", "fwd", f"{leaf.role} gathered", full / shards, m)
+      for m in moves:
+        shards *= math.prod(mesh.shape[a] for a in m)
+        out += term(mesh, "reduce-scatter", "bwd", f"{leaf.role} grads", full / shards, m)
+      moved = {a for m in moves for a in m}
+      groups = (tuple(a for a in g if a not in moved),)
+    else:
+      g = grads.get(leaf.role, grad_axes)
+      groups = g if g and not isinstance(g[0], str) else (tuple(g),)
+    for group in groups:
+      out += term(mesh, "all-reduce", "bwd", f"{leaf.role} grads",
+                  local, tuple(a for a in group if a not in stored))
+  return out + term(mesh, "all-reduce", "opt", "grad norm", F32, tuple(mesh.axis_names))
+
+
+def stats_terms(cfg, mesh, token_axes) -> list[Term]:
+  """Router statistics (counts, prob sums [E], z, dropped per layer) and the loss sums,
+  all-reduced over the token axes (global statistics: the aux loss is layout-independent)."""
+  return term(mesh, "all-reduce", "fwd", "router stats + loss sums",
+              (cfg.n_layers * (2 * cfg.n_experts + 2) + 1) * F32, token_axes)

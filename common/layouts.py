@@ -104,64 +104,32 @@ def _axes(a) -> tuple[str, ...]:
 
 
 
-def stats_cost(cfg, mesh, token_axes) -> list[cost_lib.Term]:
-  """Router statistics (counts, prob sums [E] + z, dropped per layer) and the loss sums,
-  all-reduced over the token axes."""
-  n = mesh_lib.axis_size(mesh, *_axes(token_axes))
-  if n == 1:
-    return []
-  per_layer = (2 * cfg.n_experts + 2) * cost_lib.F32
-  return [cost_lib.Term("all-reduce", "fwd", "router stats + loss sums",
-                        cfg.n_layers * per_layer + cost_lib.F32, n)]
+def fsdp_gathered(grad_axes) -> dict:
+  """cost.weight_terms' `gathered` for fsdp_use: every D-sharded role gathered whole, its
+  gradient a partial sum over grad_axes."""
+  return {role: (P(), _axes(grad_axes)) for role in model.D_DIM}
 
 
-def fsdp_cost(cfg, mesh, fsdp_axes, grad_axes) -> list[cost_lib.Term]:
-  """FSDP weight traffic of fsdp_table + gather_weight, per device per step:
-  all-gather of every matrix (fwd; the bwd reuses it), reduce-scatter of its gradient over
-  fsdp_axes, an all-reduce of the scattered (1/f) gradient over the other grad axes
-  (gather_weight scatters first), norm-scale gradients and statistics all-reduced over all grad axes,
-  and one grad-norm partial sum per sharded leaf."""
-  fsdp_axes, grad_axes = _axes(fsdp_axes), _axes(grad_axes)
-  f = mesh_lib.axis_size(mesh, *fsdp_axes)
-  rest = tuple(a for a in grad_axes if a not in fsdp_axes)
-  r, n = mesh_lib.axis_size(mesh, *rest), mesh_lib.axis_size(mesh, *grad_axes)
-  leaves = model.param_leaves(cfg)
-  mats = [cost_lib.nbytes(l.shape) for l in leaves if l.role in model.D_DIM]
-  norms = sum(cost_lib.nbytes(l.shape) for l in leaves if l.role in model.NORMS)
-  terms = []
-  if f > 1:
-    terms += [cost_lib.Term("all-gather", "fwd", f"weights over {fsdp_axes}", sum(mats), f),
-              cost_lib.Term("reduce-scatter", "bwd", f"weight grads over {fsdp_axes}",
-                            sum(mats) / f, f),
-              cost_lib.Term("all-reduce", "opt", "grad-norm partial sums", 4 * len(mats), f)]
-  if r > 1:
-    terms.append(cost_lib.Term("all-reduce", "bwd", f"scattered weight grads over {rest}",
-                               sum(mats) / f, r))
-  if n > 1:
-    terms.append(cost_lib.Term("all-reduce", "bwd", "norm-scale grads", norms, n))
-  return terms + stats_cost(cfg, mesh, grad_axes)
-
-
-def cp_kv_cost(cfg, mesh, cp_axis: str, batch_axes) -> list[cost_lib.Term]:
+def cp_terms(cfg, mesh, cp_axis: str, batch_axes) -> list[cost_lib.Term]:
   """K and V all-gathered over cp_axis per layer (fwd), their gradients reduce-scattered over it
   (bwd, model._gather_kv), kv_pos gathered once, and with the capacity rule the sequence's
   expert ids per layer and its positions once (CSE'd across layers)."""
-  cp = mesh_lib.axis_size(mesh, cp_axis)
-  if cp == 1:
-    return []
   b = cfg.batch // mesh_lib.axis_size(mesh, *_axes(batch_axes))
   kv = b * cfg.seq_len * cfg.n_kv_heads * cfg.head_dim * cost_lib.F32     # one of K, V
-  terms = [cost_lib.Term("all-gather", "fwd", f"K/V over {cp_axis}", 2 * cfg.n_layers * kv, cp),
-           cost_lib.Term("all-gather", "fwd", f"kv_pos over {cp_axis}", b * cfg.seq_len * 4, cp),
-           cost_lib.Term("reduce-scatter", "bwd", f"dK/dV over {cp_axis}",
-                         2 * cfg.n_layers * kv // cp, cp)]
-  if mesh_lib.axis_size(mesh, *_axes(batch_axes)) > 1:     # XLA splits the norm-grad reduction
-    norms = (2 * cfg.n_layers + 1) * cfg.d_model * cost_lib.F32
-    terms.append(cost_lib.Term("all-reduce", "bwd", f"norm-scale grads over {cp_axis}", norms, cp))
+  cp, term = mesh_lib.axis_size(mesh, cp_axis), cost_lib.term
+  out = (term(mesh, "all-gather", "fwd", "K/V", 2 * cfg.n_layers * kv, cp_axis)
+         + term(mesh, "all-gather", "fwd", "kv_pos", b * cfg.seq_len * 4, cp_axis)
+         + term(mesh, "reduce-scatter", "bwd", "dK/dV", 2 * cfg.n_layers * kv / cp, cp_axis))
   if cfg.capacity_factor > 0:
-    terms.append(cost_lib.Term("all-gather", "fwd", "expert ids per layer + positions (capacity)",
-                               (cfg.n_layers * cfg.top_k + 1) * b * cfg.seq_len * 4, cp))
-  return terms
+    out += term(mesh, "all-gather", "fwd", "expert ids per layer + positions (capacity)",
+                (cfg.n_layers * cfg.top_k + 1) * b * cfg.seq_len * 4, cp_axis)
+  return out
+
+
+def cp_norm_grads(cp_axis: str, batch_axes) -> dict:
+  """cost.weight_terms' `grads` for the norm scales under CP: XLA sums their gradient over the
+  sequence axis first, then over the batch axes."""
+  return {role: ((cp_axis,), _axes(batch_axes)) for role in model.NORMS}
 
 
 # ----------------------------------------------------------------------------- HLO contract
@@ -169,12 +137,18 @@ _CONTRACT = re.compile(r"^\s*(all-gather|reduce-scatter|all-reduce|all-to-all|co
                        r"\s+over\s+\(?([\w, ]+?)\)?\s*:", re.M)
 
 
-def declared_collectives(doc: str, mesh) -> set:
-  """{(kind, frozenset(axes))} from a docstring's 'HLO contract' lines
-  ('  all-gather over (data, fsdp): why'), size-1 axes dropped (no data moves over them)."""
-  block = doc.split("HLO contract", 1)[1]
+def declared_collectives(doc: str, mesh, variant: str | None = None) -> set:
+  """{(kind, frozenset(axes))} from a docstring's 'HLO contract' block
+  ('  all-gather over (data, fsdp): why'), size-1 axes dropped (no data moves over them).
+  A docstring may hold several blocks, one per variant: 'HLO contract' alone is the default,
+  'HLO contract, <variant>:' another (the strategy's contract_variant(cfg) names it)."""
+  blocks = re.split(r"^HLO contract", doc, flags=re.M)[1:]
+  header = lambda b: b.split("\n", 1)[0]
+  pick = [b for b in blocks if (variant is None and not header(b).startswith(","))
+          or (variant is not None and header(b).startswith(f", {variant}"))]
+  assert len(pick) == 1, (variant, [header(b) for b in blocks])
   out = set()
-  for kind, axes in _CONTRACT.findall(block):
+  for kind, axes in _CONTRACT.findall(pick[0]):
     live = frozenset(a.strip() for a in axes.split(",") if mesh.shape.get(a.strip(), 1) > 1)
     if live:
       out.add((kind, live))

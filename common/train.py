@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from common import data as data_lib
-from common import model, optim, routing
+from common import cost, model, optim, routing, sharding
 from common.sharding import put
 
 
@@ -27,7 +27,23 @@ class Job(NamedTuple):
 
 
 def global_norm(tree) -> jax.Array:
-  return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree)))
+  """sqrt of the sum of squares of every leaf. On a mesh: ONE scalar all-reduce over all mesh
+  axes per step, whatever the leaves' layouts (per-leaf sums would each be all-reduced over that
+  leaf's shard axes, grouped as XLA sees fit): each device sums its own shards, a shard held by
+  r devices counted 1/r times (r: a power of two on these meshes, so the division is exact)."""
+  leaves = [g.astype(jnp.float32) for g in jax.tree.leaves(tree)]
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in leaves))
+  specs = [jax.typeof(g).sharding.spec for g in leaves]
+
+  def local(*shards):
+    axes = tuple(mesh.axis_names)
+    total = sum(jnp.sum(jnp.square(s)) / (mesh.size // cost.spec_shards(p, mesh))
+                for s, p in zip(shards, specs))
+    return jax.lax.psum(sharding.to_varying(total, axes), axes)
+
+  return jnp.sqrt(jax.shard_map(local, in_specs=tuple(specs), out_specs=jax.P())(*leaves))
 
 
 def make_train_step(cfg, lay: model.Layout, opt: optim.Optimizer, with_grads: bool = False):

@@ -4,11 +4,19 @@ Every strategy module exposes the same small functional interface:
   NAME: str, AXES: tuple of mesh axis names (mesh order), MAIN_AXIS: the axis that gets all
   devices when --mesh is omitted, and
   check(cfg, mesh)            -> None, raises common.config.ConfigError with a one-line message
-  param_specs(cfg, mesh)      -> pytree of PartitionSpec shaped like common.model params
+  param_specs(cfg, mesh)      -> pytree of PartitionSpec shaped like common.model params, written
+                                 as a role -> spec table (common.model.param_specs: one layer's
+                                 array per role; the stacked [L] dim is never sharded)
   batch_spec(cfg, mesh)       -> PartitionSpec of tokens/targets/positions [B, S]
   layout(cfg, mesh)           -> common.model.Layout (shardings + the routed-MoE implementation)
   prepare_batch(b, cfg, mesh) -> optional: reorder the global numpy batch (CP load balancing)
-  cost(cfg, mesh)             -> list of common.cost.Term: the analytic collective bytes
+  cost(cfg, mesh)             -> list of common.cost.Term, each over named mesh axes: the
+                                 weight traffic from common.cost.weight_terms (stored vs used
+                                 specs by role) plus the strategy's own activation terms
+  __doc__                     -> opens with the contract: mesh axes, sharding table, collectives
+                                 per layer; its "HLO contract" block lists (kind over axes) lines
+                                 that must equal both the compiled program and cost()'s terms
+  contract_variant(cfg)       -> optional: the name of another "HLO contract, <name>:" block
   COMPARE_MESH                -> optional mesh spec for the comparison table when the main axis
                                  alone does not fit the presets (its first axis is scaled to the
                                  device count)

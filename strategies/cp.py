@@ -25,20 +25,20 @@ Collectives per layer (c = context, f = fsdp, d = data; kv bytes = B_(d,f)*S*KV*
   backward: 4. reduce-scatter over c of dK and dV (2 x kv/c bytes): every context rank's queries
                read all of K/V, so each holds a partial dK/dV; model._gather_kv reduce-scatters it
                explicitly (XLA:CPU would write the transpose of the gather as all-reduce + slice)
-            5. FSDP gradient (gather_weight): all-reduce over (d, c) of each full-size weight
-               gradient, then reduce-scatter over f
+            5. FSDP gradient (gather_weight): reduce-scatter over f of each weight gradient,
+               then all-reduce over (d, c) of the 1/f shard
             6. norm-scale gradients: all-reduce over c, then over (d, f)
 
-HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_cp.py enforces both ways):
+HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_cp.py enforces both ways,
+and the cost model's (kind, axes) set must equal it):
   all-gather over context: K, V, kv_pos (and the capacity rule's ints)
   all-gather over fsdp: weight matrices before use
   reduce-scatter over fsdp: weight-matrix gradients
   reduce-scatter over context: dK, dV
   all-reduce over context: norm-scale grad partials
-  all-reduce over (data, context): full-size weight-matrix gradients before the scatter
+  all-reduce over (data, context): the 1/f weight-gradient shards after the scatter
   all-reduce over (data, fsdp): norm-scale grads
-  all-reduce over (data, fsdp, context): router statistics, loss sums
-  all-reduce over fsdp: grad-norm partial sums of the sharded gradients
+  all-reduce over (data, fsdp, context): router statistics, loss sums, grad norm
 
 The MoE needs no exchange: routing is per token, so local tokens are routed, permuted and run
 through all (gathered) experts where they are.
@@ -50,6 +50,7 @@ with S*KV*Dh per layer (cheap with GQA), on top of FSDP's weight traffic.
 """
 from jax.sharding import PartitionSpec as P
 
+from common import cost as cost_lib
 from common import layouts
 from common import mesh as mesh_lib
 from common import model
@@ -99,4 +100,9 @@ def activation_shardings(cfg, mesh):
 
 
 def cost(cfg, mesh):
-  return layouts.fsdp_cost(cfg, mesh, mesh_lib.FSDP, GRAD) + layouts.cp_kv_cost(cfg, mesh, CP, BATCH)
+  """Collective bytes per device per step (common/cost.py): fsdp's weight traffic over the grad
+  axes, the norm-scale grads summed over context first; K/V gathers; router statistics."""
+  return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), GRAD,
+                                gathered=layouts.fsdp_gathered(GRAD),
+                                grads=layouts.cp_norm_grads(CP, BATCH))
+          + layouts.cp_terms(cfg, mesh, CP, BATCH) + cost_lib.stats_terms(cfg, mesh, GRAD))

@@ -9,11 +9,15 @@ Mesh axes: (data,)
 | residual x [B, S, D]            | (data, None, None)        |
 | expert inputs xs [T*K, D]       | local to each data shard  |
 
-Collectives per layer
-  forward : none (attention and the MoE are local to each batch shard); one scalar all-reduce
-            per router statistic (psum of counts / prob sums for the global aux loss)
-  backward: all-reduce of every parameter gradient over `data` (XLA combines them into a few
-            tuple all-reduces); loss / grad-norm scalars.
+Collectives per step (all over data; XLA combines them into a few tuple all-reduces)
+  forward : none (attention and the MoE are local to each batch shard) but the router
+            statistics: [L, E] counts and prob sums, z, dropped (global aux loss) and loss sums
+  backward: all-reduce of every parameter gradient (the router bias has none), at full size
+
+HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_dp.py enforces it both ways,
+and the cost model's (kind, axes) set must equal it):
+  all-reduce over data: every parameter gradient, router statistics, loss sums, grad norm
+
 Pick it when the model and its optimizer state fit on one device; it is the baseline every
 other strategy is compared with. Cost: 2x parameter bytes of all-reduce traffic per step, and
 full parameter + optimizer memory on every device.
@@ -61,8 +65,7 @@ def activation_shardings(cfg, mesh):
 
 
 def cost(cfg, mesh):
-  """Analytic collective bytes per device per step (common/cost.py)."""
-  n = mesh.shape["data"]
-  grads = cost_lib.leaves_bytes(model.init_params_shapes(cfg))
-  return [cost_lib.router_stats(cfg, n),
-          cost_lib.Term("all-reduce", "bwd", "gradient all-reduce over data", grads, n)]
+  """Collective bytes per device per step (common/cost.py): every gradient over data, replicated
+  weights used as stored; the router statistics."""
+  return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), ("data",))
+          + cost_lib.stats_terms(cfg, mesh, ("data",)))

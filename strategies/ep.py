@@ -53,26 +53,27 @@ Dispatch fix (MaxText #4179), `dispatch_buffer_type` shows it without running th
 The literal mis-sharding P((data,fsdp,expert), expert, ..) raises DuplicateSpecError in JAX; the
 flag builds what Flax's rule resolution made of it (batch keeps `expert`, E loses it): no token
 moves (local_moe_body packs the send buffer and keeps it), every device needs every expert, so
-the experts are all-gathered over (fsdp, expert) and their grads reduce-scattered back — the
+the experts are all-gathered over fsdp, then expert, and their grads reduce-scattered back — the
 AllGather+ReduceScatter fallback of #4179, here written explicitly because shard_map in_specs
 must match exactly. Same losses; EP x the expert bytes gathered per layer instead of the token
 exchange (and --dispatch is moot: nothing is exchanged).
 
-HLO contract (every collective of the compiled step; size-1 axes drop out):
+HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
+(kind, axes) set equals it, and tests/test_ep.py holds both to the program, both ways):
   all-gather over fsdp: weight matrices and experts (fwd)
   reduce-scatter over fsdp: their gradients
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
   all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
   all-reduce over data: expert grad shards
-  all-reduce over expert: grad-norm partial sums of expert-sharded leaves
-  all-reduce over (fsdp, expert): grad-norm partial sums of expert leaves
-  all-reduce over fsdp: grad-norm partial sums of fsdp leaves
-  all-reduce over (data, fsdp, expert): router stats, loss sums, norm-scale grads
-HLO contract with --dispatch_batch_on_expert (no all-to-all at all):
-  all-gather over (fsdp, expert): the experts [E, D, F] whole on every device (fwd)
-  reduce-scatter over (fsdp, expert): their gradients
+  all-reduce over (data, fsdp, expert): router stats, loss sums, norm-scale grads, grad norm
+HLO contract, --dispatch_batch_on_expert (no all-to-all at all):
+  all-gather over fsdp: weight matrices and experts [E/EP, D/f, F] -> [E/EP, D, F] (fwd)
+  reduce-scatter over fsdp: their gradients
+  all-gather over expert: then the experts [E/EP, D, F] -> [E, D, F], whole on every device
+  reduce-scatter over expert: their gradients (before the fsdp scatter)
+  all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
   all-reduce over data: expert grad shards
-  plus every line of the default contract but the all-to-all
+  all-reduce over (data, fsdp, expert): router stats, loss sums, norm-scale grads, grad norm
 
   python run.py --strategy=ep --mesh=data:2,expert:4 --devices=8 --steps=3 --hlo_stats
   python run.py --strategy=ep --mesh=fsdp:2,expert:4 --dispatch_batch_on_expert --hlo_stats
@@ -96,6 +97,11 @@ AXES = (DATA, FSDP, EXPERT)
 MAIN_AXIS = EXPERT
 TOKENS = (DATA, FSDP, EXPERT)                   # every axis splits the batch (= grad axes)
 EXPERT_WEIGHTS = ("wi_0", "wi_1", "wo")
+
+
+def contract_variant(cfg):
+  """Which HLO contract block of the docstring this config compiles to."""
+  return "--dispatch_batch_on_expert" if cfg.dispatch_batch_on_expert else None
 
 
 def check(cfg, mesh):
@@ -276,41 +282,24 @@ def activation_shardings(cfg, mesh):
           ("dispatch buffer [N_src, EP, C, D]", f"{t.shape} @ {t.sharding.spec}")]
 
 
-def cost(cfg, mesh, token_axes=TOKENS, batch_axes=TOKENS):
-  """Per-device collective bytes per step (see the docstring's schedule). batch_axes: the axes
-  splitting B (ep_as_cp: (data, fsdp); the rest of token_axes split S)."""
-  f, e = mesh_lib.axis_size(mesh, FSDP), mesh_lib.axis_size(mesh, EXPERT)
-  d, n = mesh_lib.axis_size(mesh, DATA), mesh_lib.axis_size(mesh, *token_axes)
-  flag = cfg.dispatch_batch_on_expert
-  leaves = model.param_leaves(cfg)
-  expert = [cost_lib.nbytes(l.shape) / (1 if flag else e) for l in leaves
-            if l.role in model.EXPERTS]                              # gathered size
-  mats = [cost_lib.nbytes(l.shape) for l in leaves
-          if l.role in model.D_DIM and l.role not in model.EXPERTS]
-  norms = sum(cost_lib.nbytes(l.shape) for l in leaves if l.role in model.NORMS)
-  ge = f * e if flag else f                                   # the experts' gather group
-  T = cost_lib.Term
-  terms = []
-  if f > 1:
-    terms += [T("all-gather", "fwd", "weight matrices over fsdp", sum(mats), f),
-              T("reduce-scatter", "bwd", "weight-matrix grads over fsdp", sum(mats) / f, f)]
-  if ge > 1:
-    terms += [T("all-gather", "fwd", "experts", sum(expert), ge),
-              T("reduce-scatter", "bwd", "expert grads", sum(expert) / ge, ge)]
-  if n // f > 1:
-    terms.append(T("all-reduce", "bwd", "matrix grad shards over (data, expert)", sum(mats) / f,
-                   n // f))
-  if d > 1:
-    terms.append(T("all-reduce", "bwd", "expert grad shards over data", sum(expert) / ge, d))
-  if n > 1:
-    terms.append(T("all-reduce", "bwd", "norm-scale grads", norms, n))
-  terms.append(T("all-reduce", "opt", "grad-norm partial sums", 4 * (len(mats) + len(expert)), n))
-  terms += layouts.stats_cost(cfg, mesh, token_axes)
-  if not flag and e > 1:
+def cost(cfg, mesh, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
+  """Per-device collective bytes per step (common/cost.py; the docstring's schedule). The weight
+  traffic from moe_weights / fsdp_use; the all-to-alls; router statistics. batch_axes: the axes
+  splitting B (ep_as_cp: (data, fsdp); the rest of token_axes split S); grads: overrides of
+  cost.weight_terms' gradient axes (ep_as_cp's norms)."""
+  flag, e = cfg.dispatch_batch_on_expert, mesh_lib.axis_size(mesh, EXPERT)
+  expert_use = (P(), token_axes) if flag else (
+      P(EXPERT, None, None), tuple(a for a in token_axes if a != EXPERT))
+  gathered = {**layouts.fsdp_gathered(token_axes), **dict.fromkeys(model.EXPERTS, expert_use)}
+  terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), token_axes, gathered, grads)
+           + cost_lib.stats_terms(cfg, mesh, token_axes))
+  if not flag:
     b_loc = cfg.batch // mesh_lib.axis_size(mesh, *batch_axes)
+    n = mesh_lib.axis_size(mesh, *token_axes)
     c = dispatch.send_rows(cfg, b_loc, cfg.batch * cfg.seq_len // n // b_loc, e)
     buf = e * c * cfg.d_model * cost_lib.F32                     # [EP, C, D]
-    terms += [T("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, L] (int32)",
-                cfg.n_layers * (2 * buf + cfg.n_experts * 4), e),
-              T("all-to-all", "bwd", "their transposes", cfg.n_layers * 2 * buf, e)]
+    terms += (cost_lib.term(mesh, "all-to-all", "fwd", "dispatch + combine buffers, counts "
+                            "[EP, L] (int32)", cfg.n_layers * (2 * buf + cfg.n_experts * 4), EXPERT)
+              + cost_lib.term(mesh, "all-to-all", "bwd", "their transposes",
+                              cfg.n_layers * 2 * buf, EXPERT))
   return terms

@@ -39,19 +39,18 @@ sequences a device holds parts of)
 Pick it for long sequences, or a global batch smaller than the device count (strong scaling);
 cost vs ep.py: the K/V all-gathers, and attention work that no longer shrinks with EP.
 
-HLO contract (every collective of the compiled step; size-1 axes drop out):
+HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
+(kind, axes) set equals it, and tests/test_ep_as_cp.py holds both to the program, both ways):
   all-gather over fsdp: weight matrices and experts (fwd)
   reduce-scatter over fsdp: their gradients
   all-gather over expert: K, V, kv_pos (fwd); expert ids + positions (capacity_factor > 0)
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
   reduce-scatter over expert: dK/dV
-  all-reduce over expert: grad-norm partial sums of expert-sharded leaves
+  all-reduce over expert: norm-scale grads, summed over the sequence axis first (XLA's split)
+  all-reduce over (data, fsdp): then over the batch axes
   all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
   all-reduce over data: expert grad shards
-  all-reduce over (fsdp, expert): grad-norm partial sums of expert leaves
-  all-reduce over fsdp: grad-norm partial sums of fsdp leaves
-  all-reduce over (data, fsdp, expert): router stats, loss sums, norm-scale grads
-  all-reduce over (data, fsdp): norm-scale grads (XLA splits their sum: over expert, then these)
+  all-reduce over (data, fsdp, expert): router stats, loss sums, grad norm
 
   python run.py --strategy=ep_as_cp --mesh=fsdp:2,expert:2,data:2 --context_sharding=expert --steps=3
   python run.py --strategy=ep_as_cp --mesh=fsdp:2,expert:4 --batch=2 --context_sharding=expert
@@ -130,5 +129,6 @@ def activation_shardings(cfg, mesh):
 
 
 def cost(cfg, mesh):
-  return (ep.cost(cfg, mesh, token_axes=TOKENS, batch_axes=BATCH)
-          + layouts.cp_kv_cost(cfg, mesh, CP, BATCH))
+  return (ep.cost(cfg, mesh, token_axes=TOKENS, batch_axes=BATCH,
+                  grads=layouts.cp_norm_grads(CP, BATCH))
+          + layouts.cp_terms(cfg, mesh, CP, BATCH))

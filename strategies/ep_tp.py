@@ -58,14 +58,16 @@ Collectives per layer ([T, D] = one data shard's activations, f32; named scopes 
             into an expert and a data all-reduce, twice the bytes) and the router (shard_map
             input) over (data, expert); norm scales [D] (gather_weight's reduced type cannot
             meet an elementwise product) in XLA's split: over expert, then over data.
-HLO contract (every collective of the compiled step; size-1 axes drop out):
+HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
+(kind, axes) set equals it, and tests/test_ep_tp.py holds both to the program, both ways):
   all-gather over expert: normed h, routing ids / weights, cotangents of the reduce-scatters
   reduce-scatter over expert: attn wo, MoE + shared outputs, cotangents of gathered h / weights
-  all-reduce over expert: norm-scale grads [D] (first half of XLA's split), grad-norm partial
-    sums (scalars); no activation is all-reduced
+  all-reduce over expert: norm-scale grads [D] (first half of XLA's split); no activation is
+    all-reduced
   all-reduce over data: expert-sharded weight grads, norm-scale grads [D] (second half)
   all-reduce over (data, expert): embed / unembed / router grads, router stats, overflow, loss
-    sums (with |data| = 1 these run over expert: the data parallelism of replicated weights)
+    sums, grad norm (with |data| = 1 these run over expert: data parallelism of replicated
+    weights)
 When to use: few tokens per step (inference-like) with many experts: no all-to-all, each
 device holds E/EP experts, H/EP heads and T/EP tokens of the residual. Cost per layer and
 direction: 2 x (AG to [T, D] + RS to [T/EP, D]), the same wire bytes as the 2 all-reduces of
@@ -75,6 +77,8 @@ the replicated-residual (Megatron) layout, 2r(EP-1)/EP each, with activations at
   python run.py --strategy=ep_tp --mesh=data:4,expert:2 --model=deepseek-test --steps=3
   python run.py --strategy=ep_tp --mesh=expert:2 --devices=2 --batch=1 --seq=8 --ep_tp_capacity=0.5
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -193,35 +197,23 @@ def activation_shardings(cfg, mesh):
 
 
 def cost(cfg, mesh):
-  """Analytic collective bytes per device per step (common/cost.py)."""
-  dp, ep, n_layers = mesh.shape["data"], mesh.shape["expert"], cfg.n_layers
-  t = cfg.batch // dp * cfg.seq_len
+  """Per-device collective bytes per step (common/cost.py; the docstring's schedule)."""
+  n_layers, tok = cfg.n_layers, ("data", "expert")
+  t = cfg.batch // mesh.shape["data"] * cfg.seq_len
   act = cost_lib.nbytes((t, cfg.d_model))                           # one gathered [T, D] f32
   rk = cost_lib.nbytes((t, cfg.top_k))                              # one [T, K] of routing
   ids = (2 if cfg.capacity_factor > 0 else 1) * rk                  # expert ids (+ raw, capacity)
-  leaves = model.param_leaves(cfg)
-  specs = jax.tree.leaves(param_specs(cfg, mesh), is_leaf=lambda l: isinstance(l, P))
-  sharded = [cost_lib.nbytes(l.shape) / ep for l, s in zip(leaves, specs) if any(s)]
-  norms = sum(cost_lib.nbytes(l.shape) for l in leaves if l.role in model.NORMS)
-  whole = sum(cost_lib.nbytes(l.shape) for l in leaves if l.role in ("embed", "unembed", "router"))
-  stats = n_layers * (2 * cfg.n_experts + 2) * cost_lib.F32 + cost_lib.F32
-  terms = [
-      cost_lib.Term("all-gather", "fwd", "normed h x2, routing ids + weights over expert",
-                    n_layers * (2 * act + ids + rk), ep),
-      cost_lib.Term("reduce-scatter", "fwd", "attn wo, MoE + shared over expert",
-                    n_layers * 2 * act / ep, ep),
-      cost_lib.Term("all-gather", "bwd", "cotangents of the two reduce-scatters",
-                    n_layers * 2 * act, ep),
-      cost_lib.Term("reduce-scatter", "bwd", "cotangents of the gathered h x2 and weights",
-                    n_layers * (2 * act + rk) / ep, ep),
-      cost_lib.Term("all-reduce", "bwd", "expert-sharded weight grads over data", sum(sharded), dp),
-      # embed / unembed (via gather_weight) and the router (shard_map input): one op each
-      cost_lib.Term("all-reduce", "bwd", "embed, unembed, router grads over (data, expert)",
-                    whole, dp * ep),
-      # XLA splits the (data, expert) sum of the norm-scale grads [D] into two all-reduces
-      cost_lib.Term("all-reduce", "bwd", "norm-scale grads over expert", norms, ep),
-      cost_lib.Term("all-reduce", "bwd", "norm-scale grads over data", norms, dp),
-      cost_lib.Term("all-reduce", "opt", "grad-norm partial sums over expert",
-                    cost_lib.F32 * len(sharded), ep),
-      cost_lib.Term("all-reduce", "fwd", "router stats + overflow, loss sums", stats, dp * ep)]
-  return [term for term in terms if term.group > 1]
+  ep = mesh.shape["expert"]
+  # weights: expert-split ones' grads over data; embed / unembed (gather_weight) and the router
+  # (shard_map input) over (data, expert); XLA splits the norm scales' sum: expert, then data
+  weights = cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), tok,
+                                  grads=dict.fromkeys(model.NORMS, (("expert",), ("data",))))
+  term = functools.partial(cost_lib.term, mesh)
+  return (weights + cost_lib.stats_terms(cfg, mesh, tok)
+          + term("all-gather", "fwd", "normed h x2, routing ids + weights",
+                 n_layers * (2 * act + ids + rk), "expert")
+          + term("reduce-scatter", "fwd", "attn wo, MoE + shared", n_layers * 2 * act / ep, "expert")
+          + term("all-gather", "bwd", "cotangents of the two reduce-scatters", n_layers * 2 * act,
+                 "expert")
+          + term("reduce-scatter", "bwd", "cotangents of the gathered h x2 and weights",
+                 n_layers * (2 * act + rk) / ep, "expert"))

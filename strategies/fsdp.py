@@ -19,29 +19,29 @@ The MoE is dp.py's: a full-manual shard_map running the single-device MoE on loc
 the all-gathered expert weights. Every weight matrix is all-gathered right before use with common.sharding.gather_weight. Its backward
 is a real reduce-scatter, written as an explicit psum_scatter in a shard_map (XLA:CPU would
 otherwise emit a full all-reduce plus a slice), followed by an all-reduce over `data` of the
-full-size gradient (gather_weight psums over the non-scattered axes first).
+1/f shard (gather_weight scatters first, so the data all-reduce moves 1/f of the weight).
 
 Collectives per layer (fsdp = f, data = d):
   forward : 1. all-gather over f of each weight matrix: wq, wk, wv, wo, router, wi_0, wi_1, wo
                (+ shared wi_0, wi_1, wo)                                     [critical path]
             2. all-reduce over (d, f) of the router statistics ([E] counts / prob sums, scalars)
   backward: 3. no re-gather (XLA reuses the forward copy)
-            4. all-reduce over d of each full-size weight gradient {U_d} (gather_weight psums
-               the non-scattered axes first), then
-            5. reduce-scatter over f of it back to [.., D_f, ..]
+            4. reduce-scatter over f of each weight gradient {U_(d,f)} to [.., D_f, ..], then
+            5. all-reduce over d of that 1/f shard (gather_weight scatters first)
             6. all-reduce over (d, f) of the norm-scale gradients
-  once per step: embed / unembed like a layer's weights; loss sums; grad-norm partial sums.
+  once per step: embed / unembed like a layer's weights; loss sums; the grad norm (one scalar
+            all-reduced over every axis, common.train.global_norm).
 No all-to-all: tokens never leave their device.
 
-HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_fsdp.py enforces both ways):
+HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_fsdp.py enforces both ways,
+and the cost model's (kind, axes) set must equal it):
   all-gather over fsdp: weight matrices before use
   reduce-scatter over fsdp: weight-matrix gradients
-  all-reduce over data: full-size weight-matrix gradients before the scatter
-  all-reduce over (data, fsdp): norm-scale grads, router statistics, loss sums
-  all-reduce over fsdp: grad-norm partial sums of the sharded gradients
+  all-reduce over data: the 1/f weight-gradient shards after the scatter
+  all-reduce over (data, fsdp): norm-scale grads, router statistics, loss sums, grad norm
 
 Pick it when parameters + optimizer state do not fit on one device but a full layer's weights do;
-cost per step and device: 1x the weight bytes all-gathered + 1/f x reduce-scattered (+ 1x
+cost per step and device: 1x the weight bytes all-gathered + 1/f x reduce-scattered (+ 1/f x
 all-reduced over data when d > 1), vs 1x all-reduced in dp; memory 1/f of weights and optimizer
 state, plus the gathered copy of each weight held live through the backward.
 
@@ -49,6 +49,7 @@ state, plus the gathered copy of each weight held live through the backward.
 """
 from jax.sharding import PartitionSpec as P
 
+from common import cost as cost_lib
 from common import layouts
 from common import mesh as mesh_lib
 from common import model
@@ -88,4 +89,8 @@ def activation_shardings(cfg, mesh):
 
 
 def cost(cfg, mesh):
-  return layouts.fsdp_cost(cfg, mesh, mesh_lib.FSDP, BATCH)
+  """Collective bytes per device per step (common/cost.py): every D-sharded weight gathered whole
+  before use (fsdp_use), norms used as stored; the router statistics."""
+  return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), BATCH,
+                                gathered=layouts.fsdp_gathered(BATCH))
+          + cost_lib.stats_terms(cfg, mesh, BATCH))

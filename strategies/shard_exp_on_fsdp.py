@@ -46,20 +46,19 @@ Collectives per layer (f = fsdp, e = expert)
             gather: reduce-scatter over f of the expert grads;  ep: nothing for the experts
   optimizer (Muon): all-gather over (f, e) of attn / shared matrices (Newton-Schulz needs them
             whole); nothing for the experts
-HLO contract (gather mode; every collective of the compiled step; size-1 axes drop out):
+HLO contract (gather mode; every collective of the compiled step; size-1 axes drop out; the cost
+model's (kind, axes) set equals it, and tests/test_shard_exp_on_fsdp.py holds both to the program):
   all-gather over (fsdp, expert): non-expert weight matrices before use (and Muon's matrices)
   reduce-scatter over (fsdp, expert): their gradients
   all-gather over fsdp: experts [E/N, D, F] -> [E/EP, D, F]
   reduce-scatter over fsdp: expert gradients
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
-  all-reduce over (fsdp, expert): router statistics, loss sums, norm-scale grads, grad-norm
-    partial sums
+  all-reduce over (fsdp, expert): router statistics, loss sums, norm-scale grads, grad norm
 HLO contract, ep mode:
   all-gather over (fsdp, expert): non-expert weight matrices before use (and Muon's matrices)
   reduce-scatter over (fsdp, expert): their gradients
   all-to-all over (fsdp, expert): counts, dispatch and combine buffers, fwd and bwd
-  all-reduce over (fsdp, expert): router statistics, loss sums, norm-scale grads, grad-norm
-    partial sums
+  all-reduce over (fsdp, expert): router statistics, loss sums, norm-scale grads, grad norm
 When to use: Muon (or any matrix-wise optimizer) on MoE weights with FSDP, E divisible by N.
 Cost: like ep + fsdp; gather mode holds E/EP gathered experts per layer during the step.
 
@@ -85,6 +84,11 @@ COMPARE_MESH = "fsdp:2,expert:4"        # the mixed FSDP + EP layout for the com
 TOKENS = (FSDP, EXPERT)                         # every axis splits the batch (= grad axes)
 EXPERT_WEIGHTS = ("wi_0", "wi_1", "wo")
 STORED = P((EXPERT, FSDP), None, None)          # [E@(expert,fsdp), ., .], expert-major
+
+
+def contract_variant(cfg):
+  """Which HLO contract block of the docstring this config compiles to."""
+  return "ep mode" if cfg.expert_fsdp_mode == "ep" else None
 
 
 def check(cfg, mesh):
@@ -138,34 +142,22 @@ def activation_shardings(cfg, mesh):
 
 
 def cost(cfg, mesh):
-  """Per-device collective bytes per step (see the docstring's schedule)."""
-  f, e = mesh.shape[FSDP], mesh.shape[EXPERT]
-  n = f * e
+  """Per-device collective bytes per step (common/cost.py; the docstring's schedule)."""
   gather = cfg.expert_fsdp_mode == "gather"
-  ep = e if gather else n
-  leaves = model.param_leaves(cfg)
-  n_experts = sum(l.role in model.EXPERTS for l in leaves)
-  experts = sum(cost_lib.nbytes(l.shape) for l in leaves if l.role in model.EXPERTS)
-  mats = [cost_lib.nbytes(l.shape) for l in leaves
-          if l.role in model.D_DIM and l.role not in model.EXPERTS]
-  norms = sum(cost_lib.nbytes(l.shape) for l in leaves if l.role in model.NORMS)
-  muon = sum(cost_lib.nbytes(l.shape) for l in leaves
-             if l.role in optim.MUON_ROLES and l.role not in model.EXPERTS)
-  T = cost_lib.Term
-  terms = layouts.stats_cost(cfg, mesh, TOKENS)
-  if n > 1:
-    terms += [T("all-gather", "fwd", "weight matrices over (fsdp, expert)", sum(mats), n),
-              T("reduce-scatter", "bwd", "weight-matrix grads", sum(mats) / n, n),
-              T("all-reduce", "bwd", "norm-scale grads", norms, n),
-              T("all-reduce", "opt", "grad-norm partial sums", 4 * (len(mats) + n_experts), n)]
-    if cfg.optimizer == "muon":
-      terms.append(T("all-gather", "opt", "Muon matrices whole for Newton-Schulz", muon, n))
-  if gather and f > 1:
-    terms += [T("all-gather", "fwd", "experts over fsdp", experts / e, f),
-              T("reduce-scatter", "bwd", "expert grads over fsdp", experts / n, f)]
-  if ep > 1:
-    c = dispatch.send_rows(cfg, cfg.batch // n, cfg.seq_len, ep)     # batch over every axis
-    per_layer = 4 * ep * c * cfg.d_model * cost_lib.F32 + cfg.n_experts * 4   # + counts [EP, L]
-    terms.append(T("all-to-all", "fwd+bwd", "dispatch/combine [EP, C, D] x4, counts",
-                   cfg.n_layers * per_layer, ep))
-  return terms
+  gathered = layouts.fsdp_gathered(TOKENS)                  # every matrix but the experts
+  for role in model.EXPERTS:                                # gather: E@(e,f) -> E@e, grads over f
+    gathered[role] = (P(EXPERT, None, None), (FSDP,)) if gather else (STORED, ())
+  terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), TOKENS, gathered)
+           + cost_lib.stats_terms(cfg, mesh, TOKENS))
+  if cfg.optimizer == "muon":                               # Newton-Schulz on whole matrices
+    muon = sum(cost_lib.nbytes(l.shape) for l in model.param_leaves(cfg)
+               if l.role in optim.MUON_ROLES and l.role not in model.EXPERTS)
+    terms += cost_lib.term(mesh, "all-gather", "opt", "Muon matrices whole for Newton-Schulz",
+                           muon, TOKENS)
+  ep = ep_axes(cfg)
+  n_ep = mesh_lib.axis_size(mesh, *ep)
+  c = dispatch.send_rows(cfg, cfg.batch // mesh_lib.axis_size(mesh, *TOKENS), cfg.seq_len, n_ep)
+  per_layer = 4 * n_ep * c * cfg.d_model * cost_lib.F32 + cfg.n_experts * 4  # + counts [EP, L]
+  return terms + cost_lib.term(mesh, "all-to-all", "fwd+bwd",
+                               "dispatch/combine [EP, C, D] x4, counts", cfg.n_layers * per_layer,
+                               ep)

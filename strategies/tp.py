@@ -32,10 +32,11 @@ Collectives per layer (t = tensor, d = data; x bytes = B_d*S*D*4, all on the cri
             6. all-reduce over d of every weight gradient (XLA combines them)
 No all-gather, no all-to-all: no weight ever moves over tensor.
 
-HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_tp.py enforces both ways):
-  all-reduce over tensor: activations and their gradients (above), grad-norm partial sums
+HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_tp.py enforces both ways,
+and the cost model's (kind, axes) set must equal it):
+  all-reduce over tensor: activations and their gradients (above)
   all-reduce over data: weight gradients
-  all-reduce over (data, tensor): router statistics, loss sums
+  all-reduce over (data, tensor): router grads, router statistics, loss sums, grad norm
 
 Pick it for large d_ff / many heads within a fast interconnect (NVLink / one ICI ring): it cuts
 weight and optimizer memory by t without gathering them, at the price of 2-3 activation
@@ -122,23 +123,16 @@ def activation_shardings(cfg, mesh):
 
 
 def cost(cfg, mesh):
-  t, d = mesh_lib.axis_size(mesh, T), mesh_lib.axis_size(mesh, mesh_lib.DATA)
-  specs = param_specs(cfg, mesh)
-  shapes = jax.tree.leaves(model.init_params_shapes(cfg), is_leaf=lambda l: hasattr(l, "shape"))
-  spec_list = jax.tree.leaves(specs, is_leaf=lambda l: isinstance(l, P))
-  local = [cost_lib.nbytes(l.shape) / cost_lib.spec_shards(s, mesh) for l, s in zip(shapes, spec_list)]
-  terms = []
-  if t > 1:
-    bd = cfg.batch // d
-    x = bd * cfg.seq_len * cfg.d_model * cost_lib.F32
-    sh = 1 if cfg.n_shared_experts else 0
-    n_sharded = sum(cost_lib.spec_shards(s, mesh) > 1 for s in spec_list)
-    terms += [
-        cost_lib.Term("all-reduce", "fwd", "attention wo / MoE / shared wo outputs over tensor",
-                      cfg.n_layers * (2 + sh) * x, t),
-        cost_lib.Term("all-reduce", "bwd", "d(normed h) of the attention and MLP blocks over tensor",
-                      cfg.n_layers * 2 * x, t),
-        cost_lib.Term("all-reduce", "opt", "grad-norm partial sums over tensor", 4 * n_sharded, t)]
-  if d > 1:
-    terms.append(cost_lib.Term("all-reduce", "bwd", "weight grads over data", sum(local), d))
-  return terms + layouts.stats_cost(cfg, mesh, (mesh_lib.DATA, T))
+  """Per-device collective bytes per step (common/cost.py; the docstring's schedule): weights
+  used as stored, their grads over data (the router's over (data, tensor): every tensor rank
+  routes, rank 0 counts); the activation all-reduces over tensor; router statistics."""
+  terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), (mesh_lib.DATA,),
+                                 grads={"router": (mesh_lib.DATA, T)})
+           + cost_lib.stats_terms(cfg, mesh, (mesh_lib.DATA, T)))
+  x = cfg.batch // mesh_lib.axis_size(mesh, mesh_lib.DATA) * cfg.seq_len * cfg.d_model * cost_lib.F32
+  sh = 1 if cfg.n_shared_experts else 0
+  return (terms
+          + cost_lib.term(mesh, "all-reduce", "fwd", "attention wo / MoE / shared wo outputs",
+                          cfg.n_layers * (2 + sh) * x, T)
+          + cost_lib.term(mesh, "all-reduce", "bwd", "d(normed h) of the attention and MLP blocks",
+                          cfg.n_layers * 2 * x, T))

@@ -10,7 +10,7 @@ import chex
 import jax
 import numpy as np
 
-from common import buffers, cost, hlo
+from common import buffers, cost, hlo, layouts
 from common import mesh as mesh_lib
 from common import train
 import strategies
@@ -107,13 +107,14 @@ def check(name: str, cfg, mesh_spec: str, steps: int = 3, *, init=None, poison: 
 
 
 def assert_cost_model(name: str, cfg, mesh_spec: str, tol: float = 0.1) -> dict:
-  """The strategy's analytic cost (common/cost.py) is within `tol` of the compiled HLO bytes, per
-  collective kind. Returns {kind: {predicted, measured, ratio}}."""
+  """The strategy's analytic cost (common/cost.py) matches the compiled HLO per (collective kind,
+  mesh axes), both ways: every key either side has, within `tol` of the compiled bytes.
+  Returns {(kind, axes): {predicted, measured, ratio}}."""
   j = job(name, cfg, mesh_spec)
-  got = hlo.collective_stats(j.compiled.as_text(), j.mesh)
-  table = cost.versus(strategies.get(name).cost(j.cfg, j.mesh), got)
-  for kind, v in table.items():
-    assert 1 - tol <= v["ratio"] <= 1 + tol, (name, mesh_spec, kind, v)
+  got = hlo.collective_stats_by_axes(j.compiled.as_text(), j.mesh)
+  table = cost.versus(strategies.get(name).cost(j.cfg, j.mesh), got, by="axes")
+  bad = {k: v for k, v in table.items() if not 1 - tol <= v["ratio"] <= 1 + tol}
+  assert not bad, (name, mesh_spec, bad)
   return table
 
 
@@ -141,12 +142,21 @@ def assert_layout_invariance(name: str, cfg, mesh_specs, steps: int = 3) -> None
   chex.assert_trees_all_equal(once, twice)
 
 
+def declared(name: str, cfg, mesh) -> set:
+  """The (kind, axes) set of the strategy's docstring contract for this config."""
+  strat = strategies.get(name)
+  variant = strat.contract_variant(cfg) if hasattr(strat, "contract_variant") else None
+  return layouts.declared_collectives(strat.__doc__, mesh, variant)
+
+
 def assert_contract(name: str, cfg, mesh_spec: str) -> train.Job:
-  """The compiled step's collectives, as (kind, mesh axes), equal the set the strategy's
-  docstring declares in its "HLO contract" block — both ways. Returns the job."""
-  from common import layouts
+  """Prose, model and program agree: the compiled step's collectives as (kind, mesh axes), the
+  strategy's docstring "HLO contract" block and its cost model's terms are one set — each way.
+  Returns the job."""
   j = job(name, cfg, mesh_spec)
-  declared = layouts.declared_collectives(strategies.get(name).__doc__, j.mesh)
+  want = declared(name, j.cfg, j.mesh)
   got = set(hlo.collective_stats_by_axes(j.compiled.as_text(), j.mesh))
-  assert got == declared, {"undeclared": got - declared, "missing": declared - got}
+  assert got == want, {"undeclared": got - want, "declared, not compiled": want - got}
+  model = set(cost.by_axes(strategies.get(name).cost(j.cfg, j.mesh)))
+  assert model == want, {"not in the cost model": want - model, "not declared": model - want}
   return j
