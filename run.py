@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 from absl import app, flags
 
@@ -115,19 +114,12 @@ def make_config():
 
 
 def train_one(cfg) -> None:
-  import jax
-  import numpy as np
   from common import hlo, mesh as mesh_lib, train
   from common.sharding import describe
   import strategies
 
   strat = strategies.get(F.strategy)
-  mesh = None
-  if strat.AXES:
-    shape = mesh_lib.mesh_shape(strat.AXES, strat.MAIN_AXIS, F.mesh, jax.device_count(), F.strategy)
-    mesh = mesh_lib.make_mesh(shape)
-  elif F.mesh:
-    raise UsageError(f"strategy {F.strategy!r} runs on one device and takes no --mesh")
+  mesh = mesh_lib.for_strategy(strat, F.mesh)
   job = train.build(strat, cfg, mesh)
   mesh_desc = ",".join(f"{k}:{v}" for k, v in mesh.shape.items()) if mesh is not None else "single"
   print(f"{F.strategy} on mesh {mesh_desc}, model {F.model}: compiled in {job.compile_s:.1f}s",
@@ -147,15 +139,10 @@ def train_one(cfg) -> None:
       if v["count"]:
         print(f"  {kind:<20s} count {v['count']:>4d}  bytes/device {v['bytes']:>12,d}")
   out = open(F.metrics_file, "w") if F.metrics_file else None
-  params, opt_state = job.params, job.opt_state
   steps = 20 if F.steps is None else F.steps
   tokens = cfg.batch * cfg.seq_len
-  for i in range(steps):
-    b = job.batch(i)
-    t0 = time.perf_counter()
-    params, opt_state, m = job.step(params, opt_state, b)
-    m = {k: float(np.asarray(v)) for k, v in m.items()}
-    dt = time.perf_counter() - t0
+  for i, _, _, m, dt in train.steps(job, steps):
+    m = {k: float(v) for k, v in m.items() if k != "counts"}
     rec = {"step": i, "loss": m["loss"], "ce_loss": m["ce_loss"], "aux_loss": m["aux_loss"],
            "grad_norm": m["grad_norm"], "dropped": m["dropped"], "step_time_s": dt,
            "tokens_per_s": tokens / dt}
@@ -164,7 +151,7 @@ def train_one(cfg) -> None:
           f"{tokens / dt:,.0f} tok/s", flush=True)
     if out:
       out.write(json.dumps(rec) + "\n")
-    if not (np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])):
+    if not train.finite(m):
       if out:
         out.close()                            # keeps every step up to this one
       raise NonFinite(f"non-finite loss at step {i}")

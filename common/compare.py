@@ -45,8 +45,7 @@ def _mesh_for(strat, spec: str | None, n: int):
     if n % (total // sizes[first]) == 0:
       sizes[first] = n // (total // sizes[first])
       spec = ",".join(f"{k}:{v}" for k, v in sizes.items())
-  shape = mesh_lib.mesh_shape(strat.AXES, strat.MAIN_AXIS, spec, n, strat.NAME)
-  return mesh_lib.make_mesh(shape)
+  return mesh_lib.for_strategy(strat, spec, n)
 
 
 def _mesh_str(mesh) -> str:
@@ -61,8 +60,7 @@ def _fallback_meshes(strat, n: int):
   first, main = strat.AXES[0], strat.MAIN_AXIS
   m = n // 2
   while first != main and m >= 1:
-    yield mesh_lib.make_mesh(mesh_lib.mesh_shape(
-        strat.AXES, main, f"{first}:{n // m},{main}:{m}", n, strat.NAME))
+    yield mesh_lib.for_strategy(strat, f"{first}:{n // m},{main}:{m}", n)
     m //= 2
 
 
@@ -113,15 +111,12 @@ def measure(row: dict, job, steps: int, compile_only: bool) -> dict:
     row["predicted"] = {k: pred[k] for k in KINDS}
   if compile_only:
     return row
-  params, opt_state, losses, times, dropped = job.params, job.opt_state, [], [], 0.0
-  for i in range(steps):
-    b = job.batch(i)
-    t0 = time.perf_counter()
-    params, opt_state, m = job.step(params, opt_state, b)
-    losses.append(float(np.asarray(m["loss"])))
-    times.append(time.perf_counter() - t0)
-    dropped += float(np.asarray(m["dropped"]))
-    if not (np.isfinite(losses[-1]) and np.isfinite(float(np.asarray(m["grad_norm"])))):
+  losses, times, dropped = [], [], 0.0
+  for i, _, _, m, dt in train.steps(job, steps):
+    losses.append(float(m["loss"]))
+    times.append(dt)
+    dropped += float(m["dropped"])
+    if not train.finite(m):
       row["nonfinite_step"], row["parity"] = i, "NON-FINITE"   # stop here, mark the row
       break
   row["losses"] = losses

@@ -43,7 +43,6 @@ class Config:
   optimizer: str = "adamw"
   seed: int = 0
   gmm_backend: str = "auto"
-  dtype: str = "float32"
   # strategy knobs (each strategy reads only its own; the reference ignores them all)
   dispatch: str = "auto"                 # ep exchange: "a2a" (capacity-padded all_to_all, any
                                          # backend) | "ragged" (ragged_all_to_all, GPU/TPU) | "auto"
@@ -101,7 +100,7 @@ PRESETS: dict[str, Config] = {
     # Mixtral-8x7B-shaped, for compile-only scaling studies (never run on CPU)
     "mixtral-8x7b": Config(vocab=32000, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
                            n_layers=32, n_experts=8, top_k=2, d_ff=14336, seq_len=4096,
-                           batch=64, dtype="bfloat16"),
+                           batch=64),
 }
 
 

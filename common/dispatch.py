@@ -5,23 +5,23 @@
   capacity / send_rows -> C, make_plan -> Plan, pack, unpack, segment_ids, ragged_params;
   resolve_method / check_method: --dispatch ("auto" -> ragged on GPU/TPU, a2a on CPU).
 
-Send plan of one device (T local tokens, K copies each, EP shards of L = E/EP experts):
+Send plan of one device (T local tokens, K copies each, EP shards of e = E/EP experts):
   copies (t, k) sorted stably by expert id (dropped copies -> id E, last); shard j's copies are
-  one contiguous run, ordered by local expert. a2a: copy -> send[dst, slot], dst = e // L,
-  slot = its rank in shard dst's run. Example EP=2, L=2, T=3, K=2, experts [[1,2],[0,3],[2,1]]:
+  one contiguous run, ordered by local expert. a2a: copy -> send[dst, slot], dst = expert // e,
+  slot = its rank in shard dst's run. Example EP=2, e=2, T=3, K=2, experts [[1,2],[0,3],[2,1]]:
     sorted copies (t,k:e) (1,0:0) (0,0:1) (2,1:1) | (0,1:2) (2,0:2) (1,1:3)
     send[0] = [x1, x0, x2, 0, 0, 0]   send[1] = [x0, x2, x1, 0, 0, 0]   counts [[1,2],[2,1]]
-  The receiver gets rows [EP_src, C] and the counts [EP_src, L] (a tiny int all_to_all); row c of
-  source i belongs to local expert #{l : cumsum(counts[i])[l] <= c} (L = padding).
+  The receiver gets rows [EP_src, C] and the counts [EP_src, e] (a tiny int all_to_all); row c of
+  source i belongs to local expert #{l : cumsum(counts[i])[l] <= c} (e = padding).
 
 Buffer bound (a2a, `capacity`): nothing is ever dropped by the exchange (the `dropped` metric is
 the capacity rule's count only).
-  dropless (capacity_factor 0): a token picks K distinct experts, so it sends at most min(K, L)
-    copies to one shard: C = T * min(K, L), the exact worst case. Each device sends and receives
-    EP*C rows per exchange, EP*min(K,L)/K (<= EP) times the T*K rows a ragged exchange moves.
+  dropless (capacity_factor 0): a token picks K distinct experts, so it sends at most min(K, e)
+    copies to one shard: C = T * min(K, e), the exact worst case. Each device sends and receives
+    EP*C rows per exchange, EP*min(K,e)/K (<= EP) times the T*K rows a ragged exchange moves.
   capacity_factor cf > 0: at most C_e = ceil(cf*S*K/E) copies of one sequence reach one expert,
     so a device holding b sequences (whole, or parts of them under ep_as_cp) sends at most
-    b*L*C_e to one shard: C = min(T * min(K, L), b*L*C_e), about cf*T*K/EP, and the exchange
+    b*e*C_e to one shard: C = min(T * min(K, e), b*e*C_e), about cf*T*K/EP, and the exchange
     moves about cf x the routed T*K rows (tiny, expert:8, cf 1: 1/4 of the dropless bytes).
 """
 from __future__ import annotations
@@ -57,9 +57,9 @@ def check_method(name: str, platform: str | None = None) -> None:
 
 def capacity(t_local: int, top_k: int, n_local: int, seqs: int = 0, slots: int = 0) -> int:
   """C, the rows one device sends to one EP shard of n_local experts, at most.
-  Dropless (slots = 0): T*min(K, L), the exact worst case (a token's K copies go to K distinct
+  Dropless (slots = 0): T*min(K, e), the exact worst case (a token's K copies go to K distinct
   experts). With the capacity rule, at most `slots` = C_e = ceil(cf*S*K/E) copies of a sequence
-  reach one expert, so a device holding (parts of) `seqs` sequences sends at most seqs*L*C_e
+  reach one expert, so a device holding (parts of) `seqs` sequences sends at most seqs*e*C_e
   copies to one shard: C is the smaller of the two. Neither bound ever drops a kept copy."""
   worst = t_local * min(top_k, n_local)
   return min(worst, seqs * n_local * slots) if slots > 0 else worst
@@ -76,7 +76,7 @@ class Plan(NamedTuple):
   dst: jax.Array      # [T*K] destination EP shard of copy (t, k); EP for dropped copies
   slot: jax.Array     # [T*K] row in send[dst] (a2a)
   pos: jax.Array      # [T*K] row in the expert-sorted copy list (ragged)
-  counts: jax.Array   # [EP, L] copies per (destination shard, local expert)
+  counts: jax.Array   # [EP, e] copies per (destination shard, local expert)
 
 
 def _excl_cumsum(a, axis=-1):
@@ -92,7 +92,7 @@ def make_plan(experts, keep, n_experts: int, ep: int) -> Plan:
   counts = jnp.sum(jax.nn.one_hot(flat, n_experts, dtype=jnp.int32), axis=0).reshape(ep, n_local)
   sizes = jnp.sum(counts, axis=1)                                        # [EP] rows per shard
   start = jnp.concatenate([_excl_cumsum(sizes), jnp.sum(sizes, keepdims=True)])   # [EP+1]
-  dst = flat // n_local                                                  # E // L = EP for dropped
+  dst = flat // n_local                                                  # E // e = EP for dropped
   return Plan(dst, pos - start[dst], pos, counts)
 
 

@@ -40,6 +40,19 @@ def mesh_shape(axes: tuple[str, ...], main_axis: str, spec: str | None, n_device
   return shape
 
 
+def for_strategy(strat, spec: str | None, n_devices: int | None = None):
+  """The one mesh builder (run.py, compare, tests): `spec` ('data:2,expert:4', omitted axes 1;
+  None = every device on the strategy's main axis) -> an explicit Mesh, or None for a strategy
+  with no axes (the single-device reference), which takes no spec."""
+  name = getattr(strat, "NAME", "")
+  if not strat.AXES:
+    if spec:
+      raise ConfigError(f"strategy {name!r} runs on one device and takes no --mesh")
+    return None
+  n = jax.device_count() if n_devices is None else n_devices
+  return make_mesh(mesh_shape(strat.AXES, strat.MAIN_AXIS, spec, n, name))
+
+
 def make_mesh(shape: dict[str, int]) -> jax.sharding.Mesh:
   n = math.prod(shape.values())
   return jax.make_mesh(tuple(shape.values()), tuple(shape), devices=jax.devices()[:n],

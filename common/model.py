@@ -107,10 +107,9 @@ def _param_tree(cfg: Config, leaf) -> dict:
                        "wo": leaf((fs, d), fs, "shared_out")}
     return out
 
-  embed = leaf((v, d), 1, "embed")
-  layers = [layer() for _ in range(cfg.n_layers)]                   # drawn layer by layer
-  return {"embed": embed, "layers": layers, "final_norm": leaf((d,), 0, "final_norm"),
-          "unembed": leaf((d, v), d, "unembed")}
+  layers = [layer() for _ in range(cfg.n_layers)]                   # drawn layer by layer, first
+  return {"embed": leaf((v, d), 1, "embed"), "layers": layers,
+          "final_norm": leaf((d,), 0, "final_norm"), "unembed": leaf((d, v), d, "unembed")}
 
 
 def _stack(tree: dict, stack) -> dict:

@@ -8,6 +8,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from common import data as data_lib
 from common import cost, model, optim, routing, sharding
@@ -103,6 +104,23 @@ def build(strategy, cfg, mesh, *, with_grads: bool = False, compile_only: bool =
 
   return Job(getattr(strategy, "NAME", strategy.__name__.split(".")[-1]), cfg, mesh, params,
              opt_state, run_step, compiled, compile_s, batch)
+
+
+def steps(job: Job, n: int):
+  """The training loop (run.py, compare and the tests): n steps from the job's initial state.
+  Yields (i, params, opt_state, metrics as numpy, seconds) after each step."""
+  params, opt_state = job.params, job.opt_state
+  for i in range(n):
+    b = job.batch(i)
+    t0 = time.perf_counter()
+    params, opt_state, m = job.step(params, opt_state, b)
+    m = jax.tree.map(lambda a: np.asarray(jax.device_get(a)), m)
+    yield i, params, opt_state, m, time.perf_counter() - t0
+
+
+def finite(m) -> bool:
+  """Loss and grad norm of a step's metrics are finite."""
+  return bool(np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]))
 
 
 def _ns(mesh, spec):

@@ -17,31 +17,31 @@ Mesh axes: (data, fsdp, expert)   (MaxText's default "EP as FSDP/DP": every axis
 
 MoE: moe_ep, one full-manual shard_map whose body (moe_body, below) routes the local tokens,
 packs their K copies by destination shard into send [EP, C, D], "dispatch_a2a" all_to_all over
-expert (rows and the counts [EP, L]), "expert_gmm" sorts the received rows by local expert and
-runs the SwiGLU gmm on the L = E/EP local experts, "combine_a2a" all_to_all back, unpacks and
+expert (rows and the counts [EP, e]), "expert_gmm" sorts the received rows by local expert and
+runs the SwiGLU gmm on the e = E/EP local experts, "combine_a2a" all_to_all back, unpacks and
 combines with the routing weights (index helpers: common/dispatch.py). ep_as_cp and
 shard_exp_on_fsdp call moe_ep too. cfg.dispatch: "a2a" (that; any backend), "ragged"
 (strategies/ep_ragged.py: ragged_all_to_all moves only the routed rows, GPU/TPU only), "auto"
-(ragged on GPU/TPU, a2a on CPU). The padded a2a moves EP*min(K,L)/K (<= EP) times the ragged
+(ragged on GPU/TPU, a2a on CPU). The padded a2a moves EP*min(K,e)/K (<= EP) times the ragged
 bytes. C, rows per destination shard (dispatch.send_rows):
-  capacity_factor 0 (dropless): T_loc*min(K, L), the exact worst case (tiny, EP 8: 4x the routed
+  capacity_factor 0 (dropless): T_loc*min(K, e), the exact worst case (tiny, EP 8: 4x the routed
     T_loc*K/EP; DeepSeek-V3 shape, EP 64: 32x)
-  capacity_factor cf > 0: min(T_loc*min(K, L), b_loc*L*C_e), C_e = ceil(cf*S*K/E) slots per
+  capacity_factor cf > 0: min(T_loc*min(K, e), b_loc*e*C_e), C_e = ceil(cf*S*K/E) slots per
     sequence and expert (the capacity rule already drops past them): about cf*T_loc*K/EP
 
-Collectives per layer (d/f/e = data/fsdp/expert; C as above; L = E/EP):
+Collectives per layer (d/f/x = the data/fsdp/expert axes; C as above; e = E/EP local experts):
   forward : 1. all-gather over f of attn wq/wk/wv/wo, router, shared wi_0/wi_1/wo  (fsdp_use)
             2. all-gather over f of wi_0, wi_1, wo ([E/EP, D, F] each)
-            3. scalar/[E] all-reduce over (d, f, e) of the router statistics
-            4. "dispatch_a2a": all-to-all over e of the counts [EP, L] (int32) and of the
+            3. scalar/[E] all-reduce over (d, f, x) of the router statistics
+            4. "dispatch_a2a": all-to-all over x of the counts [EP, e] (int32) and of the
                send buffer [EP, C, D]                                        [critical path]
-            5. "combine_a2a": all-to-all over e of the expert outputs [EP, C, D] [critical path]
-  backward: 6. all-to-all over e: the transposes of 4 and 5 ([EP, C, D] each)
-            7. non-expert grads: reduce-scatter over f, then all-reduce over (d, e) of the
-               1/f shard (gather_weight); norm grads all-reduced over (d, f, e)
+            5. "combine_a2a": all-to-all over x of the expert outputs [EP, C, D] [critical path]
+  backward: 6. all-to-all over x: the transposes of 4 and 5 ([EP, C, D] each)
+            7. non-expert grads: reduce-scatter over f, then all-reduce over (d, x) of the
+               1/f shard (gather_weight); norm grads all-reduced over (d, f, x)
             8. expert grads: reduce-scatter over f of [E/EP, D, F], all-reduce over d of the shard
   once per step: embed / final_norm / unembed like one layer's non-expert weights; loss scalars
-            and [L, E] counts all-reduced over (d, f, e).
+            and [L, E] counts all-reduced over (d, f, x).
 With fsdp = 1 the f collectives vanish (7 becomes a plain all-reduce over (d, e)).
 Pick it when the experts do not fit on one device (E*3*D*F*4 B per layer), the global batch is at
 least the device count and E divides by EP; cost: 4 token all-to-alls of EP*C*D per layer (fwd +
@@ -119,7 +119,7 @@ def param_specs(cfg, mesh):
 
 
 def batch_spec(cfg, mesh):
-  return P(TOKENS, None)                                            # [B, S] @ ((d, f, e), None)
+  return P(TOKENS, None)                                            # [B, S] @ ((d, f, x), None)
 
 
 def moe_weights(p, token_axes, batch_on_expert=False):
@@ -134,7 +134,7 @@ def moe_weights(p, token_axes, batch_on_expert=False):
 
 
 def layout(cfg, mesh):
-  x_spec = P(TOKENS, None, None)                                    # [B, S, D] @ ((d, f, e),)
+  x_spec = P(TOKENS, None, None)                                    # [B, S, D] @ ((d, f, x),)
   flag = cfg.dispatch_batch_on_expert
 
   def moe_fn(p, x, positions):
@@ -177,9 +177,9 @@ def moe_body(p, x, positions, *, cfg, ep_axes, ep, token_axes, gather_sequence=N
   send = dispatch.pack(x.reshape(t, d), plan, k, c)                      # [EP, C, D] by dst shard
   with jax.named_scope("dispatch_a2a"):
     recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True)           # [EP, C, D] by src shard
-    counts = jax.lax.all_to_all(plan.counts, ep_axes, 0, 0, tiled=True)  # [EP, L] by src shard
+    counts = jax.lax.all_to_all(plan.counts, ep_axes, 0, 0, tiled=True)  # [EP, e] by src shard
   with jax.named_scope("expert_gmm"):
-    ids = dispatch.segment_ids(counts, c)                                # [EP, C] in 0..L (L = pad)
+    ids = dispatch.segment_ids(counts, c)                                # [EP, C] in 0..e (e = pad)
     out = experts_ffn(p, recv, ids, n_local, cfg.gmm_backend)            # [EP, C, D]
   with jax.named_scope("combine_a2a"):
     back = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)            # [EP, C, D] by dst shard
@@ -236,7 +236,7 @@ def local_moe_body(p, x, positions, *, cfg, ep_axes, ep, token_axes, gather_sequ
   plan = dispatch.make_plan(r.experts, keep, cfg.n_experts, ep)
   send = dispatch.pack(x.reshape(t, d), plan, k, c)                      # [EP, C, D], stays here
   with jax.named_scope("expert_gmm"):
-    ids = dispatch.segment_ids(plan.counts, c)                           # [EP, C] in 0..L (L = pad)
+    ids = dispatch.segment_ids(plan.counts, c)                           # [EP, C] in 0..e (e = pad)
     ids = jnp.where(ids < n_local, ids + n_local * jnp.arange(ep)[:, None], cfg.n_experts)
     out = experts_ffn(p, send, ids, cfg.n_experts, cfg.gmm_backend)      # global ids, E = pad
   ycopy = dispatch.unpack(out, plan).reshape(t, k, d)                    # [T, K, D]
@@ -299,7 +299,7 @@ def cost(cfg, mesh, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
     c = dispatch.send_rows(cfg, b_loc, cfg.batch * cfg.seq_len // n // b_loc, e)
     buf = e * c * cfg.d_model * cost_lib.F32                     # [EP, C, D]
     terms += (cost_lib.term(mesh, "all-to-all", "fwd", "dispatch + combine buffers, counts "
-                            "[EP, L] (int32)", cfg.n_layers * (2 * buf + cfg.n_experts * 4), EXPERT)
+                            "[EP, e] (int32)", cfg.n_layers * (2 * buf + cfg.n_experts * 4), EXPERT)
               + cost_lib.term(mesh, "all-to-all", "bwd", "their transposes",
                               cfg.n_layers * 2 * buf, EXPERT))
   return terms

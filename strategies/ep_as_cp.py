@@ -25,17 +25,17 @@ all-gathered over expert (moe_ep's gather_sequence).
 Because S is split over expert, the global batch only needs to divide by data*fsdp: batch 2 on
 fsdp:2,expert:4 gives each device a quarter of one sequence (a fractional per-device batch).
 
-Collectives per layer (d/f/e = data/fsdp/expert; kv = B_loc*S*KV*Dh*4; C as in ep.py, b_loc the
+Collectives per layer (d/f/x = the data/fsdp/expert axes; kv = B_loc*S*KV*Dh*4; C as in ep.py, b_loc the
 sequences a device holds parts of)
   forward : 1. all-gather over f of the weight matrices and experts (as ep.py)
-            2. all-gather over e of K and V (2 x kv)                          [critical path]
-            3. "dispatch_a2a" / "combine_a2a": all-to-all over e of the counts and of
+            2. all-gather over x of K and V (2 x kv)                          [critical path]
+            3. "dispatch_a2a" / "combine_a2a": all-to-all over x of the counts and of
                [EP, C, D] twice                                               [critical path]
-            4. router statistics all-reduced over (d, f, e); with capacity_factor > 0 the
-               expert ids [b, S, K] and positions [b, S] all-gathered over e
-  backward: 5. all-to-all over e x2 (transposes of 3); dK/dV reduce-scattered over e (2 x kv/e,
+            4. router statistics all-reduced over (d, f, x); with capacity_factor > 0 the
+               expert ids [b, S, K] and positions [b, S] all-gathered over x
+  backward: 5. all-to-all over x x2 (transposes of 3); dK/dV reduce-scattered over x (2 x kv/EP,
                model._gather_kv); weight grads as ep.py
-  once per step: kv_pos all-gathered over e; embed / unembed like one layer's matrices.
+  once per step: kv_pos all-gathered over x; embed / unembed like one layer's matrices.
 Pick it for long sequences, or a global batch smaller than the device count (strong scaling);
 cost vs ep.py: the K/V all-gathers, and attention work that no longer shrinks with EP.
 

@@ -28,14 +28,14 @@ def moe_body(p, x, positions, *, cfg, ep_axes, ep, token_axes, gather_sequence=N
   plan = dispatch.make_plan(r.experts, keep, cfg.n_experts, ep)
   rows = jnp.repeat(x.reshape(t, d), k, axis=0)                          # [T*K, D] copy order
   xs = jnp.zeros_like(rows).at[plan.pos].set(rows)                       # expert-sorted
-  g = jax.lax.all_gather(plan.counts, ep_axes, axis=0)                   # [EP_src, EP_dst, L]
+  g = jax.lax.all_gather(plan.counts, ep_axes, axis=0)                   # [EP_src, EP_dst, e]
   me = jax.lax.axis_index(ep_axes)
   there, home = dispatch.ragged_params(jnp.sum(g, axis=-1), me)          # offsets and sizes
   with jax.named_scope("dispatch_a2a"):
     recv = ragged_fn(xs, buffers.padded((ep * c, d), x.dtype), *there, axis_name=ep_axes)
   with jax.named_scope("expert_gmm"):
-    seg = dispatch.segment_ids(g[:, me, :].reshape(ep * n_local), ep * c)  # [EP*C] in 0..EP*L
-    ids = jnp.where(seg < ep * n_local, seg % n_local, n_local)          # local expert, L = pad
+    seg = dispatch.segment_ids(g[:, me, :].reshape(ep * n_local), ep * c)  # [EP*C] in 0..EP*e
+    ids = jnp.where(seg < ep * n_local, seg % n_local, n_local)          # local expert, e = pad
     out = experts_ffn(p, recv, ids, n_local, cfg.gmm_backend)            # [EP*C, D]
   with jax.named_scope("combine_a2a"):
     back = ragged_fn(out, buffers.padded((t * k, d), out.dtype), *home,

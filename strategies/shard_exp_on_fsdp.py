@@ -18,9 +18,10 @@ Mesh axes: (fsdp, expert). EP = |expert|, n_f = |fsdp|, N = n_f*EP devices; F = 
 Expert-major storage: device (f, x) holds experts block x*n_f + f, so gathering over fsdp leaves
 device x with the contiguous block x its EP shard owns:
   E=8, n_f=2, EP=2: (f0,x0) e0-1, (f1,x0) e2-3, (f0,x1) e4-5, (f1,x1) e6-7 -> over fsdp: x0 e0-3
-Muon (common/optim.py) reshards an expert leaf to P(spec[0], None, None) and vmaps Newton-Schulz
-over E. Here E is the only sharded dim, so that reshard is a no-op and the optimizer step on the
-experts issues no collective (plain fsdp shards D: Muon all-gathers every expert matrix whole).
+Muon (common/optim.py) reshards a stacked expert leaf [L, E, D, F] to P(None, spec[1], None, None)
+and runs Newton-Schulz batched over E (per layer). Here E is the only sharded dim, so that
+reshard is a no-op and the optimizer step on the experts issues no collective (plain fsdp shards
+D: Muon all-gathers every expert matrix whole).
 
 cfg.expert_fsdp_mode (--expert_fsdp_mode), T = B*S/N local tokens:
   "gather" (MaxText): all-gather the experts over fsdp at the MoE input -> [E@expert, D, F];
@@ -37,14 +38,14 @@ cfg.expert_fsdp_mode (--expert_fsdp_mode), T = B*S/N local tokens:
      Pick it when the fsdp axis is on fast links; "gather" keeps the token exchange on the
      expert axis and pays the weight traffic over fsdp instead.
 
-Collectives per layer (f = fsdp, e = expert)
-  forward : all-gather over (f, e) of attn / shared / router weights (fsdp_use);
-            gather: all-gather over f of wi_0, wi_1, wo, all-to-all over e of the counts,
-            dispatch and combine buffers;  ep: the all-to-alls over (e, f), no expert gather;
-            all-reduce over (f, e) of router statistics
-  backward: the all-to-all transposes; reduce-scatter over (f, e) of the non-expert grads;
+Collectives per layer (f = fsdp, x = expert)
+  forward : all-gather over (f, x) of attn / shared / router weights (fsdp_use);
+            gather: all-gather over f of wi_0, wi_1, wo, all-to-all over x of the counts,
+            dispatch and combine buffers;  ep: the all-to-alls over (x, f), no expert gather;
+            all-reduce over (f, x) of router statistics
+  backward: the all-to-all transposes; reduce-scatter over (f, x) of the non-expert grads;
             gather: reduce-scatter over f of the expert grads;  ep: nothing for the experts
-  optimizer (Muon): all-gather over (f, e) of attn / shared matrices (Newton-Schulz needs them
+  optimizer (Muon): all-gather over (f, x) of attn / shared matrices (Newton-Schulz needs them
             whole); nothing for the experts
 HLO contract (gather mode; every collective of the compiled step; size-1 axes drop out; the cost
 model's (kind, axes) set equals it, and tests/test_shard_exp_on_fsdp.py holds both to the program):
@@ -107,7 +108,7 @@ def param_specs(cfg, mesh):
 
 
 def batch_spec(cfg, mesh):
-  return P(TOKENS, None)                                            # [B, S] @ ((f, e), None)
+  return P(TOKENS, None)                                            # [B, S] @ ((f, x), None)
 
 
 def moe_weights(p, mode):
@@ -125,7 +126,7 @@ def ep_axes(cfg):
 
 
 def layout(cfg, mesh):
-  x_spec = P(TOKENS, None, None)                                    # [B, S, D] @ ((f, e),)
+  x_spec = P(TOKENS, None, None)                                    # [B, S, D] @ ((f, x),)
 
   def moe_fn(p, x, positions):                                      # ep.py's exchange
     return moe_ep(moe_weights(p, cfg.expert_fsdp_mode), x, positions, cfg, ep_axes=ep_axes(cfg))
@@ -157,7 +158,7 @@ def cost(cfg, mesh):
   ep = ep_axes(cfg)
   n_ep = mesh_lib.axis_size(mesh, *ep)
   c = dispatch.send_rows(cfg, cfg.batch // mesh_lib.axis_size(mesh, *TOKENS), cfg.seq_len, n_ep)
-  per_layer = 4 * n_ep * c * cfg.d_model * cost_lib.F32 + cfg.n_experts * 4  # + counts [EP, L]
+  per_layer = 4 * n_ep * c * cfg.d_model * cost_lib.F32 + cfg.n_experts * 4  # + counts [EP, e]
   return terms + cost_lib.term(mesh, "all-to-all", "fwd+bwd",
                                "dispatch/combine [EP, C, D] x4, counts", cfg.n_layers * per_layer,
                                ep)

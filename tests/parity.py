@@ -33,11 +33,7 @@ def _np(tree):
 
 
 def make_mesh(name: str, mesh_spec: str | None):
-  strat = strategies.get(name)
-  if not strat.AXES:
-    return None
-  shape = mesh_lib.mesh_shape(strat.AXES, strat.MAIN_AXIS, mesh_spec, jax.device_count(), name)
-  return mesh_lib.make_mesh(shape)
+  return mesh_lib.for_strategy(strategies.get(name), mesh_spec)
 
 
 def job(name: str, cfg, mesh_spec: str | None, *, init=None, poison: bool = False) -> train.Job:
@@ -64,11 +60,9 @@ def run(name: str, cfg, mesh_spec: str | None, steps: int, *, init=None,
 @functools.lru_cache(maxsize=None)
 def _run(name: str, cfg, mesh_spec: str | None, steps: int, init=None,
          poison: bool = False) -> list[dict]:
-  job = _job(name, cfg, mesh_spec, init, poison)
-  params, opt_state, out = job.params, job.opt_state, []
-  for i in range(steps):
-    params, opt_state, m = job.step(params, opt_state, job.batch(i))
-    rec = _np({k: m[k] for k in ("loss", "aux_loss", "ce_loss", "grad_norm", "dropped", "grads")})
+  out = []
+  for _, params, _, m, _ in train.steps(_job(name, cfg, mesh_spec, init, poison), steps):
+    rec = {k: m[k] for k in ("loss", "aux_loss", "ce_loss", "grad_norm", "dropped", "grads")}
     rec["params"] = _np(params)
     out.append(rec)
   return out
