@@ -27,6 +27,7 @@ flags.DEFINE_integer("devices", 8, "simulated CPU devices (ignored on GPU/TPU ho
 flags.DEFINE_enum("optimizer", "adamw", ["adamw", "muon"], "optimizer")
 flags.DEFINE_float("lr", None, "learning rate")
 flags.DEFINE_float("capacity_factor", 0.0, "expert capacity factor; 0 = dropless")
+flags.DEFINE_integer("microbatches", 1, "pp: pipeline microbatches per step (GPipe)")
 flags.DEFINE_integer("seed", 0, "init and data seed")
 flags.DEFINE_string("gmm", "auto", "grouped-matmul backend: auto | ragged_dot | padded | custom")
 flags.DEFINE_enum("dispatch", "auto", ["auto", "a2a", "ragged"], "EP token exchange")
@@ -58,7 +59,7 @@ def check_flags() -> None:
     raise UsageError(f"--steps={F.steps} must be >= 0")
   if F.steps == 0 and not F.strategy:
     raise UsageError("--steps=0 in compare mode: use --compile_only to compare without running")
-  for name in ("batch", "seq", "layers"):
+  for name in ("batch", "seq", "layers", "microbatches"):
     v = getattr(F, name)
     if v is not None and v < 1:
       raise UsageError(f"--{name}={v} must be >= 1")
@@ -98,6 +99,7 @@ def make_config():
   if F.capacity_factor < 0:
     raise ConfigError(f"--capacity_factor={F.capacity_factor} must be >= 0")
   over = dict(optimizer=F.optimizer, capacity_factor=F.capacity_factor, seed=F.seed,
+              microbatches=F.microbatches,
               gmm_backend=F.gmm, dispatch=F.dispatch,
               dispatch_batch_on_expert=F.dispatch_batch_on_expert,
               context_sharding=F.context_sharding, expert_fsdp_mode=F.expert_fsdp_mode,

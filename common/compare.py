@@ -48,10 +48,13 @@ def _mesh_for(strat, spec: str | None, n: int):
   return mesh_lib.for_strategy(strat, spec, n)
 
 
-def _mesh_str(mesh) -> str:
+def _mesh_str(mesh, strat=None, cfg=None) -> str:
   if mesh is None:
     return "1 device"
-  return ",".join(f"{k}:{v}" for k, v in mesh.shape.items() if v > 1) or "1 device"
+  out = ",".join(f"{k}:{v}" for k, v in mesh.shape.items() if v > 1) or "1 device"
+  if hasattr(strat, "bubble"):                    # pipeline: its idle fraction, from the schedule
+    out += f" M={cfg.microbatches} bubble {strat.bubble(cfg, mesh):.2f}"
+  return out
 
 
 def _fallback_meshes(strat, n: int):
@@ -71,7 +74,7 @@ def build(name: str, cfg, mesh_spec, compile_only: bool):
   row = {"strategy": name}
   try:
     mesh = _mesh_for(strat, mesh_spec, jax.device_count())
-    row["mesh"] = _mesh_str(mesh)
+    row["mesh"] = _mesh_str(mesh, strat, cfg)
     if mesh is not None:
       try:
         strat.check(cfg, mesh)
@@ -83,7 +86,7 @@ def build(name: str, cfg, mesh_spec, compile_only: bool):
             strat.check(cfg, m)
           except ConfigError:
             continue
-          mesh, row["mesh"] = m, _mesh_str(m)
+          mesh, row["mesh"] = m, _mesh_str(m, strat, cfg)
           break
     return row, train.build(strat, cfg, mesh, compile_only=compile_only)
   except ConfigError as e:

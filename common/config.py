@@ -34,6 +34,7 @@ class Config:
   z_loss_coef: float = 0.0
   bias_update_rate: float = 0.0   # gamma of the aux-loss-free bias update (0 = off)
   capacity_factor: float = 0.0    # 0 = dropless
+  microbatches: int = 1           # pp: pipeline microbatches per step
   # run
   seq_len: int = 32
   batch: int = 8
@@ -62,7 +63,7 @@ class Config:
   def model_only(self) -> "Config":
     """The same model and run with every strategy knob at its default (the reference's key)."""
     knobs = ("dispatch", "dispatch_batch_on_expert", "context_sharding", "expert_fsdp_mode",
-             "ep_tp_capacity", "gmm_backend")
+             "ep_tp_capacity", "gmm_backend", "microbatches")
     return dataclasses.replace(self, **{k: Config.__dataclass_fields__[k].default for k in knobs})
 
   def validate(self) -> "Config":
@@ -71,7 +72,7 @@ class Config:
       if not cond:
         raise ConfigError(msg)
     for name in ("vocab", "d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers", "n_experts",
-                 "d_ff", "seq_len", "batch"):
+                 "d_ff", "seq_len", "batch", "microbatches"):
       need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
     need(math.isfinite(self.lr) and self.lr > 0, f"lr={self.lr} must be a finite number > 0")
     need(self.n_heads % self.n_kv_heads == 0,

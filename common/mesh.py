@@ -9,7 +9,7 @@ from jax.sharding import AxisType
 from common.config import ConfigError
 
 # Mesh axis names used anywhere in the suite.
-DATA, FSDP, TENSOR, EXPERT, CONTEXT = "data", "fsdp", "tensor", "expert", "context"
+DATA, FSDP, TENSOR, EXPERT, CONTEXT, STAGE = "data", "fsdp", "tensor", "expert", "context", "stage"
 
 
 def parse_mesh_spec(spec: str) -> dict[str, int]:

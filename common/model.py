@@ -13,6 +13,8 @@ A strategy does not rewrite the model. It hands `forward` a `Layout`:
          role: its entry in ROLES (w is one layer's slice inside the layer scan)
   moe    (p_moe, x [B, S, D], positions [B, S]) -> (y, stats): the routed MoE, where the strategy
          places its shard_map and token exchange. stats are GLOBAL sums (see routing.router_stats).
+  loss   optional (params, batch) -> (loss, metrics) replacing loss_fn for a strategy that runs
+         the whole model its own way (pp: a pipeline schedule in one shard_map).
   gather_in / scatter_out / row_out: sequence parallelism (Megatron-SP, ep_tp).
          gather_in: normed h (residual layout x) -> what attention, moe and the shared expert
            read (ep_tp: the all-gather over the sequence axis);
@@ -59,6 +61,7 @@ class Layout:
   gather_in: Callable = _identity
   scatter_out: Callable = _identity
   row_out: Any = None
+  loss: Callable | None = None
 
   @property
   def row(self):
@@ -153,12 +156,13 @@ def param_roles(cfg: Config) -> dict:
                       is_leaf=lambda l: isinstance(l, ShapeLeaf))
 
 
-def param_specs(cfg: Config, table: dict) -> dict:
+def param_specs(cfg: Config, table: dict, layer_axis=None) -> dict:
   """A strategy's role -> PartitionSpec table (one layer's array; roles it omits are replicated)
-  -> the spec pytree of the params; layer roles get the leading [L] dim, never sharded."""
+  -> the spec pytree of the params; layer roles get the leading [L] dim, sharded over
+  `layer_axis` (pipeline stages) or not at all."""
   def spec(leaf):
     p = table.get(leaf.role, P())
-    return P(None, *p) if leaf.role in LAYER_ROLES else p
+    return P(layer_axis, *p) if leaf.role in LAYER_ROLES else p
   return jax.tree.map(spec, init_params_shapes(cfg), is_leaf=lambda l: isinstance(l, ShapeLeaf))
 
 

@@ -50,7 +50,8 @@ def global_norm(tree) -> jax.Array:
 def make_train_step(cfg, lay: model.Layout, opt: optim.Optimizer, with_grads: bool = False):
   """Pure step: loss+grads, AdamW/Muon update, aux-loss-free router-bias update."""
   def step(params, opt_state, batch):
-    (loss, m), grads = jax.value_and_grad(model.loss_fn, has_aux=True)(params, batch, cfg, lay)
+    loss_fn = (lambda p, b, c, l: lay.loss(p, b)) if lay.loss else model.loss_fn
+    (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cfg, lay)
     new_params, new_opt_state = opt.update(grads, opt_state, params)
     if cfg.bias_update_rate:                                    # [L, E], the whole step's counts
       moe = new_params["layers"]["moe"]

@@ -29,7 +29,7 @@ import importlib
 from common.config import ConfigError
 
 # Order = the order of the comparison table.
-NAMES = ["reference", "dp", "fsdp", "tp", "ep", "cp", "ep_as_cp", "shard_exp_on_fsdp", "ep_tp"]
+NAMES = ["reference", "dp", "fsdp", "tp", "ep", "cp", "ep_as_cp", "shard_exp_on_fsdp", "ep_tp", "pp"]
 
 
 def available() -> list[str]:
