@@ -79,7 +79,8 @@ NAME = "pp"
 STAGE, DATA, EXPERT = mesh_lib.STAGE, mesh_lib.DATA, mesh_lib.EXPERT
 AXES = (STAGE, DATA, EXPERT)
 MAIN_AXIS = STAGE
-COMPARE_MESH = "stage:2,expert:4"               # tiny has 2 layers: 2 stages, EP inside
+COMPARE_MESH = "data:1,stage:2,expert:4"        # tiny has 2 layers: 2 stages, EP inside; more
+                                                # devices scale data
 TOKENS = (DATA, EXPERT)                         # the batch axes (replicated over stage)
 
 
