@@ -18,7 +18,7 @@ F = flags.FLAGS
 flags.DEFINE_string("strategy", None, "strategy to train (see strategies/); omit to compare all")
 flags.DEFINE_string("compare", None, "'all' or a comma list of strategies to compare")
 flags.DEFINE_string("model", "tiny", "model preset: tiny | mixtral-test | deepseek-test | mixtral-8x7b")
-flags.DEFINE_integer("steps", None, "training steps (default 20; 3 in compare mode; 0 = compile "
+flags.DEFINE_integer("steps", None, "steps to run (after --restore: more steps; default 20; 3 in compare mode; 0 = compile "
                      "and report only)")
 flags.DEFINE_integer("batch", None, "global batch (sequences); default from the preset")
 flags.DEFINE_integer("seq", None, "sequence length; default from the preset")
@@ -46,6 +46,10 @@ flags.DEFINE_string("coordinator_address", None, "multi-process: host:port of pr
                     "coordinator (default: $JAX_COORDINATOR_ADDRESS or the cluster's)")
 flags.DEFINE_integer("num_processes", None, "multi-process: number of processes")
 flags.DEFINE_integer("process_id", None, "multi-process: this process's id in [0, num_processes)")
+flags.DEFINE_string("checkpoint_dir", None, "save (and --restore) orbax checkpoints here")
+flags.DEFINE_integer("save_every", 0, "save every N steps (0 = only after the last step)")
+flags.DEFINE_string("restore", None, "'latest' or a step: resume from --checkpoint_dir, in any "
+                    "strategy and mesh (same model and --optimizer)")
 flags.DEFINE_string("compilation_cache", "~/.cache/moe-sharding/jax",
                     "persistent XLA compilation cache ('' = off); reruns skip compiles")
 
@@ -82,6 +86,24 @@ def check_flags() -> None:
     if not os.path.isdir(d) or not os.access(d, os.W_OK):
       raise UsageError(f"--metrics_file={F.metrics_file}: directory {d} does not exist or "
                        "is not writable")
+  if F.save_every < 0:
+    raise UsageError(f"--save_every={F.save_every} must be >= 0")
+  if (F.checkpoint_dir or F.restore) and not F.strategy:
+    raise UsageError("--checkpoint_dir and --restore need --strategy")
+  if F.restore is not None:
+    if not F.checkpoint_dir:
+      raise UsageError("--restore needs --checkpoint_dir")
+    if F.restore != "latest" and not F.restore.isdigit():
+      raise UsageError(f"--restore={F.restore}: expected 'latest' or a step number")
+    if not os.path.isdir(F.checkpoint_dir):
+      raise UsageError(f"--checkpoint_dir={F.checkpoint_dir} does not exist")
+  if F.checkpoint_dir:
+    try:
+      os.makedirs(F.checkpoint_dir, exist_ok=True)
+    except OSError as e:
+      raise UsageError(f"--checkpoint_dir={F.checkpoint_dir}: {e.strerror}") from None
+    if not os.access(F.checkpoint_dir, os.W_OK):
+      raise UsageError(f"--checkpoint_dir={F.checkpoint_dir} is not writable")
   if F.report_dir:
     try:
       os.makedirs(F.report_dir, exist_ok=True)
@@ -143,10 +165,16 @@ def train_one(cfg) -> None:
   say = print if main else (lambda *a, **k: None)
   strat = strategies.get(F.strategy)
   mesh = mesh_lib.for_strategy(strat, F.mesh)
-  job = train.build(strat, cfg, mesh)
+  start, state = 0, None
+  if F.restore is not None:                   # checked and read before anything compiles
+    from common import checkpoint
+    start = checkpoint.check(F.checkpoint_dir, F.restore, cfg)
+    state = checkpoint.restore(F.checkpoint_dir, start, cfg, strat, mesh)
+  job = train.build(strat, cfg, mesh, state=state)
   mesh_desc = ",".join(f"{k}:{v}" for k, v in mesh.shape.items()) if mesh is not None else "single"
-  say(f"{F.strategy} on mesh {mesh_desc}, model {F.model}: compiled in {job.compile_s:.1f}s",
-        flush=True)
+  say(f"{F.strategy} on mesh {mesh_desc}, model {F.model}: compiled in {job.compile_s:.1f}s"
+      + (f", restored step {start} from {F.checkpoint_dir}" if F.restore is not None else ""),
+      flush=True)
   if F.dump_sharding:
     for path, t in describe(job.params):
       say(f"  param {path:<40s} {t}")
@@ -164,12 +192,17 @@ def train_one(cfg) -> None:
   out = open(F.metrics_file, "w") if F.metrics_file and main else None
   steps = 20 if F.steps is None else F.steps
   tokens = cfg.batch * cfg.seq_len
-  for i, _, _, m, dt in train.steps(job, steps):
+  saver = None
+  if F.checkpoint_dir:
+    from common import checkpoint
+    saver = checkpoint.Saver(F.checkpoint_dir, cfg, strategy=F.strategy, mesh=mesh_desc)
+  params, opt_state = job.params, job.opt_state
+  for i, params, opt_state, m, dt in train.steps(job, steps, start):
     m = {k: float(v) for k, v in m.items() if k != "counts"}
     rec = {"step": i, "loss": m["loss"], "ce_loss": m["ce_loss"], "aux_loss": m["aux_loss"],
            "grad_norm": m["grad_norm"], "dropped": m["dropped"], "step_time_s": dt,
            "tokens_per_s": tokens / dt}
-    say(f"[{i + 1:>4d}/{steps}] loss {m['loss']:.4f} ce {m['ce_loss']:.4f} "
+    say(f"[{i + 1:>4d}/{start + steps}] loss {m['loss']:.4f} ce {m['ce_loss']:.4f} "
         f"aux {m['aux_loss']:.4f} gnorm {m['grad_norm']:.3f} dropped {m['dropped']:.0f} "
         f"{tokens / dt:,.0f} tok/s", flush=True)
     if out:
@@ -178,6 +211,11 @@ def train_one(cfg) -> None:
       if out:
         out.close()                            # keeps every step up to this one
       raise NonFinite(f"non-finite loss at step {i}")
+    if saver and F.save_every and (i + 1) % F.save_every == 0:
+      saver.save(i + 1, params, opt_state)      # i + 1 steps done: resumes at batch i + 1
+  if saver:
+    saver.save(start + steps, params, opt_state)
+    saver.close()
   if out:
     out.write(json.dumps({"summary": True, "strategy": F.strategy, "mesh": mesh_desc,
                           "model": F.model, "compile_s": job.compile_s, "flops": stats["flops"],
