@@ -57,14 +57,13 @@ def _manager(directory: str, create: bool = False):
 
 
 def steps(directory: str) -> list[int]:
-  """Finalised steps in `directory` (tmp directories of unfinished saves are not listed)."""
+  """Finalised steps in `directory`: `<step>/` directories holding orbax's finalize metadata.
+  Tmp directories of unfinished saves (`<step>.orbax-checkpoint-tmp-*`) and a step directory
+  without `_CHECKPOINT_METADATA` are not steps."""
   if not os.path.isdir(directory):
     return []
-  mgr = _manager(directory)
-  try:
-    return sorted(mgr.all_steps())
-  finally:
-    mgr.close()
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit() and
+                os.path.isfile(os.path.join(directory, n, "_CHECKPOINT_METADATA")))
 
 
 def _meta(cfg: Config, step: int, **extra) -> dict:

@@ -105,6 +105,9 @@ def test_unfinished_save_is_not_offered(saved, tmp_path):
   dd = str(tmp_path / "ck")
   shutil.copytree(d, dd)
   shutil.copytree(os.path.join(dd, "3"), os.path.join(dd, "5.orbax-checkpoint-tmp-1234567"))
+  # a step directory without orbax's finalize metadata (possible only outside orbax's rename)
+  shutil.copytree(os.path.join(dd, "3"), os.path.join(dd, "6"))
+  os.remove(os.path.join(dd, "6", "_CHECKPOINT_METADATA"))
   assert checkpoint.steps(dd) == [3]
   assert checkpoint.check(dd, "latest", cfg) == 3
   with pytest.raises(checkpoint.CheckpointError, match=r"step 5 is not in .*complete steps: 3"):
