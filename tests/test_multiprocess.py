@@ -114,14 +114,30 @@ def test_ep_two_processes_match_one_process_and_reference(tmp_path, one_process_
 
 
 def test_fsdp_two_processes_restore_and_match_one_process_and_reference(tmp_path, one_process_ckpt):
-  # 2 processes restore the 1-process ep checkpoint into fsdp, train 2 more steps and save
+  # 2 processes restore the 1-process ep checkpoint into fsdp, train 2 more steps, save each
   d, m = str(tmp_path / "ck"), tmp_path / "m.jsonl"
   shutil.copytree(one_process_ckpt, d)
   launch(2, "--strategy=fsdp", "--mesh=data:2,fsdp:4", "--steps=2", f"--metrics_file={m}",
-         f"--checkpoint_dir={d}", "--restore=latest")
+         f"--checkpoint_dir={d}", "--restore=latest", "--save_every=1")
   got = losses(m)
   assert [json.loads(l)["step"] for l in open(m).read().splitlines()[:2]] == [3, 4]
   job, _ = _restored(one_process_ckpt, "fsdp", "data:2,fsdp:4")
   assert_losses(got, [float(x[3]["loss"]) for x in train.steps(job, 2, start=3)])
   assert_losses(got, in_process("reference", None, 5)[3:])
-  assert checkpoint.steps(d) == [3, 5]
+  assert checkpoint.steps(d) == [3, 4, 5]
+
+
+def test_settings_from_flags_and_environment(monkeypatch):
+  from common import distributed
+  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    monkeypatch.delenv(k, raising=False)
+  monkeypatch.setattr(distributed, "_cluster_detected", lambda: False)
+  assert distributed.settings(None, None, None) is None
+  want = {"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}
+  assert distributed.settings("10.0.0.1:1234", 2, 1) == want
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+  monkeypatch.setenv("JAX_PROCESS_ID", "1")
+  assert distributed.settings(None, None, None) == want
+  with pytest.raises(config.ConfigError, match="expected host:port"):
+    distributed.settings("10.0.0.1", 2, 1)
