@@ -6,6 +6,8 @@
   python run.py --compare=all --devices=64 --model=mixtral-8x7b --compile_only
   python run.py --strategy=ep --mesh=data:2,expert:4 --devices=4 \
       --coordinator_address=127.0.0.1:1234 --num_processes=2 --process_id=0   # and =1
+  python run.py --strategy=ep --steps=3 --checkpoint_dir=ck                # then, any strategy:
+  python run.py --strategy=fsdp --steps=2 --checkpoint_dir=ck --restore=latest
 """
 from __future__ import annotations
 
@@ -197,25 +199,28 @@ def train_one(cfg) -> None:
     from common import checkpoint
     saver = checkpoint.Saver(F.checkpoint_dir, cfg, strategy=F.strategy, mesh=mesh_desc)
   params, opt_state = job.params, job.opt_state
-  for i, params, opt_state, m, dt in train.steps(job, steps, start):
-    m = {k: float(v) for k, v in m.items() if k != "counts"}
-    rec = {"step": i, "loss": m["loss"], "ce_loss": m["ce_loss"], "aux_loss": m["aux_loss"],
-           "grad_norm": m["grad_norm"], "dropped": m["dropped"], "step_time_s": dt,
-           "tokens_per_s": tokens / dt}
-    say(f"[{i + 1:>4d}/{start + steps}] loss {m['loss']:.4f} ce {m['ce_loss']:.4f} "
-        f"aux {m['aux_loss']:.4f} gnorm {m['grad_norm']:.3f} dropped {m['dropped']:.0f} "
-        f"{tokens / dt:,.0f} tok/s", flush=True)
-    if out:
-      out.write(json.dumps(rec) + "\n")
-    if not train.finite(m):
+  try:
+    for i, params, opt_state, m, dt in train.steps(job, steps, start):
+      m = {k: float(v) for k, v in m.items() if k != "counts"}
+      rec = {"step": i, "loss": m["loss"], "ce_loss": m["ce_loss"], "aux_loss": m["aux_loss"],
+             "grad_norm": m["grad_norm"], "dropped": m["dropped"], "step_time_s": dt,
+             "tokens_per_s": tokens / dt}
+      say(f"[{i + 1:>4d}/{start + steps}] loss {m['loss']:.4f} ce {m['ce_loss']:.4f} "
+          f"aux {m['aux_loss']:.4f} gnorm {m['grad_norm']:.3f} dropped {m['dropped']:.0f} "
+          f"{tokens / dt:,.0f} tok/s", flush=True)
       if out:
-        out.close()                            # keeps every step up to this one
-      raise NonFinite(f"non-finite loss at step {i}")
-    if saver and F.save_every and (i + 1) % F.save_every == 0:
-      saver.save(i + 1, params, opt_state)      # i + 1 steps done: resumes at batch i + 1
-  if saver:
-    saver.save(start + steps, params, opt_state)
-    saver.close()
+        out.write(json.dumps(rec) + "\n")
+      if not train.finite(m):
+        if out:
+          out.close()                            # keeps every step up to this one
+        raise NonFinite(f"non-finite loss at step {i}")
+      if saver and F.save_every and (i + 1) % F.save_every == 0:
+        saver.save(i + 1, params, opt_state)      # i + 1 steps done: resumes at batch i + 1
+    if saver:
+      saver.save(start + steps, params, opt_state)
+  finally:
+    if saver:
+      saver.close()                            # waits until the last save is finalised
   if out:
     out.write(json.dumps({"summary": True, "strategy": F.strategy, "mesh": mesh_desc,
                           "model": F.model, "compile_s": job.compile_s, "flops": stats["flops"],

@@ -78,11 +78,13 @@ class Saver:
 
   def __init__(self, directory: str, cfg: Config, **extra):
     self.mgr, self.cfg, self.extra = _manager(directory, create=True), cfg, extra
+    self.saved = set(self.mgr.all_steps())
 
   def save(self, step: int, params, opt_state) -> None:
     import orbax.checkpoint as ocp
-    if step in self.mgr.all_steps():
+    if step in self.saved:
       return
+    self.saved.add(step)
     self.mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
         meta=ocp.args.JsonSave(_meta(self.cfg, step, **self.extra))))
