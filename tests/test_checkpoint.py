@@ -137,3 +137,36 @@ def test_run_py_bad_restore_exits_2_with_one_line(saved, tmp_path):
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-2000:]
     assert message in lines[0], lines[0]
     assert "compiled" not in r.stdout                                 # failed before compiling
+
+
+_KILLED_SAVE = """
+import os, pathlib, sys
+import jax.numpy as jnp
+from common import checkpoint, config
+cfg, d = config.get_config("tiny"), sys.argv[1]
+s = checkpoint.Saver(d, cfg)
+s.save(1, {"w": jnp.ones((4, 4))}, {"m": jnp.zeros(4)})
+s.close()
+rename = os.rename
+def killed(a, b, *args, **kw):               # SIGKILL-like exit between writing and finalising
+  if "tmp" in str(a):
+    os._exit(9)
+  return rename(a, b, *args, **kw)
+os.rename = killed
+pathlib.Path.rename = lambda self, t: killed(str(self), str(t))
+s = checkpoint.Saver(d, cfg)
+s.save(2, {"w": 2 * jnp.ones((4, 4))}, {"m": jnp.ones(4)})
+s.close()
+"""
+
+
+def test_save_killed_before_finalize_is_not_offered(tmp_path):
+  d = str(tmp_path / "ck")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  r = subprocess.run([sys.executable, "-c", _KILLED_SAVE, d], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 9, r.stderr[-2000:]                 # died inside save 2
+  assert any(n.startswith("2.") for n in os.listdir(d)), os.listdir(d)   # its data was written
+  assert checkpoint.steps(d) == [1]
+  assert checkpoint.check(d, "latest", config.get_config("tiny")) == 1
