@@ -15,6 +15,7 @@ finalised steps, so a save killed mid-write is never offered for restore.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -43,6 +44,12 @@ def _quiet(prev, get_exc):
 
 sys.unraisablehook = _quiet(sys.unraisablehook, lambda u: u.exc_value)
 threading.excepthook = _quiet(threading.excepthook, lambda a: a.exc_value)
+
+
+def _quiet_orphans() -> None:
+  # the sibling reads of a failed restore end as never-retrieved asyncio futures, which asyncio
+  # logs (with the same error) when collected, at exit: the one-line error is the report
+  logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
 class CheckpointError(ConfigError):
@@ -111,6 +118,7 @@ def check(directory: str, step: str | int, cfg: Config) -> int:
   try:
     meta = mgr.restore(n, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
   except Exception as e:                                 # noqa: BLE001 -- any read failure
+    _quiet_orphans()
     raise CheckpointError(f"{where} is unreadable: {_first_line(e)}") from None
   finally:
     mgr.close()
@@ -157,6 +165,7 @@ def restore(directory: str, step: int, cfg: Config, strategy, mesh) -> tuple:
   try:
     state = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
   except Exception as e:                                 # noqa: BLE001 -- any read failure
+    _quiet_orphans()
     raise CheckpointError(f"checkpoint {directory} step {step} cannot be restored: "
                           f"{_first_line(e)}") from None
   finally:
