@@ -8,7 +8,7 @@ resumes at batch `step`. Params have one pytree for every strategy, so a restore
 ShapeDtypeStructs carrying the *new* strategy's NamedShardings and orbax reshards while reading.
 The optimizer state differs between adamw and muon: a restore must use the saved optimizer.
 
-Saves are atomic: orbax writes `<step>.orbax-checkpoint-tmp-*` and renames it to `<step>` only
+Saves are atomic: orbax writes `<step>.orbax-checkpoint-tmp*` and renames it to `<step>` only
 once every process has finished (a commit marker on object stores), and `steps()` lists only
 finalised steps, so a save killed mid-write is never offered for restore.
 """
@@ -65,7 +65,7 @@ def _manager(directory: str, create: bool = False):
 
 def steps(directory: str) -> list[int]:
   """Finalised steps in `directory`: `<step>/` directories holding orbax's finalize metadata.
-  Tmp directories of unfinished saves (`<step>.orbax-checkpoint-tmp-*`) and a step directory
+  Tmp directories of unfinished saves (`<step>.orbax-checkpoint-tmp*`) and a step directory
   without `_CHECKPOINT_METADATA` are not steps."""
   if not os.path.isdir(directory):
     return []
@@ -122,7 +122,9 @@ def check(directory: str, step: str | int, cfg: Config) -> int:
     raise CheckpointError(f"{where} is unreadable: {_first_line(e)}") from None
   finally:
     mgr.close()
-  if not isinstance(meta, dict) or meta.get("format") != 1 or meta.get("step") != n:
+  if (not isinstance(meta, dict) or meta.get("format") != 1 or meta.get("step") != n
+      or not {"optimizer", "model", "param_shapes"} <= set(meta)
+      or not isinstance(meta["model"], dict)):
     raise CheckpointError(f"{where} is unreadable: bad meta")
   if meta["optimizer"] != cfg.optimizer:
     raise CheckpointError(f"{where} holds {meta['optimizer']} state: restore it with "

@@ -74,6 +74,16 @@ def test_bad_checkpoints_one_line_errors(saved, tmp_path):
     checkpoint.check(d, 7, cfg)
   with pytest.raises(checkpoint.CheckpointError, match="no complete checkpoint in"):
     checkpoint.check(str(tmp_path), "latest", cfg)
+  bad = str(tmp_path / "bad_meta")
+  shutil.copytree(d, bad)
+  with open(os.path.join(bad, "3", "meta", "metadata"), "w") as f:
+    f.write('{"format": 1, "st')                                    # a truncated JSON file
+  with pytest.raises(checkpoint.CheckpointError, match="step 3 is unreadable"):
+    checkpoint.check(bad, "latest", cfg)
+  with open(os.path.join(bad, "3", "meta", "metadata"), "w") as f:
+    f.write('{"format": 1, "step": 3}')                             # valid JSON, not ours
+  with pytest.raises(checkpoint.CheckpointError, match="step 3 is unreadable: bad meta"):
+    checkpoint.check(bad, "latest", cfg)
 
 
 def _corrupt_copy(src, dst):
