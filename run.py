@@ -4,6 +4,10 @@
   python run.py --strategy=ep --mesh=data:2,expert:4 --steps=3 --metrics_file=m.jsonl
   python run.py --compare=dp,ep --model=deepseek-test --report_dir=report
   python run.py --compare=all --devices=64 --model=mixtral-8x7b --compile_only
+  python run.py --strategy=ep --mesh=data:2,expert:4 --devices=4 \
+      --coordinator_address=127.0.0.1:1234 --num_processes=2 --process_id=0   # and =1
+  python run.py --strategy=ep --steps=3 --checkpoint_dir=ck                # then, any strategy:
+  python run.py --strategy=fsdp --steps=2 --checkpoint_dir=ck --restore=latest
 """
 from __future__ import annotations
 
@@ -16,14 +20,14 @@ F = flags.FLAGS
 flags.DEFINE_string("strategy", None, "strategy to train (see strategies/); omit to compare all")
 flags.DEFINE_string("compare", None, "'all' or a comma list of strategies to compare")
 flags.DEFINE_string("model", "tiny", "model preset: tiny | mixtral-test | deepseek-test | mixtral-8x7b")
-flags.DEFINE_integer("steps", None, "training steps (default 20; 3 in compare mode; 0 = compile "
+flags.DEFINE_integer("steps", None, "steps to run (after --restore: more steps; default 20; 3 in compare mode; 0 = compile "
                      "and report only)")
 flags.DEFINE_integer("batch", None, "global batch (sequences); default from the preset")
 flags.DEFINE_integer("seq", None, "sequence length; default from the preset")
 flags.DEFINE_integer("layers", None, "override the number of layers")
 flags.DEFINE_string("mesh", None, "e.g. data:2,expert:4; omitted axes get size 1; "
                     "no flag = all devices on the strategy's main axis")
-flags.DEFINE_integer("devices", 8, "simulated CPU devices (ignored on GPU/TPU hosts)")
+flags.DEFINE_integer("devices", 8, "simulated CPU devices per process (ignored on GPU/TPU hosts)")
 flags.DEFINE_enum("optimizer", "adamw", ["adamw", "muon"], "optimizer")
 flags.DEFINE_float("lr", None, "learning rate")
 flags.DEFINE_float("capacity_factor", 0.0, "expert capacity factor; 0 = dropless")
@@ -41,6 +45,14 @@ flags.DEFINE_bool("dump_sharding", False, "print every parameter's and key activ
 flags.DEFINE_bool("hlo_stats", False, "print collectives, flops and memory of the compiled step")
 flags.DEFINE_bool("compile_only", False, "compare mode: compile, report collectives/memory, don't run")
 flags.DEFINE_string("report_dir", None, "compare mode: write table.json, table.csv and PNG plots here")
+flags.DEFINE_string("coordinator_address", None, "multi-process: host:port of process 0's "
+                    "coordinator (default: $JAX_COORDINATOR_ADDRESS or the cluster's)")
+flags.DEFINE_integer("num_processes", None, "multi-process: number of processes")
+flags.DEFINE_integer("process_id", None, "multi-process: this process's id in [0, num_processes)")
+flags.DEFINE_string("checkpoint_dir", None, "save (and --restore) orbax checkpoints here")
+flags.DEFINE_integer("save_every", 0, "save every N steps (0 = only after the last step)")
+flags.DEFINE_string("restore", None, "'latest' or a step: resume from --checkpoint_dir, in any "
+                    "strategy and mesh (same model and --optimizer)")
 flags.DEFINE_string("compilation_cache", "~/.cache/moe-sharding/jax",
                     "persistent XLA compilation cache ('' = off); reruns skip compiles")
 
@@ -53,6 +65,13 @@ def check_flags() -> None:
   """Every flag value that can be judged without JAX, before anything compiles."""
   import math
   import os
+  global _dist
+  from common import distributed
+  _dist = distributed.settings(F.coordinator_address, F.num_processes, F.process_id)
+  if _dist is not None and not F.strategy:
+    raise UsageError("multi-process runs need --strategy (compare mode is single-process)")
+  if _dist is not None and F.strategy == "reference":
+    raise UsageError("the reference runs on one device: not multi-process")
   if F.devices < 1:
     raise UsageError(f"--devices={F.devices} must be >= 1")
   if F.steps is not None and F.steps < 0:
@@ -70,6 +89,24 @@ def check_flags() -> None:
     if not os.path.isdir(d) or not os.access(d, os.W_OK):
       raise UsageError(f"--metrics_file={F.metrics_file}: directory {d} does not exist or "
                        "is not writable")
+  if F.save_every < 0:
+    raise UsageError(f"--save_every={F.save_every} must be >= 0")
+  if (F.checkpoint_dir or F.restore) and not F.strategy:
+    raise UsageError("--checkpoint_dir and --restore need --strategy")
+  if F.restore is not None:
+    if not F.checkpoint_dir:
+      raise UsageError("--restore needs --checkpoint_dir")
+    if F.restore != "latest" and not F.restore.isdigit():
+      raise UsageError(f"--restore={F.restore}: expected 'latest' or a step number")
+    if not os.path.isdir(F.checkpoint_dir):
+      raise UsageError(f"--checkpoint_dir={F.checkpoint_dir} does not exist")
+  if F.checkpoint_dir:
+    try:
+      os.makedirs(F.checkpoint_dir, exist_ok=True)
+    except OSError as e:
+      raise UsageError(f"--checkpoint_dir={F.checkpoint_dir}: {e.strerror}") from None
+    if not os.access(F.checkpoint_dir, os.W_OK):
+      raise UsageError(f"--checkpoint_dir={F.checkpoint_dir} is not writable")
   if F.report_dir:
     try:
       os.makedirs(F.report_dir, exist_ok=True)
@@ -83,15 +120,22 @@ class NonFinite(Exception):
   pass
 
 
+_dist = None      # jax.distributed.initialize arguments of a multi-process run (check_flags)
+
+
 def _setup_devices(n: int) -> None:
+  """n CPU devices per process; starts the multi-process runtime first when asked."""
   import os
   import jax
   jax.config.update("jax_num_cpu_devices", n)
   if F.compilation_cache:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(F.compilation_cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-  if jax.default_backend() == "cpu" and jax.device_count() != n:
-    raise UsageError(f"asked for {n} CPU devices, got {jax.device_count()}")
+  if _dist is not None:
+    from common import distributed
+    distributed.initialize(_dist)
+  if jax.default_backend() == "cpu" and jax.local_device_count() != n:
+    raise UsageError(f"asked for {n} CPU devices, got {jax.local_device_count()}")
 
 
 def make_config():
@@ -120,43 +164,65 @@ def train_one(cfg) -> None:
   from common.sharding import describe
   import strategies
 
+  import jax
+  main = jax.process_index() == 0               # only process 0 prints and writes files
+  say = print if main else (lambda *a, **k: None)
   strat = strategies.get(F.strategy)
   mesh = mesh_lib.for_strategy(strat, F.mesh)
-  job = train.build(strat, cfg, mesh)
+  start, state = 0, None
+  if F.restore is not None:                   # checked and read before anything compiles
+    from common import checkpoint
+    start = checkpoint.check(F.checkpoint_dir, F.restore, cfg)
+    state = checkpoint.restore(F.checkpoint_dir, start, cfg, strat, mesh)
+  job = train.build(strat, cfg, mesh, state=state)
   mesh_desc = ",".join(f"{k}:{v}" for k, v in mesh.shape.items()) if mesh is not None else "single"
-  print(f"{F.strategy} on mesh {mesh_desc}, model {F.model}: compiled in {job.compile_s:.1f}s",
-        flush=True)
+  say(f"{F.strategy} on mesh {mesh_desc}, model {F.model}: compiled in {job.compile_s:.1f}s"
+      + (f", restored step {start} from {F.checkpoint_dir}" if F.restore is not None else ""),
+      flush=True)
   if F.dump_sharding:
     for path, t in describe(job.params):
-      print(f"  param {path:<40s} {t}")
+      say(f"  param {path:<40s} {t}")
     for path, t in describe(job.batch(0)):
-      print(f"  batch {path:<40s} {t}")
+      say(f"  batch {path:<40s} {t}")
     if hasattr(strat, "activation_shardings"):
       for name, t in strat.activation_shardings(cfg, mesh):
-        print(f"  act   {name:<40s} {t}")
+        say(f"  act   {name:<40s} {t}")
   stats = hlo.compiled_stats(job.compiled, mesh)
   if F.hlo_stats:
-    print(f"  flops/device {stats['flops']:.3e}  memory {stats['memory']}")
+    say(f"  flops/device {stats['flops']:.3e}  memory {stats['memory']}")
     for kind, v in stats["collectives"].items():
       if v["count"]:
-        print(f"  {kind:<20s} count {v['count']:>4d}  bytes/device {v['bytes']:>12,d}")
-  out = open(F.metrics_file, "w") if F.metrics_file else None
+        say(f"  {kind:<20s} count {v['count']:>4d}  bytes/device {v['bytes']:>12,d}")
+  out = open(F.metrics_file, "w") if F.metrics_file and main else None
   steps = 20 if F.steps is None else F.steps
   tokens = cfg.batch * cfg.seq_len
-  for i, _, _, m, dt in train.steps(job, steps):
-    m = {k: float(v) for k, v in m.items() if k != "counts"}
-    rec = {"step": i, "loss": m["loss"], "ce_loss": m["ce_loss"], "aux_loss": m["aux_loss"],
-           "grad_norm": m["grad_norm"], "dropped": m["dropped"], "step_time_s": dt,
-           "tokens_per_s": tokens / dt}
-    print(f"[{i + 1:>4d}/{steps}] loss {m['loss']:.4f} ce {m['ce_loss']:.4f} "
+  saver = None
+  if F.checkpoint_dir:
+    from common import checkpoint
+    saver = checkpoint.Saver(F.checkpoint_dir, cfg, strategy=F.strategy, mesh=mesh_desc)
+  params, opt_state = job.params, job.opt_state
+  try:
+    for i, params, opt_state, m, dt in train.steps(job, steps, start):
+      m = {k: float(v) for k, v in m.items() if k != "counts"}
+      rec = {"step": i, "loss": m["loss"], "ce_loss": m["ce_loss"], "aux_loss": m["aux_loss"],
+             "grad_norm": m["grad_norm"], "dropped": m["dropped"], "step_time_s": dt,
+             "tokens_per_s": tokens / dt}
+      say(f"[{i + 1:>4d}/{start + steps}] loss {m['loss']:.4f} ce {m['ce_loss']:.4f} "
           f"aux {m['aux_loss']:.4f} gnorm {m['grad_norm']:.3f} dropped {m['dropped']:.0f} "
           f"{tokens / dt:,.0f} tok/s", flush=True)
-    if out:
-      out.write(json.dumps(rec) + "\n")
-    if not train.finite(m):
       if out:
-        out.close()                            # keeps every step up to this one
-      raise NonFinite(f"non-finite loss at step {i}")
+        out.write(json.dumps(rec) + "\n")
+      if not train.finite(m):
+        if out:
+          out.close()                            # keeps every step up to this one
+        raise NonFinite(f"non-finite loss at step {i}")
+      if saver and F.save_every and (i + 1) % F.save_every == 0:
+        saver.save(i + 1, params, opt_state)      # i + 1 steps done: resumes at batch i + 1
+    if saver:
+      saver.save(start + steps, params, opt_state)
+  finally:
+    if saver:
+      saver.close()                            # waits until the last save is finalised
   if out:
     out.write(json.dumps({"summary": True, "strategy": F.strategy, "mesh": mesh_desc,
                           "model": F.model, "compile_s": job.compile_s, "flops": stats["flops"],

@@ -1,6 +1,6 @@
 """Sharding helpers shared by strategies: FSDP weight gather with a reduce-scatter backward (also
 the sequence all-gather of an activation), an explicit reduce-scatter of an unreduced array,
-placing pytrees on a mesh, and reading layouts back for --dump_sharding."""
+placing pytrees on a mesh (multi-process too), and reading layouts back for --dump_sharding."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -113,11 +113,17 @@ def reduce_scatter(y: jax.Array, out_spec: P) -> jax.Array:
 
 
 def put(tree, specs, mesh):
-  """device_put a numpy pytree with a matching pytree of PartitionSpecs (None = replicated)."""
+  """Place a numpy pytree (the same global values on every process) with a matching pytree of
+  PartitionSpecs (None = replicated). Each process fills only its addressable shards, so this
+  works multi-process (jax.distributed) as well as on one host."""
   if mesh is None:
     return jax.tree.map(lambda a: jax.device_put(a, jax.devices()[0]), tree)
-  return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s if s is not None else P())),
-                      tree, specs, is_leaf=lambda x: isinstance(x, np.ndarray))
+
+  def one(a, s):
+    a = np.asarray(a)
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, s if s is not None else P()),
+                                        lambda idx: a[idx])
+  return jax.tree.map(one, tree, specs, is_leaf=lambda x: isinstance(x, np.ndarray))
 
 
 def describe(tree) -> list[tuple[str, str]]:

@@ -1,5 +1,6 @@
-"""Build a runnable training job from (strategy module, Config, mesh): place params and data,
-compile the train step once, run steps. Shared by run.py and the tests."""
+"""Build a runnable training job from (strategy module, Config, mesh): place params and data
+(each process its addressable shards: multi-process safe), compile the train step once, run
+steps. Shared by run.py and the tests."""
 from __future__ import annotations
 
 import contextlib
@@ -65,9 +66,10 @@ def make_train_step(cfg, lay: model.Layout, opt: optim.Optimizer, with_grads: bo
 
 
 def build(strategy, cfg, mesh, *, with_grads: bool = False, compile_only: bool = False,
-          init: Callable | None = None) -> Job:
+          init: Callable | None = None, state: tuple | None = None) -> Job:
   """strategy: a module from strategies/ (see strategies/__init__.py for the contract).
-  init: cfg -> numpy params (default model.init_params)."""
+  init: cfg -> numpy params (default model.init_params); state: (params, opt_state) already
+  placed in this strategy's shardings (a restored checkpoint, common/checkpoint.py)."""
   ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
   with ctx:
     if mesh is not None:
@@ -91,6 +93,9 @@ def build(strategy, cfg, mesh, *, with_grads: bool = False, compile_only: bool =
       opt_state = jax.eval_shape(opt.init, params)
       b0 = {k: jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), jnp.int32,
                                     sharding=_ns(mesh, bspec)) for k in ("tokens", "targets", "positions")}
+    elif state is not None:
+      params, opt_state = state
+      b0 = batch(0)
     else:
       params = put((init or model.init_params)(cfg), specs, mesh)
       opt_state = jax.jit(opt.init)(params)
@@ -107,16 +112,26 @@ def build(strategy, cfg, mesh, *, with_grads: bool = False, compile_only: bool =
              opt_state, run_step, compiled, compile_s, batch)
 
 
-def steps(job: Job, n: int):
-  """The training loop (run.py, compare and the tests): n steps from the job's initial state.
-  Yields (i, params, opt_state, metrics as numpy, seconds) after each step."""
+def steps(job: Job, n: int, start: int = 0):
+  """The training loop (run.py, compare and the tests): n steps from the job's state, which has
+  already taken `start` steps (batches are a pure function of the step index). Yields
+  (i, params, opt_state, metrics as numpy, seconds) after each step i = start .. start+n-1."""
   params, opt_state = job.params, job.opt_state
-  for i in range(n):
+  for i in range(start, start + n):
     b = job.batch(i)
     t0 = time.perf_counter()
     params, opt_state, m = job.step(params, opt_state, b)
-    m = jax.tree.map(lambda a: np.asarray(jax.device_get(a)), m)
+    m = jax.tree.map(to_host, m)
     yield i, params, opt_state, m, time.perf_counter() - t0
+
+
+def to_host(a) -> np.ndarray:
+  """The global value as numpy on every process (all-gathered when this process does not hold
+  it all; every process must call this in the same order then)."""
+  if a.is_fully_addressable or a.is_fully_replicated:
+    return np.asarray(jax.device_get(a))
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
 
 def finite(m) -> bool:

@@ -52,6 +52,15 @@ def _run(*args, timeout=300):
     (["--strategy=dp", "--metrics_file=/no/such/dir/m.jsonl"],
      "--metrics_file=/no/such/dir/m.jsonl: directory /no/such/dir does not exist"),
     (["--report_dir=/proc/no_such_dir"], "--report_dir=/proc/no_such_dir:"),
+    (["--strategy=ep", "--num_processes=2", "--process_id=2", "--coordinator_address=127.0.0.1:1"],
+     "--process_id=2 must be in [0, --num_processes=2)"),
+    (["--strategy=ep", "--num_processes=2", "--process_id=0"],
+     "multi-process needs --coordinator_address, --num_processes and --process_id"),
+    (["--num_processes=2", "--process_id=0", "--coordinator_address=127.0.0.1:1"],
+     "multi-process runs need --strategy"),
+    (["--strategy=dp", "--restore=latest", "--checkpoint_dir=/no/such/dir"],
+     "--checkpoint_dir=/no/such/dir does not exist"),
+    (["--strategy=dp", "--restore=latest"], "--restore needs --checkpoint_dir"),
 ])
 def test_bad_flags_one_line_error(args, message):
   r = _run(*args)

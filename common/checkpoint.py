@@ -1,0 +1,185 @@
+"""Layout-free checkpoints (orbax-checkpoint) that restore into any strategy's mesh.
+
+A step directory holds two items: `state` = {params, opt_state} (orbax StandardSave: every
+process writes its own shards, nothing is gathered) and `meta` (JSON: step, optimizer, the
+model config, each param's shape). The router-bias state lives in params (layers.moe.bias);
+the data position is the step: batch i is a pure function of i (common/data.py), so training
+resumes at batch `step`. Params have one pytree for every strategy, so a restore passes
+ShapeDtypeStructs carrying the *new* strategy's NamedShardings and orbax reshards while reading.
+The optimizer state differs between adamw and muon: a restore must use the saved optimizer.
+
+Saves are atomic: orbax writes `<step>.orbax-checkpoint-tmp*` and renames it to `<step>` only
+once every process has finished (a commit marker on object stores), and `steps()` lists only
+finalised steps, so a save killed mid-write is never offered for restore.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+
+import jax
+
+from common import model, optim
+from common.config import Config, ConfigError
+
+# Config fields that define the model (a checkpoint only restores into the same values);
+# run settings (batch, seq_len, lr, seed, strategy knobs, ...) may change between runs.
+MODEL_FIELDS = ("vocab", "d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers", "n_experts",
+                "top_k", "d_ff", "n_shared_experts", "router", "norm_topk_prob", "n_group",
+                "topk_group", "routed_scaling_factor", "rope_theta", "norm_eps")
+
+
+def _closed_loop(exc) -> bool:
+  return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+def _quiet(prev, get_exc):
+  # after a failed read, orbax's pending tensorstore callbacks hit its closed asyncio loop and
+  # print tracebacks from background threads; drop exactly those so errors stay one line
+  return lambda a: None if _closed_loop(get_exc(a)) else prev(a)
+
+
+sys.unraisablehook = _quiet(sys.unraisablehook, lambda u: u.exc_value)
+threading.excepthook = _quiet(threading.excepthook, lambda a: a.exc_value)
+
+
+def _quiet_orphans() -> None:
+  # the sibling reads of a failed restore end as never-retrieved asyncio futures, which asyncio
+  # logs (with the same error) when collected, at exit: the one-line error is the report
+  logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+
+
+class CheckpointError(ConfigError):
+  """A checkpoint that cannot be restored here; run.py prints it as a one-line error (exit 2)."""
+
+
+def _manager(directory: str, create: bool = False):
+  import orbax.checkpoint as ocp
+  return ocp.CheckpointManager(
+      os.path.abspath(directory), item_names=("state", "meta"),
+      options=ocp.CheckpointManagerOptions(create=create, max_to_keep=None))
+
+
+def steps(directory: str) -> list[int]:
+  """Finalised steps in `directory`: `<step>/` directories holding orbax's finalize metadata.
+  Tmp directories of unfinished saves (`<step>.orbax-checkpoint-tmp*`) and a step directory
+  without `_CHECKPOINT_METADATA` are not steps."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit() and
+                os.path.isfile(os.path.join(directory, n, "_CHECKPOINT_METADATA")))
+
+
+def _meta(cfg: Config, step: int, **extra) -> dict:
+  shapes = {jax.tree_util.keystr(p): list(l.shape) for p, l in jax.tree_util.tree_flatten_with_path(
+      model.init_params_shapes(cfg), is_leaf=lambda l: isinstance(l, model.ShapeLeaf))[0]}
+  return {"format": 1, "step": step, "data_step": step, "optimizer": cfg.optimizer,
+          "model": {k: getattr(cfg, k) for k in MODEL_FIELDS}, "param_shapes": shapes, **extra}
+
+
+class Saver:
+  """Saves (params, opt_state) after `step` completed steps; every process calls save()."""
+
+  def __init__(self, directory: str, cfg: Config, **extra):
+    self.mgr, self.cfg, self.extra = _manager(directory, create=True), cfg, extra
+    self.saved = set(self.mgr.all_steps())
+
+  def save(self, step: int, params, opt_state) -> None:
+    import orbax.checkpoint as ocp
+    if step in self.saved:
+      return
+    self.saved.add(step)
+    self.mgr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+        meta=ocp.args.JsonSave(_meta(self.cfg, step, **self.extra))))
+
+  def close(self) -> None:
+    """Waits for the last (asynchronous) save to be finalised."""
+    self.mgr.wait_until_finished()
+    self.mgr.close()
+
+
+def check(directory: str, step: str | int, cfg: Config) -> int:
+  """Validate a restore before anything compiles -> the step. `step`: 'latest' or a number.
+  One-line CheckpointError for no checkpoint, a missing step, an unreadable or foreign one."""
+  import orbax.checkpoint as ocp
+  have = steps(directory)
+  if not have:
+    raise CheckpointError(f"no complete checkpoint in {directory}")
+  n = have[-1] if step == "latest" else int(step)
+  if n not in have:
+    raise CheckpointError(f"step {n} is not in {directory} (complete steps: "
+                          f"{', '.join(map(str, have))})")
+  where = f"checkpoint {directory} step {n}"
+  mgr = _manager(directory)
+  try:
+    meta = mgr.restore(n, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+  except Exception as e:                                 # noqa: BLE001 -- any read failure
+    _quiet_orphans()
+    raise CheckpointError(f"{where} is unreadable: {_first_line(e)}") from None
+  finally:
+    mgr.close()
+  if (not isinstance(meta, dict) or meta.get("format") != 1 or meta.get("step") != n
+      or not {"optimizer", "model", "param_shapes"} <= set(meta)
+      or not isinstance(meta["model"], dict)):
+    raise CheckpointError(f"{where} is unreadable: bad meta")
+  if meta["optimizer"] != cfg.optimizer:
+    raise CheckpointError(f"{where} holds {meta['optimizer']} state: restore it with "
+                          f"--optimizer={meta['optimizer']}, not {cfg.optimizer}")
+  want = _meta(cfg, n)
+  for k in MODEL_FIELDS:
+    if meta["model"].get(k) != want["model"][k]:
+      raise CheckpointError(f"{where} is from another model config: {k}={meta['model'].get(k)} "
+                            f"there, {want['model'][k]} here")
+  if meta["param_shapes"] != want["param_shapes"]:
+    raise CheckpointError(f"{where} is from another model config: parameter shapes differ")
+  return n
+
+
+def abstract_state(cfg: Config, strategy, mesh) -> dict:
+  """{params, opt_state} as ShapeDtypeStructs with `strategy`'s shardings on `mesh`."""
+  if mesh is None:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one),
+                          model.abstract_params(cfg, None, None))
+  else:
+    with jax.set_mesh(mesh):
+      params = model.abstract_params(cfg, strategy.param_specs(cfg, mesh), mesh)
+  opt = optim.make_optimizer(cfg.optimizer, model.param_roles(cfg), lr=cfg.lr,
+                             weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+  ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+  with ctx:
+    shardings = jax.jit(opt.init).lower(params).compile().output_shardings
+    shapes = jax.eval_shape(opt.init, params)
+  opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                           shapes, shardings)
+  return {"params": params, "opt_state": opt_state}
+
+
+def restore(directory: str, step: int, cfg: Config, strategy, mesh) -> tuple:
+  """(params, opt_state) of a checked step, placed in `strategy`'s shardings on `mesh`."""
+  import orbax.checkpoint as ocp
+  target = abstract_state(cfg, strategy, mesh)
+  mgr = _manager(directory)
+  try:
+    state = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
+  except Exception as e:                                 # noqa: BLE001 -- any read failure
+    _quiet_orphans()
+    raise CheckpointError(f"checkpoint {directory} step {step} cannot be restored: "
+                          f"{_first_line(e)}") from None
+  finally:
+    mgr.close()
+  bad = [a for a, t in zip(jax.tree.leaves(state), jax.tree.leaves(target))
+         if a.shape != t.shape or a.dtype != t.dtype]
+  if bad or jax.tree.structure(state) != jax.tree.structure(target):
+    raise CheckpointError(f"checkpoint {directory} step {step} does not match this model's state")
+  return state["params"], state["opt_state"]
+
+
+def _first_line(e: Exception) -> str:
+  s = str(e).strip()
+  return s.splitlines()[0][:300] if s else type(e).__name__
+
