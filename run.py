@@ -21,6 +21,8 @@ flags.DEFINE_integer("steps", None, "training steps (default 20; 3 in compare mo
 flags.DEFINE_integer("batch", None, "global batch (sequences); default from the preset")
 flags.DEFINE_integer("seq", None, "sequence length; default from the preset")
 flags.DEFINE_integer("layers", None, "override the number of layers")
+flags.DEFINE_integer("microbatches", 1, "gradient accumulation: split the batch along B into M "
+                     "microbatches (each sharded like the batch), one optimizer update per step")
 flags.DEFINE_string("mesh", None, "e.g. data:2,expert:4; omitted axes get size 1; "
                     "no flag = all devices on the strategy's main axis")
 flags.DEFINE_integer("devices", 8, "simulated CPU devices (ignored on GPU/TPU hosts)")
@@ -58,7 +60,7 @@ def check_flags() -> None:
     raise UsageError(f"--steps={F.steps} must be >= 0")
   if F.steps == 0 and not F.strategy:
     raise UsageError("--steps=0 in compare mode: use --compile_only to compare without running")
-  for name in ("batch", "seq", "layers"):
+  for name in ("batch", "seq", "layers", "microbatches"):
     v = getattr(F, name)
     if v is not None and v < 1:
       raise UsageError(f"--{name}={v} must be >= 1")
@@ -101,7 +103,7 @@ def make_config():
               gmm_backend=F.gmm, dispatch=F.dispatch,
               dispatch_batch_on_expert=F.dispatch_batch_on_expert,
               context_sharding=F.context_sharding, expert_fsdp_mode=F.expert_fsdp_mode,
-              ep_tp_capacity=F.ep_tp_capacity)
+              ep_tp_capacity=F.ep_tp_capacity, microbatches=F.microbatches)
   for flag, key in (("batch", "batch"), ("seq", "seq_len"), ("layers", "n_layers"), ("lr", "lr")):
     if getattr(F, flag) is not None:
       over[key] = getattr(F, flag)

@@ -43,6 +43,7 @@ class Config:
   optimizer: str = "adamw"
   seed: int = 0
   gmm_backend: str = "auto"
+  microbatches: int = 1           # gradient accumulation: M microbatches, one optimizer update
   # strategy knobs (each strategy reads only its own; the reference ignores them all)
   dispatch: str = "auto"                 # ep exchange: "a2a" (capacity-padded all_to_all, any
                                          # backend) | "ragged" (ragged_all_to_all, GPU/TPU) | "auto"
@@ -60,9 +61,10 @@ class Config:
     return dataclasses.replace(self, **kw)
 
   def model_only(self) -> "Config":
-    """The same model and run with every strategy knob at its default (the reference's key)."""
+    """The same model and run with every strategy knob at its default (the reference's key);
+    microbatches too: the reference takes the whole batch in one pass (M = 1)."""
     knobs = ("dispatch", "dispatch_batch_on_expert", "context_sharding", "expert_fsdp_mode",
-             "ep_tp_capacity", "gmm_backend")
+             "ep_tp_capacity", "gmm_backend", "microbatches")
     return dataclasses.replace(self, **{k: Config.__dataclass_fields__[k].default for k in knobs})
 
   def validate(self) -> "Config":
@@ -84,6 +86,9 @@ class Config:
     need(self.top_k <= self.topk_group * (self.n_experts // self.n_group),
          "top_k larger than the experts in the kept groups")
     need(self.capacity_factor >= 0, f"capacity_factor={self.capacity_factor} must be >= 0")
+    need(self.microbatches >= 1, f"microbatches={self.microbatches} must be >= 1")
+    need(self.batch % self.microbatches == 0,
+         f"batch={self.batch} is not divisible by microbatches={self.microbatches}")
     need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (RoPE)")
     return self
 
