@@ -15,7 +15,9 @@ from absl import app, flags
 F = flags.FLAGS
 flags.DEFINE_string("strategy", None, "strategy to train (see strategies/); omit to compare all")
 flags.DEFINE_string("compare", None, "'all' or a comma list of strategies to compare")
-flags.DEFINE_string("model", "tiny", "model preset: tiny | mixtral-test | deepseek-test | mixtral-8x7b")
+flags.DEFINE_string("model", "tiny", "model preset: tiny | mixtral-test | deepseek-test (these run "
+                    "on CPU) | mixtral-8x7b | deepseek-v2-lite | deepseek-v3 (real shapes: "
+                    "--compile_only on CPU)")
 flags.DEFINE_integer("steps", None, "training steps (default 20; 3 in compare mode; 0 = compile "
                      "and report only)")
 flags.DEFINE_integer("batch", None, "global batch (sequences); default from the preset")
@@ -26,6 +28,8 @@ flags.DEFINE_integer("microbatches", 1, "gradient accumulation: split the batch 
 flags.DEFINE_string("mesh", None, "e.g. data:2,expert:4; omitted axes get size 1; "
                     "no flag = all devices on the strategy's main axis")
 flags.DEFINE_integer("devices", 8, "simulated CPU devices (ignored on GPU/TPU hosts)")
+flags.DEFINE_string("remat", "none", "jax.checkpoint of each layer: none | block (recompute the "
+                    "layer) | dots_saveable | dots_with_no_batch_dims_saveable (jax policies)")
 flags.DEFINE_enum("optimizer", "adamw", ["adamw", "muon"], "optimizer")
 flags.DEFINE_float("lr", None, "learning rate")
 flags.DEFINE_float("capacity_factor", 0.0, "expert capacity factor; 0 = dropless")
@@ -103,7 +107,8 @@ def make_config():
               gmm_backend=F.gmm, dispatch=F.dispatch,
               dispatch_batch_on_expert=F.dispatch_batch_on_expert,
               context_sharding=F.context_sharding, expert_fsdp_mode=F.expert_fsdp_mode,
-              ep_tp_capacity=F.ep_tp_capacity, microbatches=F.microbatches)
+              ep_tp_capacity=F.ep_tp_capacity, microbatches=F.microbatches,
+              remat=F.remat)
   for flag, key in (("batch", "batch"), ("seq", "seq_len"), ("layers", "n_layers"), ("lr", "lr")):
     if getattr(F, flag) is not None:
       over[key] = getattr(F, flag)

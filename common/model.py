@@ -248,7 +248,11 @@ def forward(params, batch, cfg: Config, lay: Layout):
   tokens, positions = batch["tokens"], batch["positions"]
   embed = lay.use("embed", params["embed"])
   x = embed.at[tokens].get(out_sharding=lay.x)                                 # [B, S, D]
-  x, stats = jax.lax.scan(lambda x, lp: block(x, lp, positions, cfg, lay), x, params["layers"])
+  body = lambda x, lp: block(x, lp, positions, cfg, lay)
+  if cfg.remat != "none":                 # recompute inside the backward of each scan step
+    policy = (None if cfg.remat == "block" else getattr(jax.checkpoint_policies, cfg.remat))
+    body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+  x, stats = jax.lax.scan(body, x, params["layers"])
   x = rms_norm(x, lay.use("final_norm", params["final_norm"]), cfg.norm_eps)
   logits = jnp.einsum("bsd,dv->bsv", x, lay.use("unembed", params["unembed"]))  # [B, S, V]
   return logits, stats

@@ -42,6 +42,7 @@ def _run(*args, timeout=300):
     (["--strategy=dp", "--steps=-1"], "--steps=-1 must be >= 0"),
     (["--steps=0"], "--steps=0 in compare mode: use --compile_only"),
     (["--strategy=dp", "--layers=0"], "--layers=0 must be >= 1"),
+    (["--strategy=dp", "--remat=all"], "unknown remat 'all'"),
     (["--strategy=dp", "--microbatches=0"], "--microbatches=0 must be >= 1"),
     (["--strategy=dp", "--batch=8", "--microbatches=3"], "batch=8 is not divisible by microbatches=3"),
     (["--strategy=dp", "--mesh=data:8", "--microbatches=2"],
