@@ -45,6 +45,8 @@ flags.DEFINE_string("metrics_file", None, "write JSON lines: one per step, then 
 flags.DEFINE_bool("dump_sharding", False, "print every parameter's and key activation's sharding")
 flags.DEFINE_bool("hlo_stats", False, "print collectives, flops and memory of the compiled step")
 flags.DEFINE_bool("compile_only", False, "compare mode: compile, report collectives/memory, don't run")
+flags.DEFINE_float("hbm_gb", None, "with --compile_only: per-device memory (GiB, 2^30 B) to fit in; "
+                   "adds total/dev = params + optimizer + XLA temp, and whether it fits")
 flags.DEFINE_string("report_dir", None, "compare mode: write table.json, table.csv and PNG plots here")
 flags.DEFINE_string("compilation_cache", "~/.cache/moe-sharding/jax",
                     "persistent XLA compilation cache ('' = off); reruns skip compiles")
@@ -70,6 +72,11 @@ def check_flags() -> None:
       raise UsageError(f"--{name}={v} must be >= 1")
   if F.lr is not None and not (math.isfinite(F.lr) and F.lr > 0):
     raise UsageError(f"--lr={F.lr} must be a finite number > 0")
+  if F.hbm_gb is not None:
+    if not (math.isfinite(F.hbm_gb) and F.hbm_gb > 0):
+      raise UsageError(f"--hbm_gb={F.hbm_gb} must be a finite number > 0")
+    if not F.compile_only:
+      raise UsageError("--hbm_gb needs --compile_only (the fit table is a compile-only study)")
   if F.metrics_file:                         # fail now, not after a long compile
     d = os.path.dirname(os.path.abspath(F.metrics_file))
     if not os.path.isdir(d) or not os.access(d, os.W_OK):
@@ -187,7 +194,8 @@ def main(argv):
     from common import compare
     compare.main(cfg, names=F.compare or "all", mesh_spec=F.mesh,
                  steps=3 if F.steps is None else F.steps,
-                 report_dir=F.report_dir, compile_only=F.compile_only, model_name=F.model)
+                 report_dir=F.report_dir, compile_only=F.compile_only, model_name=F.model,
+                 hbm_gb=F.hbm_gb)
 
 
 def _run():

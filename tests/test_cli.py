@@ -43,6 +43,8 @@ def _run(*args, timeout=300):
     (["--steps=0"], "--steps=0 in compare mode: use --compile_only"),
     (["--strategy=dp", "--layers=0"], "--layers=0 must be >= 1"),
     (["--strategy=dp", "--remat=all"], "unknown remat 'all'"),
+    (["--compile_only", "--hbm_gb=0"], "--hbm_gb=0.0 must be a finite number > 0"),
+    (["--compare=dp", "--hbm_gb=80"], "--hbm_gb needs --compile_only"),
     (["--strategy=dp", "--microbatches=0"], "--microbatches=0 must be >= 1"),
     (["--strategy=dp", "--batch=8", "--microbatches=3"], "batch=8 is not divisible by microbatches=3"),
     (["--strategy=dp", "--mesh=data:8", "--microbatches=2"],
