@@ -168,7 +168,7 @@ def render(rows: list[dict], compile_only: bool, simulated: bool, hbm_gb: float 
   head = ["strategy", "mesh", "final loss", "max dloss", "parity", "collectives/step (count:bytes)",
           "bytes/dev", "meas/pred", "a2a/routed", "params+opt/dev", "temp/dev", "step ms" + ("*" if simulated else ""),
           "dropped"]
-  fits = f"fits {hbm_gb:g}G"
+  fits = "fits" if hbm_gb is None else f"fits {hbm_gb:g}G"
   if hbm_gb is not None:
     head[head.index("temp/dev") + 1:head.index("temp/dev") + 1] = ["total/dev", fits]
   if compile_only:
