@@ -19,19 +19,24 @@ from absl import app, flags
 F = flags.FLAGS
 flags.DEFINE_string("strategy", None, "strategy to train (see strategies/); omit to compare all")
 flags.DEFINE_string("compare", None, "'all' or a comma list of strategies to compare")
-flags.DEFINE_string("model", "tiny", "model preset: tiny | mixtral-test | deepseek-test | mixtral-8x7b")
+flags.DEFINE_string("model", "tiny", "model preset: tiny | mixtral-test | deepseek-test (these run "
+                    "on CPU) | mixtral-8x7b | deepseek-v2-lite | deepseek-v3 (real shapes: "
+                    "--compile_only on CPU)")
 flags.DEFINE_integer("steps", None, "steps to run (after --restore: more steps; default 20; 3 in compare mode; 0 = compile "
                      "and report only)")
 flags.DEFINE_integer("batch", None, "global batch (sequences); default from the preset")
 flags.DEFINE_integer("seq", None, "sequence length; default from the preset")
 flags.DEFINE_integer("layers", None, "override the number of layers")
+flags.DEFINE_integer("microbatches", 1, "M microbatches per step, one optimizer update: gradient "
+                     "accumulation (each microbatch sharded like the batch); pp: its pipeline's")
 flags.DEFINE_string("mesh", None, "e.g. data:2,expert:4; omitted axes get size 1; "
                     "no flag = all devices on the strategy's main axis")
 flags.DEFINE_integer("devices", 8, "simulated CPU devices per process (ignored on GPU/TPU hosts)")
+flags.DEFINE_string("remat", "none", "jax.checkpoint of each layer: none | block (recompute the "
+                    "layer) | dots_saveable | dots_with_no_batch_dims_saveable (jax policies)")
 flags.DEFINE_enum("optimizer", "adamw", ["adamw", "muon"], "optimizer")
 flags.DEFINE_float("lr", None, "learning rate")
 flags.DEFINE_float("capacity_factor", 0.0, "expert capacity factor; 0 = dropless")
-flags.DEFINE_integer("microbatches", 1, "pp: pipeline microbatches per step (GPipe)")
 flags.DEFINE_integer("seed", 0, "init and data seed")
 flags.DEFINE_string("gmm", "auto", "grouped-matmul backend: auto | ragged_dot | padded | custom")
 flags.DEFINE_enum("dispatch", "auto", ["auto", "a2a", "ragged"], "EP token exchange")
@@ -44,6 +49,8 @@ flags.DEFINE_string("metrics_file", None, "write JSON lines: one per step, then 
 flags.DEFINE_bool("dump_sharding", False, "print every parameter's and key activation's sharding")
 flags.DEFINE_bool("hlo_stats", False, "print collectives, flops and memory of the compiled step")
 flags.DEFINE_bool("compile_only", False, "compare mode: compile, report collectives/memory, don't run")
+flags.DEFINE_float("hbm_gb", None, "with --compile_only: per-device memory (GiB, 2^30 B) to fit in; "
+                   "adds total/dev = params + optimizer + XLA temp, and whether it fits")
 flags.DEFINE_string("report_dir", None, "compare mode: write table.json, table.csv and PNG plots here")
 flags.DEFINE_string("coordinator_address", None, "multi-process: host:port of process 0's "
                     "coordinator (default: $JAX_COORDINATOR_ADDRESS or the cluster's)")
@@ -84,6 +91,11 @@ def check_flags() -> None:
       raise UsageError(f"--{name}={v} must be >= 1")
   if F.lr is not None and not (math.isfinite(F.lr) and F.lr > 0):
     raise UsageError(f"--lr={F.lr} must be a finite number > 0")
+  if F.hbm_gb is not None:
+    if not (math.isfinite(F.hbm_gb) and F.hbm_gb > 0):
+      raise UsageError(f"--hbm_gb={F.hbm_gb} must be a finite number > 0")
+    if not F.compile_only:
+      raise UsageError("--hbm_gb needs --compile_only (the fit table is a compile-only study)")
   if F.metrics_file:                         # fail now, not after a long compile
     d = os.path.dirname(os.path.abspath(F.metrics_file))
     if not os.path.isdir(d) or not os.access(d, os.W_OK):
@@ -143,11 +155,11 @@ def make_config():
   if F.capacity_factor < 0:
     raise ConfigError(f"--capacity_factor={F.capacity_factor} must be >= 0")
   over = dict(optimizer=F.optimizer, capacity_factor=F.capacity_factor, seed=F.seed,
-              microbatches=F.microbatches,
               gmm_backend=F.gmm, dispatch=F.dispatch,
               dispatch_batch_on_expert=F.dispatch_batch_on_expert,
               context_sharding=F.context_sharding, expert_fsdp_mode=F.expert_fsdp_mode,
-              ep_tp_capacity=F.ep_tp_capacity)
+              ep_tp_capacity=F.ep_tp_capacity, microbatches=F.microbatches,
+              remat=F.remat)
   for flag, key in (("batch", "batch"), ("seq", "seq_len"), ("layers", "n_layers"), ("lr", "lr")):
     if getattr(F, flag) is not None:
       over[key] = getattr(F, flag)
@@ -248,7 +260,8 @@ def main(argv):
     from common import compare
     compare.main(cfg, names=F.compare or "all", mesh_spec=F.mesh,
                  steps=3 if F.steps is None else F.steps,
-                 report_dir=F.report_dir, compile_only=F.compile_only, model_name=F.model)
+                 report_dir=F.report_dir, compile_only=F.compile_only, model_name=F.model,
+                 hbm_gb=F.hbm_gb)
 
 
 def _run():

@@ -160,10 +160,20 @@ def _ratio(row) -> str:
   return f"{meas / pred:.2f}"
 
 
-def render(rows: list[dict], compile_only: bool, simulated: bool) -> str:
+def fit(row: dict, hbm_gb: float) -> None:
+  """total/dev = params + optimizer state + XLA temp bytes per device (the step's outputs alias
+  its donated inputs in a real run; the batch is negligible), and whether it fits hbm_gb GiB."""
+  row["total_bytes"] = row["param_bytes"] + row["opt_bytes"] + row["memory"]["temp_bytes"]
+  row["fits"] = row["total_bytes"] <= hbm_gb * 2**30
+
+
+def render(rows: list[dict], compile_only: bool, simulated: bool, hbm_gb: float | None = None) -> str:
   head = ["strategy", "mesh", "final loss", "max dloss", "parity", "collectives/step (count:bytes)",
           "bytes/dev", "meas/pred", "a2a/routed", "params+opt/dev", "temp/dev", "step ms" + ("*" if simulated else ""),
           "dropped"]
+  fits = "fits" if hbm_gb is None else f"fits {hbm_gb:g}G"
+  if hbm_gb is not None:
+    head[head.index("temp/dev") + 1:head.index("temp/dev") + 1] = ["total/dev", fits]
   if compile_only:
     head = [h for h in head if h not in ("final loss", "max dloss", "parity", "step ms*", "step ms",
                                          "dropped")]
@@ -186,6 +196,8 @@ def render(rows: list[dict], compile_only: bool, simulated: bool) -> str:
         "a2a/routed": f"{r['a2a_routed']:.2f}" if "a2a_routed" in r else "-",
         "params+opt/dev": _fmt_bytes(r["param_bytes"] + r["opt_bytes"]),
         "temp/dev": _fmt_bytes(r["memory"]["temp_bytes"]),
+        "total/dev": _fmt_bytes(r.get("total_bytes")),
+        fits: {True: "yes", False: "NO"}.get(r.get("fits"), "-"),
         "step ms*": f"{1e3 * r['step_s']:.1f}" if "step_s" in r else "-",
         "step ms": f"{1e3 * r['step_s']:.1f}" if "step_s" in r else "-",
         "dropped": f"{r['dropped_frac']:.1%}" if "dropped_frac" in r else "-",
@@ -208,7 +220,7 @@ def write_report(rows, report_dir: str, model_name: str) -> None:
     json.dump(rows, f, indent=1, default=float)
   fields = ["strategy", "mesh", "final_loss", "max_dloss", "parity", "step_s", "dropped_frac",
             "a2a_routed",
-            "param_bytes", "opt_bytes", "temp_bytes", "compile_s"] + \
+            "param_bytes", "opt_bytes", "temp_bytes", "compile_s", "total_bytes", "fits"] + \
            [f"{k}_{x}" for k in KINDS for x in ("count", "bytes", "predicted")]
   with open(os.path.join(report_dir, "table.csv"), "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
@@ -257,7 +269,7 @@ def write_report(rows, report_dir: str, model_name: str) -> None:
 
 
 def main(cfg, names: str, mesh_spec: str | None, steps: int, report_dir: str | None,
-         compile_only: bool, model_name: str) -> list[dict]:
+         compile_only: bool, model_name: str, hbm_gb: float | None = None) -> list[dict]:
   avail = strategies.available()
   wanted = avail if names == "all" else [n.strip() for n in names.split(",") if n.strip()]
   for n in wanted:
@@ -284,6 +296,10 @@ def main(cfg, names: str, mesh_spec: str | None, steps: int, report_dir: str | N
       print(f"  [{done}/{len(wanted)}] {n} {status}  ({time.perf_counter() - t_start:.0f}s)",
             file=sys.stderr, flush=True)
   rows = [measure(*built[n], steps, compile_only) for n in wanted]
+  if hbm_gb is not None:
+    for r in rows:
+      if "error" not in r:
+        fit(r, hbm_gb)
   ref = next((r for r in rows if r["strategy"] == "reference" and "losses" in r), None)
   for r in rows:
     if ref is not None and "losses" in r and "nonfinite_step" not in r \
@@ -296,7 +312,7 @@ def main(cfg, names: str, mesh_spec: str | None, steps: int, report_dir: str | N
         f"{'compile only' if compile_only else f'{steps} steps'}, global batch {cfg.batch} x "
         f"seq {cfg.seq_len}; bytes are per device per train step "
         f"(a2a all-to-all, ag all-gather, rs reduce-scatter, ar all-reduce, cp collective-permute)")
-  print(render(rows, compile_only, simulated))
+  print(render(rows, compile_only, simulated, hbm_gb))
   if report_dir:
     write_report(rows, report_dir, model_name)
     print(f"wrote {report_dir}/table.json, table.csv" + ("" if compile_only else ", loss.png") +

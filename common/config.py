@@ -9,6 +9,13 @@ class ConfigError(ValueError):
   """A bad flag or config value; run.py prints it as a one-line error."""
 
 
+# --remat: what the backward keeps of each layer's block (the rest is recomputed)
+REMAT_POLICIES = ("none",                # everything the autodiff saves (no jax.checkpoint)
+                  "block",               # nothing but the block's input: recompute the layer
+                  "dots_saveable",       # matmul outputs kept, elementwise work recomputed
+                  "dots_with_no_batch_dims_saveable")  # only weight matmuls (no batch dims)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   # model
@@ -34,7 +41,6 @@ class Config:
   z_loss_coef: float = 0.0
   bias_update_rate: float = 0.0   # gamma of the aux-loss-free bias update (0 = off)
   capacity_factor: float = 0.0    # 0 = dropless
-  microbatches: int = 1           # pp: pipeline microbatches per step
   # run
   seq_len: int = 32
   batch: int = 8
@@ -44,6 +50,9 @@ class Config:
   optimizer: str = "adamw"
   seed: int = 0
   gmm_backend: str = "auto"
+  microbatches: int = 1           # M microbatches per step, one optimizer update: gradient
+                                  # accumulation (common/train.py); pp: the pipeline's microbatches
+  remat: str = "none"             # jax.checkpoint of each layer's block: see REMAT_POLICIES
   # strategy knobs (each strategy reads only its own; the reference ignores them all)
   dispatch: str = "auto"                 # ep exchange: "a2a" (capacity-padded all_to_all, any
                                          # backend) | "ragged" (ragged_all_to_all, GPU/TPU) | "auto"
@@ -61,9 +70,10 @@ class Config:
     return dataclasses.replace(self, **kw)
 
   def model_only(self) -> "Config":
-    """The same model and run with every strategy knob at its default (the reference's key)."""
+    """The same model and run with every strategy knob at its default (the reference's key);
+    microbatches too: the reference takes the whole batch in one pass (M = 1)."""
     knobs = ("dispatch", "dispatch_batch_on_expert", "context_sharding", "expert_fsdp_mode",
-             "ep_tp_capacity", "gmm_backend", "microbatches")
+             "ep_tp_capacity", "gmm_backend", "microbatches", "remat")
     return dataclasses.replace(self, **{k: Config.__dataclass_fields__[k].default for k in knobs})
 
   def validate(self) -> "Config":
@@ -72,7 +82,7 @@ class Config:
       if not cond:
         raise ConfigError(msg)
     for name in ("vocab", "d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers", "n_experts",
-                 "d_ff", "seq_len", "batch", "microbatches"):
+                 "d_ff", "seq_len", "batch"):
       need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
     need(math.isfinite(self.lr) and self.lr > 0, f"lr={self.lr} must be a finite number > 0")
     need(self.n_heads % self.n_kv_heads == 0,
@@ -85,6 +95,11 @@ class Config:
     need(self.top_k <= self.topk_group * (self.n_experts // self.n_group),
          "top_k larger than the experts in the kept groups")
     need(self.capacity_factor >= 0, f"capacity_factor={self.capacity_factor} must be >= 0")
+    need(self.microbatches >= 1, f"microbatches={self.microbatches} must be >= 1")
+    need(self.batch % self.microbatches == 0,
+         f"batch={self.batch} is not divisible by microbatches={self.microbatches}")
+    need(self.remat in REMAT_POLICIES,
+         f"unknown remat {self.remat!r}; choose from {', '.join(REMAT_POLICIES)}")
     need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (RoPE)")
     return self
 
@@ -102,6 +117,23 @@ PRESETS: dict[str, Config] = {
     "mixtral-8x7b": Config(vocab=32000, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
                            n_layers=32, n_experts=8, top_k=2, d_ff=14336, seq_len=4096,
                            batch=64),
+    # DeepSeek-V2-Lite-shaped (compile-only). Attention approximated by GQA: MLA's low-rank
+    # latent KV (kv_lora_rank 512) and its 64 decoupled RoPE dims are not modelled; in training
+    # MLA up-projects the latent into per-head K and V, so KV heads = H = 16 query heads of
+    # Dh = 128 (= its v_head_dim / qk_nope_head_dim): attention activations match, attention
+    # params are over-counted (K/V projections full rank). Its first (dense) layer is MoE here.
+    # 16.3B params here (sum over model.param_leaves) vs 15.7B published.
+    "deepseek-v2-lite": Config(vocab=102400, d_model=2048, n_heads=16, n_kv_heads=16, head_dim=128,
+                               n_layers=27, n_experts=64, top_k=6, d_ff=1408, n_shared_experts=2,
+                               router="softmax", norm_topk_prob=False, seq_len=4096, batch=64),
+    # DeepSeek-V3-shaped (compile-only), the same attention approximation: KV heads = H = 128 of
+    # Dh = 128, no q/kv low rank, no RoPE dims; its first 3 (dense) layers are MoE here.
+    # 721.0B params here (sum over model.param_leaves) vs 671B published (no MTP module).
+    "deepseek-v3": Config(vocab=129280, d_model=7168, n_heads=128, n_kv_heads=128, head_dim=128,
+                          n_layers=61, n_experts=256, top_k=8, d_ff=2048, n_shared_experts=1,
+                          router="sigmoid", n_group=8, topk_group=4, norm_topk_prob=True,
+                          routed_scaling_factor=2.5, bias_update_rate=1e-3, aux_loss_coef=1e-4,
+                          seq_len=4096, batch=256),
 }
 
 

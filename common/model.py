@@ -252,20 +252,33 @@ def forward(params, batch, cfg: Config, lay: Layout):
   tokens, positions = batch["tokens"], batch["positions"]
   embed = lay.use("embed", params["embed"])
   x = embed.at[tokens].get(out_sharding=lay.x)                                 # [B, S, D]
-  x, stats = jax.lax.scan(lambda x, lp: block(x, lp, positions, cfg, lay), x, params["layers"])
+  body = lambda x, lp: block(x, lp, positions, cfg, lay)
+  if cfg.remat != "none":                 # recompute inside the backward of each scan step
+    policy = (None if cfg.remat == "block" else getattr(jax.checkpoint_policies, cfg.remat))
+    body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+  x, stats = jax.lax.scan(body, x, params["layers"])
   x = rms_norm(x, lay.use("final_norm", params["final_norm"]), cfg.norm_eps)
   logits = jnp.einsum("bsd,dv->bsv", x, lay.use("unembed", params["unembed"]))  # [B, S, V]
   return logits, stats
 
 
-def loss_fn(params, batch, cfg: Config, lay: Layout):
-  """-> (loss, metrics). Mean next-token CE over all tokens + aux_coef*aux + z_coef*z."""
+def loss_fn(params, batch, cfg: Config, lay: Layout, counts=None, n_tokens=None):
+  """-> (loss, metrics). Mean next-token CE over all tokens + aux_coef*aux + z_coef*z.
+
+  One microbatch of a step (common.train, gradient accumulation): counts [L, E] are the WHOLE
+  step's router counts (f of the aux loss, pass 1) and n_tokens the step's tokens; CE, P and z
+  are this microbatch's sums over n_tokens, so the microbatch losses sum to the step's loss."""
   logits, stats = forward(params, batch, cfg, lay)
   logits = logits.astype(jnp.float32)
   tgt = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
-  ce = jnp.mean(jax.nn.logsumexp(logits, axis=-1) - tgt)
-  n_tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
-  aux, z = routing.aux_losses(stats, n_tokens, cfg.n_experts)                  # [L] each
+  nll = jax.nn.logsumexp(logits, axis=-1) - tgt                                # [B, S]
+  if counts is None:
+    ce = jnp.mean(nll)
+    n_tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
+    aux, z = routing.aux_losses(stats, n_tokens, cfg.n_experts)                # [L] each
+  else:
+    ce = jnp.sum(nll) / n_tokens
+    aux, z = routing.aux_losses({**stats, "counts": counts}, n_tokens, cfg.n_experts)
   aux, z = jnp.sum(aux), jnp.sum(z)
   loss = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
   metrics = {"loss": loss, "ce_loss": ce, "aux_loss": aux, "z_loss": z,

@@ -4,6 +4,7 @@ steps. Shared by run.py and the tests."""
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from common import data as data_lib
 from common import cost, model, optim, routing, sharding
+from common.config import ConfigError
 from common.sharding import put
 
 
@@ -48,11 +50,55 @@ def global_norm(tree) -> jax.Array:
   return jnp.sqrt(jax.shard_map(local, in_specs=tuple(specs), out_specs=jax.P())(*leaves))
 
 
+def microbatches(batch: dict, m: int) -> dict:
+  """[B, S] -> [M, B/M, S]: microbatch i = rows i, i+M, i+2M, ... Each device keeps its own
+  rows (B/M stays split over the batch axes when B % (M x their size) == 0): no data moves."""
+  def split(a):
+    b = a.reshape(a.shape[0] // m, m, *a.shape[1:])                        # [B/M, M, S]
+    return jnp.moveaxis(b, 1, 0)                                           # [M, B/M, S]
+  return jax.tree.map(split, batch)
+
+
+def accumulated_grads(params, batch, cfg, lay: model.Layout):
+  """Gradient accumulation over cfg.microbatches = M: -> (metrics as model.loss_fn, grads), the
+  same values as one pass over the whole batch (up to summation order).
+  pass 1: forward of every microbatch (no grad) -> the step's router counts [L, E];
+  pass 2: value_and_grad per microbatch with those counts as the aux loss's f, every loss term a
+          microbatch sum over the step's tokens; losses and grads summed in the scan carry."""
+  mbs = microbatches(batch, cfg.microbatches)                               # [M, B/M, S]
+  n_tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
+
+  def count(c, mb):
+    return c + model.forward(params, mb, cfg, lay)[1]["counts"], None
+  # pass 1 unrolled (forward only, nothing kept for a backward: it costs compile time, not
+  # memory): as a second lax.scan beside pass 2's, the executable reloaded from the persistent
+  # compilation cache crashes XLA:CPU (jax 0.12: rendezvous "id < num_threads" check failure)
+  counts = jnp.zeros((cfg.n_layers, cfg.n_experts), jnp.float32)
+  for i in range(cfg.microbatches):
+    counts = count(counts, jax.tree.map(lambda a: a[i], mbs))[0]
+  counts = jax.lax.stop_gradient(counts)                                    # [L, E], global
+
+  def grad_one(carry, mb):
+    (_, m), g = jax.value_and_grad(model.loss_fn, has_aux=True)(params, mb, cfg, lay,
+                                                                counts, n_tokens)
+    m = {k: v for k, v in m.items() if k != "counts"}
+    return jax.tree.map(jnp.add, carry, (m, g)), None
+  zero_m = {k: jnp.zeros((), jnp.float32)
+            for k in ("loss", "ce_loss", "aux_loss", "z_loss", "dropped")}
+  (m, grads), _ = jax.lax.scan(grad_one, (zero_m, jax.tree.map(jnp.zeros_like, params)), mbs)
+  return {**m, "counts": counts}, grads
+
+
 def make_train_step(cfg, lay: model.Layout, opt: optim.Optimizer, with_grads: bool = False):
-  """Pure step: loss+grads, AdamW/Muon update, aux-loss-free router-bias update."""
+  """Pure step: loss+grads (accumulated over cfg.microbatches), AdamW/Muon update, aux-loss-free
+  router-bias update."""
   def step(params, opt_state, batch):
-    loss_fn = (lambda p, b, c, l: lay.loss(p, b)) if lay.loss else model.loss_fn
-    (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cfg, lay)
+    if lay.loss is not None:              # the strategy runs the whole model (pp: its microbatches)
+      (_, m), grads = jax.value_and_grad(lambda p: lay.loss(p, batch), has_aux=True)(params)
+    elif cfg.microbatches > 1:
+      m, grads = accumulated_grads(params, batch, cfg, lay)
+    else:
+      (_, m), grads = jax.value_and_grad(model.loss_fn, has_aux=True)(params, batch, cfg, lay)
     new_params, new_opt_state = opt.update(grads, opt_state, params)
     if cfg.bias_update_rate:                                    # [L, E], the whole step's counts
       moe = new_params["layers"]["moe"]
@@ -65,6 +111,18 @@ def make_train_step(cfg, lay: model.Layout, opt: optim.Optimizer, with_grads: bo
   return step
 
 
+def check_microbatches(cfg, mesh, bspec) -> None:
+  """Each microbatch is sharded like the whole batch: B % (M x the batch axes' size) == 0."""
+  if cfg.microbatches <= 1:
+    return
+  axes = cost.spec_axes(bspec[:1]) if mesh is not None and bspec is not None else ()
+  n = math.prod(mesh.shape[a] for a in axes) if axes else 1
+  if cfg.batch % (cfg.microbatches * n):
+    label = "x".join(axes) or "none"
+    raise ConfigError(f"batch={cfg.batch} is not divisible by microbatches={cfg.microbatches} x "
+                      f"mesh axis {label}={n}")
+
+
 def build(strategy, cfg, mesh, *, with_grads: bool = False, compile_only: bool = False,
           init: Callable | None = None, state: tuple | None = None) -> Job:
   """strategy: a module from strategies/ (see strategies/__init__.py for the contract).
@@ -75,6 +133,7 @@ def build(strategy, cfg, mesh, *, with_grads: bool = False, compile_only: bool =
     if mesh is not None:
       strategy.check(cfg, mesh)
     specs = strategy.param_specs(cfg, mesh) if mesh is not None else None
+    check_microbatches(cfg, mesh, strategy.batch_spec(cfg, mesh) if mesh is not None else None)
     opt = optim.make_optimizer(cfg.optimizer, model.param_roles(cfg), lr=cfg.lr,
                                weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
     lay = strategy.layout(cfg, mesh)

@@ -71,8 +71,7 @@ from jax.sharding import PartitionSpec as P
 from common import cost as cost_lib
 from common import dispatch
 from common import mesh as mesh_lib
-from common import model, routing, sharding
-from common.config import ConfigError
+from common import model, routing, sharding, train
 from strategies import ep
 
 NAME = "pp"
@@ -87,10 +86,8 @@ TOKENS = (DATA, EXPERT)                         # the batch axes (replicated ove
 def check(cfg, mesh):
   mesh_lib.require_divisible("n_layers", cfg.n_layers, mesh, STAGE)
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
-  n = mesh_lib.axis_size(mesh, *TOKENS)
-  if cfg.batch % (cfg.microbatches * n):
-    raise ConfigError(f"batch={cfg.batch} is not divisible by microbatches x data x "
-                               f"expert={cfg.microbatches}x{n}")
+  mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)
+  train.check_microbatches(cfg, mesh, batch_spec(cfg, mesh))       # B % (M x data x expert)
 
 
 def param_specs(cfg, mesh):

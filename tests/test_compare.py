@@ -21,3 +21,15 @@ def test_compare_dp_and_tp_writes_report(tmp_path):
   for f in ("table.json", "table.csv", "loss.png", "bytes.png"):
     assert os.path.getsize(tmp_path / f) > 0
   assert json.loads((tmp_path / "table.json").read_text())[1]["strategy"] == "dp"
+
+
+def test_fit_column():
+  """--hbm_gb: total/dev = params + optimizer + XLA temp; fits iff <= hbm_gb GiB."""
+  row = {"strategy": "dp", "mesh": "data:8", "param_bytes": 2**30, "opt_bytes": 2 * 2**30,
+         "memory": {"temp_bytes": 2**30}, "collectives": {}}
+  compare.fit(row, 4)
+  assert row["total_bytes"] == 4 * 2**30 and row["fits"]
+  compare.fit(row, 3.99)
+  assert not row["fits"]
+  table = compare.render([row], compile_only=True, simulated=True, hbm_gb=3.99)
+  assert "| total/dev | fits 3.99G |" in table and "| 4.0G      | NO         |" in table

@@ -55,7 +55,7 @@ def test_microbatch_aux_loss_is_not_a_mean_of_microbatch_losses():
 @pytest.mark.parametrize("over,mesh,message", [
     (dict(n_layers=3), "stage:2,expert:4", "n_layers=3 is not divisible by mesh axis stage=2"),
     (dict(microbatches=4), "stage:2,expert:4",
-     "batch=8 is not divisible by microbatches x data x expert=4x4"),
+     "batch=8 is not divisible by microbatches=4 x mesh axis dataxexpert=4"),
     (dict(n_experts=6, top_k=2), "stage:2,expert:4", "n_experts=6 is not divisible by mesh axis expert=4"),
 ])
 def test_bad_input(over, mesh, message):
