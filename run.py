@@ -112,20 +112,20 @@ def check_flags() -> None:
       raise UsageError(f"--restore={F.restore}: expected 'latest' or a step number")
     if not os.path.isdir(F.checkpoint_dir):
       raise UsageError(f"--checkpoint_dir={F.checkpoint_dir} does not exist")
-  if F.checkpoint_dir:
-    try:
-      os.makedirs(F.checkpoint_dir, exist_ok=True)
-    except OSError as e:
-      raise UsageError(f"--checkpoint_dir={F.checkpoint_dir}: {e.strerror}") from None
-    if not os.access(F.checkpoint_dir, os.W_OK):
-      raise UsageError(f"--checkpoint_dir={F.checkpoint_dir} is not writable")
-  if F.report_dir:
-    try:
-      os.makedirs(F.report_dir, exist_ok=True)
-    except OSError as e:
-      raise UsageError(f"--report_dir={F.report_dir}: {e.strerror}") from None
-    if not os.access(F.report_dir, os.W_OK):
-      raise UsageError(f"--report_dir={F.report_dir} is not writable")
+  for flag in ("checkpoint_dir", "report_dir"):
+    if getattr(F, flag):
+      _writable_dir(flag, getattr(F, flag))
+
+
+def _writable_dir(flag: str, path: str) -> None:
+  """Create --flag's directory now, or stop with one line, before anything compiles."""
+  import os
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise UsageError(f"--{flag}={path}: {e.strerror}") from None
+  if not os.access(path, os.W_OK):
+    raise UsageError(f"--{flag}={path} is not writable")
 
 
 class NonFinite(Exception):
