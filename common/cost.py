@@ -23,7 +23,6 @@ import dataclasses
 import math
 
 import jax
-import numpy as np
 
 from common import hlo
 

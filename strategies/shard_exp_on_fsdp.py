@@ -66,7 +66,6 @@ Cost: like ep + fsdp; gather mode holds E/EP gathered experts per layer during t
   python run.py --strategy=shard_exp_on_fsdp --mesh=fsdp:2,expert:4 --optimizer=muon --steps=3
   python run.py --strategy=shard_exp_on_fsdp --mesh=fsdp:2,expert:4 --expert_fsdp_mode=ep
 """
-import jax
 from jax.sharding import PartitionSpec as P
 
 from common import cost as cost_lib

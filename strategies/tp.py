@@ -50,7 +50,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from common import cost as cost_lib
-from common import layouts
 from common import mesh as mesh_lib
 from common import model, moe, sharding
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from common import cost, dispatch, hlo, layouts
+from common import cost, dispatch, hlo
 from common.config import ConfigError, get_config
 import strategies
 from tests import parity

@@ -10,7 +10,7 @@ import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from common import compact, hlo, layouts, model, routing
+from common import compact, hlo, model, routing
 from common.config import ConfigError, get_config
 from common.sharding import put
 import strategies

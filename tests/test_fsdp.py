@@ -1,12 +1,11 @@
 """fsdp: parity with the single-device reference (two meshes, both models), the HLO collective
 contract of strategies/fsdp.py, its cost model, layout invariance and one-line config errors."""
-import jax
 import numpy as np
 import pytest
 
 from tests import parity
 import strategies
-from common import hlo, layouts, model
+from common import hlo, model
 from common.config import ConfigError, get_config
 from common import mesh as mesh_lib
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common import data, model, routing
+from common import data, model
 from common.config import ConfigError, get_config
 import strategies
 from tests import parity

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 
-from common import hlo, layouts, model, optim
+from common import hlo, model, optim
 from common.config import ConfigError, get_config
 import strategies
 from tests import parity
