@@ -16,6 +16,12 @@ REMAT_POLICIES = ("none",                # everything the autodiff saves (no jax
                   "dots_with_no_batch_dims_saveable")  # only weight matmuls (no batch dims)
 
 
+# --dtype: compute dtype (activations, weights at use, exchanges); params and optimizer state
+# stay float32 (the master copy). --grad_reduce_dtype: the dtype weight gradients are summed
+# across devices in (float32 unless asked: see common/sharding.py gather_weight)
+DTYPES = ("float32", "bfloat16")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   # model
@@ -53,6 +59,8 @@ class Config:
   microbatches: int = 1           # M microbatches per step, one optimizer update: gradient
                                   # accumulation (common/train.py); pp: the pipeline's microbatches
   remat: str = "none"             # jax.checkpoint of each layer's block: see REMAT_POLICIES
+  dtype: str = "float32"          # compute dtype: DTYPES (mixed precision: common/model.py)
+  grad_reduce_dtype: str = "float32"   # weight-gradient reductions under dtype=bfloat16
   # strategy knobs (each strategy reads only its own; the reference ignores them all)
   dispatch: str = "auto"                 # ep exchange: "a2a" (capacity-padded all_to_all, any
                                          # backend) | "ragged" (ragged_all_to_all, GPU/TPU) | "auto"
@@ -65,6 +73,11 @@ class Config:
   @property
   def shared_d_ff(self) -> int:
     return self.n_shared_experts * self.d_ff
+
+  @property
+  def mixed(self) -> bool:
+    """bf16 mixed precision: weights are cast to `dtype` on their stored shard, before any gather."""
+    return self.dtype != "float32"
 
   def replace(self, **kw) -> "Config":
     return dataclasses.replace(self, **kw)
@@ -100,6 +113,9 @@ class Config:
          f"batch={self.batch} is not divisible by microbatches={self.microbatches}")
     need(self.remat in REMAT_POLICIES,
          f"unknown remat {self.remat!r}; choose from {', '.join(REMAT_POLICIES)}")
+    need(self.dtype in DTYPES, f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
+    need(self.grad_reduce_dtype in DTYPES,
+         f"unknown grad_reduce_dtype {self.grad_reduce_dtype!r}; choose from {', '.join(DTYPES)}")
     need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (RoPE)")
     return self
 

@@ -9,6 +9,9 @@ compiled program compare directly:
 `wire_bytes` turns that into bytes a device actually sends (ring algorithms):
   all-gather r(n-1)/n, reduce-scatter r(n-1), all-reduce 2r(n-1)/n, all-to-all r(n-1)/n.
 
+Bytes follow the dtype that crosses the wire (`act_bytes`, `weight_bytes`): activations and
+exchanges in the compute dtype, gathered weights in it too (cast on the shard), weight-gradient
+sums in grad_reduce_dtype, router / norms / statistics always float32.
 One-line formulas (per device per step, f32 = 4 B, L layers, n = the axis size):
   FSDP all-gather of W           = bytes(W) per use (fwd; the bwd re-gather is CSE'd into the fwd one)
   FSDP grad reduce-scatter of W  = bytes(W)/n
@@ -39,6 +42,15 @@ class Term:
   group: int       # devices in one group: the product of those axes' sizes
 
 
+  @property
+  def wire_bytes(self) -> float:
+    n = max(self.group, 1)
+    factor = {"all-gather": (n - 1) / n, "reduce-scatter": n - 1, "all-reduce": 2 * (n - 1) / n,
+              "all-to-all": (n - 1) / n, "ragged-all-to-all": (n - 1) / n,
+              "collective-permute": 1.0}[self.kind]
+    return self.bytes * factor
+
+
 def term(mesh, kind: str, phase: str, what: str, nbytes: float, axes) -> list[Term]:
   """[Term] over mesh `axes` (a name or a tuple), or [] when they hold one device (nothing
   moves, and XLA emits nothing)."""
@@ -48,13 +60,23 @@ def term(mesh, kind: str, phase: str, what: str, nbytes: float, axes) -> list[Te
   return [Term(kind, phase, what, nbytes, axes, math.prod(mesh.shape[a] for a in axes))]
 
 
-  @property
-  def wire_bytes(self) -> float:
-    n = max(self.group, 1)
-    factor = {"all-gather": (n - 1) / n, "reduce-scatter": n - 1, "all-reduce": 2 * (n - 1) / n,
-              "all-to-all": (n - 1) / n, "ragged-all-to-all": (n - 1) / n,
-              "collective-permute": 1.0}[self.kind]
-    return self.bytes * factor
+# ----------------------------------------------------------------------------- dtypes on the wire
+_ITEMSIZE = {"float32": 4, "bfloat16": 2}
+
+
+def act_bytes(cfg) -> int:
+  """Bytes per element of an activation (and its cotangent) on the wire: the compute dtype."""
+  return _ITEMSIZE[cfg.dtype]
+
+
+def weight_bytes(cfg, role: str) -> tuple[int, int]:
+  """(a weight's bytes per element when gathered, its gradient's when summed) for a role:
+  mixed precision gathers cfg.dtype (cast on the shard first) and sums grad_reduce_dtype;
+  model.KEEP_F32 roles (norms, router, bias) and float32 runs move float32 both ways."""
+  from common import model
+  if not cfg.mixed or role in model.KEEP_F32:
+    return F32, F32
+  return _ITEMSIZE[cfg.dtype], _ITEMSIZE[cfg.grad_reduce_dtype]
 
 
 def totals(terms: list[Term]) -> dict[str, float]:
@@ -151,8 +173,9 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None) -> list
   for leaf, spec in zip(leaves, flat_specs):
     if leaf.role == "bias":
       continue
-    full, stored = nbytes(leaf.shape), spec_axes(spec)
-    local = full / spec_shards(spec, mesh)
+    w_size, g_size = weight_bytes(cfg, leaf.role)
+    full, grad, stored = nbytes(leaf.shape, w_size), nbytes(leaf.shape, g_size), spec_axes(spec)
+    local = grad / spec_shards(spec, mesh)
     if leaf.role in gathered:
       used, g = gathered[leaf.role]
       moves = [m for m in (tuple(a for a in _entry_axes(e) if a not in spec_axes(used))
@@ -163,7 +186,7 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None) -> list
         out += term(mesh, "all-gather", "fwd", f"{leaf.role} gathered", full / shards, m)
       for m in moves:
         shards *= math.prod(mesh.shape[a] for a in m)
-        out += term(mesh, "reduce-scatter", "bwd", f"{leaf.role} grads", full / shards, m)
+        out += term(mesh, "reduce-scatter", "bwd", f"{leaf.role} grads", grad / shards, m)
       moved = {a for m in moves for a in m}
       groups = (tuple(a for a in g if a not in moved),)
     else:

@@ -36,10 +36,40 @@ def check_fsdp(cfg, mesh, fsdp_axes) -> None:
   mesh_lib.require_divisible("d_model", cfg.d_model, mesh, fsdp_axes)
 
 
-def fsdp_use(grad_axes):
+def precision(cfg, role: str) -> dict:
+  """gather_weight's mixed-precision kwargs for a role ({} in float32 and for model.KEEP_F32):
+  cast to cfg.dtype before the gather, gradient summed in cfg.grad_reduce_dtype."""
+  if not cfg.mixed or role in model.KEEP_F32:
+    return {}
+  return {"dtype": cfg.dtype, "reduce_dtype": cfg.grad_reduce_dtype}
+
+
+def cast_stored(w, role: str, cfg, grad_axes):
+  """A weight used as stored (nothing to gather), under mixed precision: cast on its shard and
+  typed reduced over the grad axes it is not split over, so its gradient is summed by
+  gather_weight's backward in grad_reduce_dtype (XLA would sum the bf16 partials). float32: w,
+  untouched (the same program as without mixed precision)."""
+  kw = precision(cfg, role)
+  if not kw:
+    return w
+  spec = jax.typeof(w).sharding.spec
+  stored = set(cost_lib.spec_axes(spec))
+  return gather_weight(w, spec, tuple(a for a in _axes(grad_axes) if a not in stored), **kw)
+
+
+def stored_use(cfg, grad_axes):
+  """Layout.use for weights used as stored (dp, tp, ep_tp): cast_stored on every role."""
+  return lambda role, w: cast_stored(w, role, cfg, grad_axes)
+
+
+def fsdp_use(grad_axes, cfg):
   """Layout.use: all-gather a D-sharded weight (backward: reduce-scatter over the gathered axes,
-  all-reduce over the other grad axes — see common.sharding.gather_weight); norms pass."""
-  return lambda role, w: gather_weight(w, P(), grad_axes) if role in model.D_DIM else w
+  all-reduce over the other grad axes — see common.sharding.gather_weight); norms pass. Mixed
+  precision: the bf16 cast comes first, the all-gather moves bf16 (`precision`)."""
+  return lambda role, w: (gather_weight(w, P(), grad_axes, **precision(cfg, role))
+                          if role in model.D_DIM else w)
+
+
 
 
 def moe_all_local(cfg, x_spec: P, grad_axes, cp_axis: str | None = None):
@@ -53,7 +83,9 @@ def moe_all_local(cfg, x_spec: P, grad_axes, cp_axis: str | None = None):
 
   def moe_fn(p, x, positions):
     # [E, D@f, F] -> [E, D, F] (typed reduced over grad_axes); the bias is already replicated
-    full = {k: (v if k == "bias" else gather_weight(v, P(), grad_axes)) for k, v in p.items()}
+    full = {k: (v if k == "bias" else gather_weight(v, P(), grad_axes,
+                                                    **precision(cfg, model.MOE_ROLES[k])))
+            for k, v in p.items()}
     specs = {k: jax.typeof(v).sharding.spec for k, v in full.items()}
     body = lambda p, x, pos: moe.moe_local(p, x, pos, cfg, token_axes=tuple(grad_axes),
                                            gather_sequence=gather_seq)
@@ -115,7 +147,7 @@ def cp_terms(cfg, mesh, cp_axis: str, batch_axes) -> list[cost_lib.Term]:
   (bwd, model._gather_kv), kv_pos gathered once, and with the capacity rule the sequence's
   expert ids per layer and its positions once (CSE'd across layers)."""
   b = cfg.batch // mesh_lib.axis_size(mesh, *_axes(batch_axes))
-  kv = b * cfg.seq_len * cfg.n_kv_heads * cfg.head_dim * cost_lib.F32     # one of K, V
+  kv = b * cfg.seq_len * cfg.n_kv_heads * cfg.head_dim * cost_lib.act_bytes(cfg)  # K or V
   cp, term = mesh_lib.axis_size(mesh, cp_axis), cost_lib.term
   out = (term(mesh, "all-gather", "fwd", "K/V", 2 * cfg.n_layers * kv, cp_axis)
          + term(mesh, "all-gather", "fwd", "kv_pos", b * cfg.seq_len * 4, cp_axis)

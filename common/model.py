@@ -78,6 +78,8 @@ LAYER_ROLES = ("attn_norm", "attn_q", "attn_kv", "attn_o", "mlp_norm", "router",
 ROLES = ("embed", "final_norm", "unembed") + LAYER_ROLES
 NORMS = ("attn_norm", "mlp_norm", "final_norm")                     # [D] scales
 EXPERTS = ("expert_in", "expert_out")                               # [E, D, F] / [E, F, D]
+MOE_ROLES = {"router": "router", "bias": "bias", "wi_0": "expert_in", "wi_1": "expert_in",
+             "wo": "expert_out"}                                     # a layer's "moe" leaves
 D_DIM = {"embed": 1, "unembed": 0, "router": 0, "attn_q": 0, "attn_kv": 0, "attn_o": 2,
          "expert_in": 1, "expert_out": 2, "shared_in": 0, "shared_out": 1}   # the model dim D
 
@@ -178,6 +180,22 @@ def abstract_params(cfg: Config, specs, mesh) -> dict:
       shapes, specs, is_leaf=is_leaf)
 
 
+# ----------------------------------------------------------------------------- precision
+# Mixed precision (--dtype=bfloat16): params and optimizer state are float32 masters; every
+# weight but these is used in the compute dtype, and the activations follow (the embedding
+# lookup sets it). Router logits, softmax / sigmoid, top-k (common/routing.py), RMSNorm's
+# statistics, attention scores and the losses are computed in float32 whatever the dtype.
+KEEP_F32 = NORMS + ("router", "bias")
+
+
+def use(lay: Layout, role: str, w, dtype):
+  """A weight as the model reads it: the strategy's lay.use (its gather), then cast to `dtype`
+  unless it is in KEEP_F32. A strategy that casts before gathering (sharding.gather_weight's
+  dtype: the all-gather then moves bf16) makes this cast a no-op; the reference relies on it."""
+  w = lay.use(role, w)
+  return w if role in KEEP_F32 else w.astype(dtype)
+
+
 # ----------------------------------------------------------------------------- blocks
 def rms_norm(x, w, eps):
   xf = x.astype(jnp.float32)
@@ -206,8 +224,8 @@ def _gather_kv(a, spec):
 
 def attention(p, x, positions, cfg: Config, lay: Layout):
   """Causal GQA attention. x [B, S, D] -> [B, S, D]."""
-  wq, wk, wv, wo = (lay.use(r, p[n]) for n, r in (("wq", "attn_q"), ("wk", "attn_kv"),
-                                                   ("wv", "attn_kv"), ("wo", "attn_o")))
+  wq, wk, wv, wo = (use(lay, r, p[n], x.dtype) for n, r in (("wq", "attn_q"), ("wk", "attn_kv"),
+                                                           ("wv", "attn_kv"), ("wo", "attn_o")))
   kv, g, dh = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
   # H = KV x G viewed on the weights, never on activations: a reshape of [B, S, H, Dh] would
   # drop the batch dim's sharding when B is 1 per shard (jax >= 0.11)
@@ -229,8 +247,8 @@ def attention(p, x, positions, cfg: Config, lay: Layout):
 
 def shared_expert(p, x, lay: Layout):
   """Dense SwiGLU shared expert. x [B, S, D] -> [B, S, D]."""
-  w0, w1, wo = (lay.use(r, p[n]) for n, r in (("wi_0", "shared_in"), ("wi_1", "shared_in"),
-                                               ("wo", "shared_out")))
+  w0, w1, wo = (use(lay, r, p[n], x.dtype) for n, r in (("wi_0", "shared_in"),
+                                                       ("wi_1", "shared_in"), ("wo", "shared_out")))
   h = jax.nn.silu(jnp.einsum("bsd,df->bsf", x, w0)) * jnp.einsum("bsd,df->bsf", x, w1)  # [B, S, Fs]
   return jnp.einsum("bsf,fd->bsd", h, wo, out_sharding=lay.row)
 
@@ -250,15 +268,15 @@ def forward(params, batch, cfg: Config, lay: Layout):
   """-> (logits [B, S, V], router stats {name: [L, ...]}). The layers are one `block` scanned
   over the stacked [L, ...] layer params: compile time does not grow with depth."""
   tokens, positions = batch["tokens"], batch["positions"]
-  embed = lay.use("embed", params["embed"])
-  x = embed.at[tokens].get(out_sharding=lay.x)                                 # [B, S, D]
+  embed = use(lay, "embed", params["embed"], cfg.dtype)
+  x = embed.at[tokens].get(out_sharding=lay.x)                                 # [B, S, D] cfg.dtype
   body = lambda x, lp: block(x, lp, positions, cfg, lay)
   if cfg.remat != "none":                 # recompute inside the backward of each scan step
     policy = (None if cfg.remat == "block" else getattr(jax.checkpoint_policies, cfg.remat))
     body = jax.checkpoint(body, policy=policy, prevent_cse=False)
   x, stats = jax.lax.scan(body, x, params["layers"])
   x = rms_norm(x, lay.use("final_norm", params["final_norm"]), cfg.norm_eps)
-  logits = jnp.einsum("bsd,dv->bsv", x, lay.use("unembed", params["unembed"]))  # [B, S, V]
+  logits = jnp.einsum("bsd,dv->bsv", x, use(lay, "unembed", params["unembed"], x.dtype))  # [B, S, V]
   return logits, stats
 
 

@@ -39,7 +39,7 @@ def swiglu_experts(xs: jax.Array, group_sizes: jax.Array, p: dict, backend: str,
                    **gmm_kwargs) -> jax.Array:
   """xs [M, D] sorted by group -> [M, D]; p holds wi_0/wi_1 [e, D, F], wo [e, F, D].
   gmm_kwargs (capacity, kernel, wgrad) go to every common.gmm.gmm call (the benchmarks)."""
-  mm = lambda a, w: gmm_lib.gmm(a, w, group_sizes, backend=backend, **gmm_kwargs)
+  mm = lambda a, w: gmm_lib.gmm(a, w.astype(a.dtype), group_sizes, backend=backend, **gmm_kwargs)
   h0, h1 = mm(xs, p["wi_0"]), mm(xs, p["wi_1"])                       # [M, F]
   return mm(jax.nn.silu(h0) * h1, p["wo"])                            # [M, D]
 
@@ -94,9 +94,11 @@ def moe_dense(p: dict, x: jax.Array, positions: jax.Array, cfg: Config):
   b, s, d = x.shape
   r, keep, stats = route_tokens(p, x, positions, cfg)
   xt = x.reshape(b * s, d)
-  h0 = jnp.einsum("td,edf->tef", xt, p["wi_0"])                       # [T, E, F]
-  h1 = jnp.einsum("td,edf->tef", xt, p["wi_1"])
-  ye = jnp.einsum("tef,efd->ted", jax.nn.silu(h0) * h1, p["wo"])      # [T, E, D]
+  w0, w1, wo = (p[n].astype(x.dtype) for n in ("wi_0", "wi_1", "wo"))  # the compute dtype
+  h0 = jnp.einsum("td,edf->tef", xt, w0)                              # [T, E, F]
+  h1 = jnp.einsum("td,edf->tef", xt, w1)
+  ye = jnp.einsum("tef,efd->ted", jax.nn.silu(h0) * h1, wo)           # [T, E, D]
   combine = jnp.sum(jax.nn.one_hot(r.experts, cfg.n_experts) * r.weights[..., None], axis=1)  # [T, E]
+  combine = combine.astype(x.dtype)
   y = jnp.einsum("ted,te->td", ye, combine)
   return y.reshape(b, s, d).astype(x.dtype), stats

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -37,7 +38,8 @@ def to_varying(a, axes) -> jax.Array:
   return jax.lax.pcast(a, missing, to="varying") if missing else a
 
 
-def gather_weight(w: jax.Array, out_spec: P, grad_axes: Sequence[str]) -> jax.Array:
+def gather_weight(w: jax.Array, out_spec: P, grad_axes: Sequence[str], dtype=None,
+                  reduce_dtype=None) -> jax.Array:
   """All-gather a sharded weight to `out_spec` for use; the gradient comes back reduce-scattered.
 
   Forward : w [.., D@fsdp, ..] -> all-gather -> [.., D, ..], typed *reduced* over grad_axes
@@ -52,17 +54,26 @@ def gather_weight(w: jax.Array, out_spec: P, grad_axes: Sequence[str]) -> jax.Ar
   grad_axes=("expert",): when everything downstream is split over expert (heads, hidden, local
   experts), the cotangent is partial over expert, and the backward is one reduce-scatter over
   expert on the sequence dim (data is a batch axis there, not a grad axis: leave it out).
+
+  Mixed precision (dtype, e.g. bfloat16): the stored float32 shard is cast BEFORE the gather,
+  so the all-gather moves `dtype`; the backward sums the gradient in `reduce_dtype` (default:
+  the master's float32, the cotangent upcast first, as FSDP2's reduce_dtype=float32) and hands
+  the master its own dtype. out_spec == the stored spec gathers nothing: the weight is only cast
+  and typed reduced, so its gradient's all-reduce is this psum in reduce_dtype, not XLA's in bf16.
   """
+  master = w.dtype
+  dtype = master if dtype is None else jnp.dtype(dtype)
+  reduce_dtype = master if reduce_dtype is None else jnp.dtype(reduce_dtype)
   in_spec = jax.typeof(w).sharding.spec
   in_spec = tuple(in_spec) + (None,) * (w.ndim - len(in_spec))
   out_entries = tuple(out_spec) + (None,) * (w.ndim - len(tuple(out_spec)))
   grad_axes = tuple(grad_axes)
   if not grad_axes:
-    return jax.reshard(w, P(*out_entries))
+    return jax.reshard(w.astype(dtype), P(*out_entries))
 
   @jax.custom_vjp
   def _gather(a):
-    return jax.reshard(a, P(*out_entries, reduced=frozenset(grad_axes)))
+    return jax.reshard(a.astype(dtype), P(*out_entries, reduced=frozenset(grad_axes)))
 
   def _fwd(a):
     return _gather(a), None
@@ -74,12 +85,13 @@ def gather_weight(w: jax.Array, out_spec: P, grad_axes: Sequence[str]) -> jax.Ar
     rest = tuple(a for a in grad_axes if a not in scattered)
 
     def body(g):
+      g = g.astype(reduce_dtype)
       for d, axs in scatter:
         if axs:
           g = jax.lax.psum_scatter(g, axs, scatter_dimension=d, tiled=True)
       if rest:
         g = jax.lax.psum(g, rest)
-      return g
+      return g.astype(master)
 
     # the cotangent is unreduced over the grad axes; the body sees each device's partial sum
     out = jax.shard_map(body, in_specs=P(*out_entries, unreduced=frozenset(grad_axes)),

@@ -88,7 +88,7 @@ def prepare_batch(b, cfg, mesh):
 def layout(cfg, mesh):
   x_spec = P(BATCH, CP, None)                                       # [B, S, D] @ (.., context, None)
   kv, kv_pos = layouts.cp_kv_specs(BATCH)                           # [B, T, KV, Dh] @ (.., None, ..)
-  return model.Layout(x=x_spec, kv=kv, kv_pos=kv_pos, use=layouts.fsdp_use(GRAD),
+  return model.Layout(x=x_spec, kv=kv, kv_pos=kv_pos, use=layouts.fsdp_use(GRAD, cfg),
                       moe=layouts.moe_all_local(cfg, x_spec, GRAD, cp_axis=CP))
 
 

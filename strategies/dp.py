@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from common import mesh as mesh_lib
 from common import cost as cost_lib
-from common import model, moe
+from common import layouts, model, moe
 
 NAME = "dp"
 AXES = (mesh_lib.DATA,)
@@ -51,11 +51,14 @@ def batch_spec(cfg, mesh):
 def layout(cfg, mesh):
   def moe_fn(p, x, positions):
     # Local tokens, all experts local: the single-device MoE inside a full-manual shard_map.
+    # (bf16: the experts cast and typed reduced over data, so their gradient sums in float32)
+    p = {k: layouts.cast_stored(v, model.MOE_ROLES[k], cfg, ("data",)) for k, v in p.items()}
     body = lambda p, x, pos: moe.moe_local(p, x, pos, cfg, token_axes=("data",))
     return jax.shard_map(
-        body, in_specs=(jax.tree.map(lambda _: P(), p), P("data", None, None), P("data", None)),
+        body, in_specs=(jax.tree.map(lambda v: jax.typeof(v).sharding.spec, p),
+                        P("data", None, None), P("data", None)),
         out_specs=(P("data", None, None), P()))(p, x, positions)     # y [B, S, D] @ (data,), stats P()
-  return model.Layout(x=P("data", None, None), moe=moe_fn)
+  return model.Layout(x=P("data", None, None), use=layouts.stored_use(cfg, ("data",)), moe=moe_fn)
 
 
 def activation_shardings(cfg, mesh):

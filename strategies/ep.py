@@ -122,14 +122,16 @@ def batch_spec(cfg, mesh):
   return P(TOKENS, None)                                            # [B, S] @ ((d, f, x), None)
 
 
-def moe_weights(p, token_axes, batch_on_expert=False):
-  """Router gathered whole; experts gathered over fsdp only -> [E@expert, D, F] (typed reduced
-  over the batch axes), or with batch_on_expert over fsdp and expert -> [E, D, F]."""
+def moe_weights(p, token_axes, cfg, batch_on_expert=False):
+  """Router gathered whole (float32); experts gathered over fsdp only -> [E@expert, D, F] (typed
+  reduced over the batch axes; cfg.dtype, cast before the gather), or with batch_on_expert over
+  fsdp and expert -> [E, D, F]."""
   e_entry, e_grad = (None, token_axes) if batch_on_expert else (
       EXPERT, tuple(a for a in token_axes if a != EXPERT))
   out = {"router": gather_weight(p["router"], P(), token_axes), "bias": p["bias"]}
   for n in EXPERT_WEIGHTS:
-    out[n] = gather_weight(p[n], P(e_entry, None, None), e_grad)     # [E/EP, D, F] local
+    out[n] = gather_weight(p[n], P(e_entry, None, None), e_grad,      # [E/EP, D, F] local
+                           **layouts.precision(cfg, model.MOE_ROLES[n]))
   return out
 
 
@@ -138,9 +140,9 @@ def layout(cfg, mesh):
   flag = cfg.dispatch_batch_on_expert
 
   def moe_fn(p, x, positions):
-    return moe_ep(moe_weights(p, TOKENS, flag), x, positions, cfg, ep_axes=(EXPERT,),
+    return moe_ep(moe_weights(p, TOKENS, cfg, flag), x, positions, cfg, ep_axes=(EXPERT,),
                   body=local_moe_body if flag else None)
-  return model.Layout(x=x_spec, use=layouts.fsdp_use(TOKENS), moe=moe_fn)
+  return model.Layout(x=x_spec, use=layouts.fsdp_use(TOKENS, cfg), moe=moe_fn)
 
 
 # ----------------------------------------------------------------------------- the EP exchange
@@ -297,7 +299,7 @@ def cost(cfg, mesh, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
     b_loc = cfg.batch // mesh_lib.axis_size(mesh, *batch_axes)
     n = mesh_lib.axis_size(mesh, *token_axes)
     c = dispatch.send_rows(cfg, b_loc, cfg.batch * cfg.seq_len // n // b_loc, e)
-    buf = e * c * cfg.d_model * cost_lib.F32                     # [EP, C, D]
+    buf = e * c * cfg.d_model * cost_lib.act_bytes(cfg)          # [EP, C, D]
     terms += (cost_lib.term(mesh, "all-to-all", "fwd", "dispatch + combine buffers, counts "
                             "[EP, e] (int32)", cfg.n_layers * (2 * buf + cfg.n_experts * 4), EXPERT)
               + cost_lib.term(mesh, "all-to-all", "bwd", "their transposes",

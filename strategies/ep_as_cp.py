@@ -108,9 +108,9 @@ def layout(cfg, mesh):
   gather_seq = layouts.sequence_gatherer(CP) if cfg.capacity_factor > 0 else None
 
   def moe_fn(p, x, positions):                                      # ep.py's exchange, S split
-    return ep.moe_ep(ep.moe_weights(p, TOKENS), x, positions, cfg, ep_axes=(EXPERT,),
+    return ep.moe_ep(ep.moe_weights(p, TOKENS, cfg), x, positions, cfg, ep_axes=(EXPERT,),
                      gather_sequence=gather_seq)
-  return model.Layout(x=x_spec, kv=kv, kv_pos=kv_pos, use=layouts.fsdp_use(TOKENS), moe=moe_fn)
+  return model.Layout(x=x_spec, kv=kv, kv_pos=kv_pos, use=layouts.fsdp_use(TOKENS, cfg), moe=moe_fn)
 
 
 def dispatch_buffer_type(cfg, mesh):

@@ -83,7 +83,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from common import buffers, compact
+from common import buffers, compact, layouts
 from common import cost as cost_lib
 from common import mesh as mesh_lib
 from common import model, moe, routing
@@ -96,6 +96,7 @@ MAIN_AXIS = mesh_lib.EXPERT
 COMPARE_MESH = "data:4,expert:2"        # the presets have 2 KV heads: EP = 2 for the table
 X_SPEC = P("data", "expert", None)      # residual [B, S, D]: sequence-parallel
 FULL = P("data", None, None)            # gathered h [B, S, D]
+TOK = ("data", "expert")              # the token axes = the grad axes
 ROW = P("data", None, None, unreduced={"expert"})   # row-parallel outputs before the RS
 
 
@@ -167,7 +168,9 @@ def layout(cfg, mesh):
 
   def moe_fn(p, x, positions):                                         # x [B, S, D] gathered h
     body = lambda p, x, pos: moe_local_experts(p, x, pos, cfg, n_local, rows)
-    p_specs = {k: P() if k in ("router", "bias") else P("expert", None, None) for k in p}
+    # experts [E@expert, D, F] as stored (bf16: cast, typed reduced over data)
+    p = {k: layouts.cast_stored(v, model.MOE_ROLES[k], cfg, TOK) for k, v in p.items()}
+    p_specs = jax.tree.map(lambda v: jax.typeof(v).sharding.spec, p)
     return jax.shard_map(
         body, in_specs=(p_specs, jax.typeof(x).sharding.spec, P("data", None)),
         out_specs=(ROW, P()))(p, x, positions)                         # y [B, S, D] {U_expert}
@@ -181,7 +184,9 @@ def layout(cfg, mesh):
       return reduce_scatter(y, X_SPEC)
 
   def use(role, w):             # embed / unembed: one gradient all-reduce over (data, expert)
-    return gather_weight(w, P(), ("data", "expert")) if role in ("embed", "unembed") else w
+    if role in ("embed", "unembed"):
+      return gather_weight(w, P(), TOK, **layouts.precision(cfg, role))
+    return layouts.cast_stored(w, role, cfg, TOK)       # float32: w as stored
 
   return model.Layout(x=X_SPEC, use=use, moe=moe_fn, gather_in=gather_in,
                       scatter_out=scatter_out, row_out=ROW)
@@ -200,7 +205,7 @@ def cost(cfg, mesh):
   """Per-device collective bytes per step (common/cost.py; the docstring's schedule)."""
   n_layers, tok = cfg.n_layers, ("data", "expert")
   t = cfg.batch // mesh.shape["data"] * cfg.seq_len
-  act = cost_lib.nbytes((t, cfg.d_model))                           # one gathered [T, D] f32
+  act = cost_lib.nbytes((t, cfg.d_model), cost_lib.act_bytes(cfg))  # one gathered [T, D]
   rk = cost_lib.nbytes((t, cfg.top_k))                              # one [T, K] of routing
   ids = (2 if cfg.capacity_factor > 0 else 1) * rk                  # expert ids (+ raw, capacity)
   ep = mesh.shape["expert"]

@@ -77,7 +77,7 @@ def batch_spec(cfg, mesh):
 
 def layout(cfg, mesh):
   x_spec = P(BATCH, None, None)                                     # [B, S, D] @ ((data, fsdp),)
-  return model.Layout(x=x_spec, use=layouts.fsdp_use(BATCH),
+  return model.Layout(x=x_spec, use=layouts.fsdp_use(BATCH, cfg),
                       moe=layouts.moe_all_local(cfg, x_spec, BATCH))
 
 

@@ -132,7 +132,13 @@ def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
   first, last = stage == 0, stage == n_stage - 1
   # varying over every axis before the time loop: each device accumulates its weight grads over
   # the M+P-1 steps, and the psum (pcast's transpose) runs ONCE, after the loop, not per step
-  p = jax.tree.map(lambda a: sharding.to_varying(a, all_axes), p)
+  # mixed precision: the cast comes after the pcast, so the one psum sums float32 gradients
+  # (before it with --grad_reduce_dtype=bfloat16); router, bias, norms stay float32 (KEEP_F32)
+  cast = lambda t: jax.tree.map(lambda a, role: a if role in model.KEEP_F32 else
+                                a.astype(cfg.dtype), t, model.param_roles(cfg))
+  f32_sum = cfg.grad_reduce_dtype == "float32"
+  p = jax.tree.map(lambda a: sharding.to_varying(a, all_axes), p if f32_sum else cast(p))
+  p = cast(p) if f32_sum else p
   lay = model.Layout(moe=functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
                                            token_axes=TOKENS))
 
@@ -152,7 +158,7 @@ def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
       recv = jax.lax.ppermute(y, STAGE, [(i, i + 1) for i in range(n_stage - 1)])
     return (recv, outs, stats), None
 
-  zeros = lambda shape: sharding.to_varying(jnp.zeros(shape, jnp.float32), all_axes)
+  zeros = lambda shape: sharding.to_varying(jnp.zeros(shape, cfg.dtype), all_axes)
   stat0 = jax.tree.map(lambda a: sharding.to_varying(jnp.zeros(a.shape, a.dtype), (STAGE,)),
                        jax.eval_shape(run_stage, zeros((mb, s, cfg.d_model)), pos[0])[1])
   carry = (zeros((mb, s, cfg.d_model)), zeros((m, mb, s, cfg.d_model)), stat0)
@@ -183,9 +189,9 @@ def cost(cfg, mesh):
   p, ep_size = mesh.shape[STAGE], mesh.shape[EXPERT]
   steps, local_layers = cfg.microbatches + p - 1, cfg.n_layers // p
   mb = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS) // cfg.microbatches
-  act = mb * cfg.seq_len * cfg.d_model * cost_lib.F32               # one [b/M, S, D]
+  act = mb * cfg.seq_len * cfg.d_model * cost_lib.act_bytes(cfg)  # one [b/M, S, D]
   c = dispatch.send_rows(cfg, mb, cfg.seq_len, ep_size)
-  buf = ep_size * c * cfg.d_model * cost_lib.F32                    # [EP, C, D]
+  buf = ep_size * c * cfg.d_model * cost_lib.act_bytes(cfg)       # [EP, C, D]
   runs = steps * local_layers                                       # moe_body calls per step
   term = functools.partial(cost_lib.term, mesh)
   stats = (2 * cfg.n_experts + 2) * cost_lib.F32

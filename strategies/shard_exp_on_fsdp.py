@@ -110,13 +110,16 @@ def batch_spec(cfg, mesh):
   return P(TOKENS, None)                                            # [B, S] @ ((f, x), None)
 
 
-def moe_weights(p, mode):
+def moe_weights(p, cfg):
   """gather: experts [E@(e,f)] -> [E@e, D, F] (all-gather over fsdp, typed reduced over it:
   the expert grads are partial over fsdp's token shards and come back reduce-scattered).
-  ep: experts as stored. The router is gathered whole in both."""
+  ep: experts as stored (mixed precision: cast on the shard). The router is gathered whole in
+  both, in float32; the experts move in cfg.dtype."""
   out = {"router": gather_weight(p["router"], P(), TOKENS), "bias": p["bias"]}
   for n in EXPERT_WEIGHTS:
-    out[n] = gather_weight(p[n], P(EXPERT, None, None), (FSDP,)) if mode == "gather" else p[n]
+    kw = layouts.precision(cfg, model.MOE_ROLES[n])
+    out[n] = (gather_weight(p[n], P(EXPERT, None, None), (FSDP,), **kw)
+              if cfg.expert_fsdp_mode == "gather" else layouts.cast_stored(p[n], model.MOE_ROLES[n], cfg, ()))
   return out
 
 
@@ -128,8 +131,8 @@ def layout(cfg, mesh):
   x_spec = P(TOKENS, None, None)                                    # [B, S, D] @ ((f, x),)
 
   def moe_fn(p, x, positions):                                      # ep.py's exchange
-    return moe_ep(moe_weights(p, cfg.expert_fsdp_mode), x, positions, cfg, ep_axes=ep_axes(cfg))
-  return model.Layout(x=x_spec, use=layouts.fsdp_use(TOKENS), moe=moe_fn)
+    return moe_ep(moe_weights(p, cfg), x, positions, cfg, ep_axes=ep_axes(cfg))
+  return model.Layout(x=x_spec, use=layouts.fsdp_use(TOKENS, cfg), moe=moe_fn)
 
 
 def activation_shardings(cfg, mesh):
@@ -157,7 +160,7 @@ def cost(cfg, mesh):
   ep = ep_axes(cfg)
   n_ep = mesh_lib.axis_size(mesh, *ep)
   c = dispatch.send_rows(cfg, cfg.batch // mesh_lib.axis_size(mesh, *TOKENS), cfg.seq_len, n_ep)
-  per_layer = 4 * n_ep * c * cfg.d_model * cost_lib.F32 + cfg.n_experts * 4  # + counts [EP, e]
+  per_layer = 4 * n_ep * c * cfg.d_model * cost_lib.act_bytes(cfg) + cfg.n_experts * 4  # + counts [EP, e]
   return terms + cost_lib.term(mesh, "all-to-all", "fwd+bwd",
                                "dispatch/combine [EP, C, D] x4, counts", cfg.n_layers * per_layer,
                                ep)

@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from common import cost as cost_lib
 from common import mesh as mesh_lib
-from common import model, moe, sharding
+from common import layouts, model, moe, sharding
 
 NAME = "tp"
 AXES = (mesh_lib.DATA, mesh_lib.TENSOR)
@@ -106,13 +106,15 @@ def layout(cfg, mesh):
       tok = (mesh_lib.DATA, T)
       stats = jax.tree.map(lambda v: jax.lax.psum(sharding.to_varying(v, tok) * first, tok), stats)
       return y.reshape(b, s, d).astype(x.dtype), stats
-    specs = {"router": P(), "bias": P(), "wi_0": P(None, None, T), "wi_1": P(None, None, T),
-             "wo": P(None, T, None)}
+    # experts [E, D, F@t] / [E, F@t, D] as stored (bf16: cast, typed reduced over data)
+    p = {k: layouts.cast_stored(v, model.MOE_ROLES[k], cfg, (mesh_lib.DATA,)) for k, v in p.items()}
+    specs = jax.tree.map(lambda v: jax.typeof(v).sharding.spec, p)
     return jax.shard_map(body, in_specs=(specs, h_spec, P(mesh_lib.DATA, None)),
                          out_specs=(x_spec, P()))(p, x, positions)  # y [B, S, D] @ (data,)
   # x_spec as out_sharding of the row-parallel matmuls (attention wo, shared wo) = the all-reduce
   gather_in = lambda h: sharding.gather_weight(h, x_spec, (T,))     # [B, S, D] -> h_spec; bwd psum over t
-  return model.Layout(x=x_spec, moe=moe_fn, gather_in=gather_in)
+  return model.Layout(x=x_spec, use=layouts.stored_use(cfg, (mesh_lib.DATA,)), moe=moe_fn,
+                      gather_in=gather_in)
 
 
 def activation_shardings(cfg, mesh):
@@ -128,7 +130,8 @@ def cost(cfg, mesh):
   terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), (mesh_lib.DATA,),
                                  grads={"router": (mesh_lib.DATA, T)})
            + cost_lib.stats_terms(cfg, mesh, (mesh_lib.DATA, T)))
-  x = cfg.batch // mesh_lib.axis_size(mesh, mesh_lib.DATA) * cfg.seq_len * cfg.d_model * cost_lib.F32
+  x = (cfg.batch // mesh_lib.axis_size(mesh, mesh_lib.DATA) * cfg.seq_len * cfg.d_model
+       * cost_lib.act_bytes(cfg))                                   # one [b, S, D] activation
   sh = 1 if cfg.n_shared_experts else 0
   return (terms
           + cost_lib.term(mesh, "all-reduce", "fwd", "attention wo / MoE / shared wo outputs",
