@@ -39,6 +39,8 @@ Facts this parser relies on (measured with jax 0.10.2, XLA:CPU, 8 devices):
 
 from __future__ import annotations
 
+import os
+
 import math
 import re
 from collections import defaultdict
@@ -75,6 +77,8 @@ _CALLEE = re.compile(
     r"=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_COND = re.compile(r"\bcondition=%?([\w.\-]+)")
+_S32_CONST = re.compile(r"= s32\[\] constant\((\d+)\)")
 _NUM_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
 _REPLICA_COUNT = re.compile(r"\breplica_count=(\d+)")
 
@@ -206,6 +210,20 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
     return comps, entry
 
 
+def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
+    """A while's trips: XLA's known_trip_count annotation, or (a module dumped before the pass
+    that annotates it) a scan's condition `i < N`: one s32 constant N and a compare LT."""
+    trip = _TRIP.search(line)
+    if trip:
+        return int(trip.group(1))
+    cond = _COND.search(line)
+    body = comps.get(cond.group(1), []) if cond else []
+    consts = [int(c) for l in body for c in _S32_CONST.findall(l)]
+    if len(consts) == 1 and any("compare(" in l and "direction=LT" in l for l in body):
+        return consts[0]
+    return 1
+
+
 def _execution_counts(comps: dict[str, list[str]], entry: str | None) -> dict[str, int]:
     """How often each computation runs per program run (while bodies x trips)."""
     callers = defaultdict(list)  # callee -> [(caller, multiplier)]
@@ -213,8 +231,7 @@ def _execution_counts(comps: dict[str, list[str]], entry: str | None) -> dict[st
         for line in lines:
             if re.search(r"-done\(", line):  # an async pair is called once
                 continue
-            trip = _TRIP.search(line)
-            mult = int(trip.group(1)) if trip and " while(" in line else 1
+            mult = _trip_count(line, comps) if " while(" in line else 1
             callees = _CALLEE.findall(line)
             for b in _BRANCHES.findall(line):
                 callees += [c.strip().lstrip("%") for c in b.split(",") if c.strip()]
@@ -387,3 +404,32 @@ def compiled_stats(compiled, mesh=None) -> dict:
     if mesh is not None:
         out["collectives_by_axes"] = _by_axes(ops, mesh)
     return out
+
+
+# ----------------------------------------------------------------------------- dtypes on the wire
+# XLA:CPU runs every collective in float32: its runtime has no bf16 collectives, so the passes
+# all-reduce-promotion and float-normalization-bf16 upcast them (convert, f32 op, convert back).
+# GPU and TPU move bf16 as the program says. The cost model counts what the program moves, so on
+# CPU the collectives are read from the module as it stands right before those passes: already
+# SPMD-partitioned and optimised (the same ops, groups and shapes as the final HLO, measured in
+# tests/test_precision.py), only not yet upcast.
+WIRE_PASS = "all-reduce-promotion"
+
+
+def wire_dump_options(mixed: bool, dump_dir: str) -> dict:
+  """compiler_options that dump the module before WIRE_PASS into dump_dir ({} when not needed:
+  float32 programs, or a backend that keeps bf16 collectives)."""
+  import jax
+  if not mixed or jax.default_backend() != "cpu":
+    return {}
+  return {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": WIRE_PASS}
+
+
+def read_wire_dump(dump_dir: str) -> str | None:
+  """The dumped module before WIRE_PASS (the last one, if several jits were compiled)."""
+  import glob
+  files = sorted(glob.glob(os.path.join(dump_dir, f"*.before_{WIRE_PASS}.txt")))
+  if not files:
+    return None
+  with open(files[-1]) as f:
+    return f.read()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import tempfile
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from common import data as data_lib
-from common import cost, model, optim, routing, sharding
+from common import cost, hlo, model, optim, routing, sharding
 from common.config import ConfigError
 from common.sharding import put
 
@@ -28,6 +29,8 @@ class Job(NamedTuple):
   compiled: Any             # jax Compiled object (HLO text, cost and memory analysis)
   compile_s: float
   batch: Callable           # step index -> placed batch dict
+  hlo: str                  # the HLO whose collectives are counted: compiled.as_text(), or on
+                            # XLA:CPU with bf16 the module before it upcasts them (common/hlo.py)
 
 
 def global_norm(tree) -> jax.Array:
@@ -160,7 +163,7 @@ def build(strategy, cfg, mesh, *, with_grads: bool = False, compile_only: bool =
       opt_state = jax.jit(opt.init)(params)
       b0 = batch(0)
     t0 = time.perf_counter()
-    compiled = jax.jit(step_fn).lower(params, opt_state, b0).compile()
+    compiled, hlo_text = _compile(jax.jit(step_fn).lower(params, opt_state, b0), cfg.mixed)
     compile_s = time.perf_counter() - t0
 
   def run_step(p, o, b):
@@ -168,7 +171,24 @@ def build(strategy, cfg, mesh, *, with_grads: bool = False, compile_only: bool =
       return compiled(p, o, b)
 
   return Job(getattr(strategy, "NAME", strategy.__name__.split(".")[-1]), cfg, mesh, params,
-             opt_state, run_step, compiled, compile_s, batch)
+             opt_state, run_step, compiled, compile_s, batch, hlo_text)
+
+
+def _compile(lowered, mixed: bool):
+  """-> (compiled, the HLO text to count collectives in: see common/hlo.py WIRE_PASS). The
+  dump needs a real compile, so the persistent compilation cache is off for it."""
+  with tempfile.TemporaryDirectory() as d:
+    opts = hlo.wire_dump_options(mixed, d)
+    if not opts:
+      compiled = lowered.compile()
+      return compiled, compiled.as_text()
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+      compiled = lowered.compile(compiler_options=opts)
+    finally:
+      jax.config.update("jax_enable_compilation_cache", cache)
+    return compiled, hlo.read_wire_dump(d) or compiled.as_text()
 
 
 def steps(job: Job, n: int, start: int = 0):
