@@ -182,12 +182,16 @@ def _compile(lowered, mixed: bool):
     if not opts:
       compiled = lowered.compile()
       return compiled, compiled.as_text()
+    # the cache key ignores the dump flags, and jax memoises "cache on": reset it both ways
+    from jax.experimental.compilation_cache import compilation_cache
     cache = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
       compiled = lowered.compile(compiler_options=opts)
     finally:
       jax.config.update("jax_enable_compilation_cache", cache)
+      compilation_cache.reset_cache()
     return compiled, hlo.read_wire_dump(d) or compiled.as_text()
 
 

@@ -1,0 +1,97 @@
+"""--dtype=bfloat16 mixed precision: every strategy against the bf16 reference (tolerances and
+why: tests/parity.py, "bf16 parity"); its collectives are still its docstring contract and its
+cost model per (kind, axes) within 10%, now in bf16 bytes; activations and gathered weights
+move half the float32 bytes in the HLO, weight gradients are summed in float32 unless
+--grad_reduce_dtype says otherwise; float32 programs hold no bf16 at all."""
+import numpy as np
+import pytest
+
+from common import hlo
+from common.config import get_config
+from tests import parity
+
+# (strategy, mesh): each strategy's comparison-table mesh (run.py --compare)
+MESHES = [("dp", None), ("fsdp", "data:2,fsdp:4"), ("tp", "data:4,tensor:2"), ("ep", None),
+          ("cp", "data:2,context:4"), ("ep_as_cp", "data:2,expert:4"),
+          ("shard_exp_on_fsdp", "fsdp:2,expert:4"), ("ep_tp", "data:4,expert:2"),
+          ("pp", "data:1,stage:2,expert:4")]
+IDS = [m[0] for m in MESHES]
+TINY = get_config("tiny")
+
+
+@pytest.mark.parametrize("name,mesh", MESHES, ids=IDS)
+def test_bf16_parity(name, mesh):
+  parity.check_bf16(name, TINY, mesh)
+
+
+@pytest.mark.parametrize("name,mesh", MESHES, ids=IDS)
+def test_bf16_contract_and_cost_model(name, mesh):
+  cfg = parity.bf16_config(TINY)
+  parity.assert_contract(name, cfg, mesh)
+  parity.assert_cost_model(name, cfg, mesh)
+
+
+def _bytes(name, mesh, **kw) -> dict:
+  j = parity.job(name, parity.bf16_config(TINY).replace(**kw), mesh)
+  return {k: v["bytes"] for k, v in hlo.collective_stats_by_axes(j.hlo, j.mesh).items()}
+
+
+# (strategy, mesh, kind, axes, bf16 / float32 bytes): activations and gathered weights halve
+# (a little over where float32 / int32 rides along: the router, kv_pos, routing ids); the
+# weight gradients' sums stay float32
+RATIOS = [("ep", None, "all-to-all", {"expert"}, 0.5, 0.501),                  # tokens (+ counts)
+          ("ep", None, "all-reduce", {"expert"}, 1.0, 1.0),                    # grads (+ stats)
+          ("fsdp", "data:2,fsdp:4", "all-gather", {"fsdp"}, 0.5, 0.502),       # weights (+ router)
+          ("fsdp", "data:2,fsdp:4", "reduce-scatter", {"fsdp"}, 1.0, 1.0),     # their grads
+          ("tp", "data:4,tensor:2", "all-reduce", {"tensor"}, 0.5, 0.5),       # activations
+          ("tp", "data:4,tensor:2", "all-reduce", {"data"}, 1.0, 1.0),         # grads
+          ("cp", "data:2,context:4", "all-gather", {"context"}, 0.5, 0.51),    # K/V (+ kv_pos)
+          ("cp", "data:2,context:4", "reduce-scatter", {"context"}, 0.5, 0.5),  # dK/dV
+          ("ep_tp", "data:4,expert:2", "reduce-scatter", {"expert"}, 0.5, 0.52),  # (+ routing)
+          ("pp", "data:1,stage:2,expert:4", "collective-permute", {"stage"}, 0.5, 0.5)]
+
+
+@pytest.mark.parametrize("name,mesh,kind,axes,lo,hi", RATIOS,
+                         ids=[f"{r[0]}-{r[2]}-{'+'.join(sorted(r[3]))}" for r in RATIOS])
+def test_bf16_halves_activations_and_gathers(name, mesh, kind, axes, lo, hi):
+  key = (kind, frozenset(axes))
+  bf16, f32 = _bytes(name, mesh)[key], _bytes(name, mesh, dtype="float32")[key]
+  assert lo - 1e-3 <= bf16 / f32 <= hi + 1e-3, (bf16, f32, bf16 / f32)
+
+
+def test_grad_reduce_dtype_bfloat16_halves_the_gradient_sums():
+  """--grad_reduce_dtype=bfloat16 (MaxText's and FSDP2's default behaviour): the weight
+  gradients are summed in bf16, half the bytes (the float32 router's a little over)."""
+  for key in (("reduce-scatter", frozenset({"fsdp"})), ("all-reduce", frozenset({"data"}))):
+    f32_sums = _bytes("fsdp", "data:2,fsdp:4")[key]
+    bf16_sums = _bytes("fsdp", "data:2,fsdp:4", grad_reduce_dtype="bfloat16")[key]
+    assert 0.5 <= bf16_sums / f32_sums <= 0.51, (key, bf16_sums, f32_sums)
+
+
+def test_float32_programs_hold_no_bf16():
+  j = parity.job("ep", TINY, None)
+  assert "bf16[" not in j.compiled.as_text()
+  assert j.hlo == j.compiled.as_text()            # nothing dumped: the final HLO is counted
+
+
+def test_bf16_with_remat_and_microbatches():
+  """Mixed precision composes with --remat and --microbatches (one update, the whole step's
+  router statistics): still the bf16 reference's losses, gradients and updates."""
+  parity.check_bf16("ep", TINY.replace(remat="block", microbatches=2, batch=16),
+                    "data:2,expert:4")
+
+
+def test_bf16_deepseek_shape():
+  """Sigmoid router, groups, a shared expert and the bias update, in bf16."""
+  parity.check_bf16("ep", get_config("deepseek-test"), "data:2,expert:4")
+
+
+def test_bf16_memory_drops():
+  """bf16 activations: XLA's temp bytes of the compiled step fall (params stay float32)."""
+  temp = lambda dt: parity.job("fsdp", parity.bf16_config(TINY).replace(dtype=dt),
+                               "data:2,fsdp:4").compiled.memory_analysis().temp_size_in_bytes
+  assert temp("bfloat16") < 0.8 * temp("float32"), (temp("bfloat16"), temp("float32"))
+  args = lambda dt: parity.job("fsdp", parity.bf16_config(TINY).replace(dtype=dt),
+                               "data:2,fsdp:4").compiled.memory_analysis().argument_size_in_bytes
+  assert args("bfloat16") == args("float32")
+  assert np.isfinite(temp("bfloat16"))
