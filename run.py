@@ -30,10 +30,16 @@ flags.DEFINE_integer("layers", None, "override the number of layers")
 flags.DEFINE_integer("microbatches", 1, "M microbatches per step, one optimizer update: gradient "
                      "accumulation (each microbatch sharded like the batch); pp: its pipeline's")
 flags.DEFINE_string("mesh", None, "e.g. data:2,expert:4; omitted axes get size 1; "
-                    "no flag = all devices on the strategy's main axis")
+                    "no flag = all devices on the strategy's main axis; 'search' (compare with "
+                    "--compile_only --hbm_gb): per strategy, the mesh over its axes that fits "
+                    "(common/compare.py search)")
 flags.DEFINE_integer("devices", 8, "simulated CPU devices per process (ignored on GPU/TPU hosts)")
 flags.DEFINE_string("remat", "none", "jax.checkpoint of each layer: none | block (recompute the "
                     "layer) | dots_saveable | dots_with_no_batch_dims_saveable (jax policies)")
+flags.DEFINE_string("dtype", "float32", "compute dtype: float32 | bfloat16 (mixed precision: "
+                    "float32 master params and optimizer state; router, norms, losses in float32)")
+flags.DEFINE_string("grad_reduce_dtype", "float32", "with --dtype=bfloat16: the dtype weight "
+                    "gradients are summed across devices in: float32 | bfloat16")
 flags.DEFINE_enum("optimizer", "adamw", ["adamw", "muon"], "optimizer")
 flags.DEFINE_float("lr", None, "learning rate")
 flags.DEFINE_float("capacity_factor", 0.0, "expert capacity factor; 0 = dropless")
@@ -96,6 +102,9 @@ def check_flags() -> None:
       raise UsageError(f"--hbm_gb={F.hbm_gb} must be a finite number > 0")
     if not F.compile_only:
       raise UsageError("--hbm_gb needs --compile_only (the fit table is a compile-only study)")
+  if F.mesh == "search" and (F.strategy or not F.compile_only or F.hbm_gb is None):
+    raise UsageError("--mesh=search is a compare-mode study: it needs --compile_only and --hbm_gb "
+                     "(and no --strategy)")
   if F.metrics_file:                         # fail now, not after a long compile
     d = os.path.dirname(os.path.abspath(F.metrics_file))
     if not os.path.isdir(d) or not os.access(d, os.W_OK):
@@ -159,7 +168,7 @@ def make_config():
               dispatch_batch_on_expert=F.dispatch_batch_on_expert,
               context_sharding=F.context_sharding, expert_fsdp_mode=F.expert_fsdp_mode,
               ep_tp_capacity=F.ep_tp_capacity, microbatches=F.microbatches,
-              remat=F.remat)
+              remat=F.remat, dtype=F.dtype, grad_reduce_dtype=F.grad_reduce_dtype)
   for flag, key in (("batch", "batch"), ("seq", "seq_len"), ("layers", "n_layers"), ("lr", "lr")):
     if getattr(F, flag) is not None:
       over[key] = getattr(F, flag)
@@ -199,7 +208,7 @@ def train_one(cfg) -> None:
     if hasattr(strat, "activation_shardings"):
       for name, t in strat.activation_shardings(cfg, mesh):
         say(f"  act   {name:<40s} {t}")
-  stats = hlo.compiled_stats(job.compiled, mesh)
+  stats = hlo.compiled_stats(job.compiled, mesh, job.hlo)
   if F.hlo_stats:
     say(f"  flops/device {stats['flops']:.3e}  memory {stats['memory']}")
     for kind, v in stats["collectives"].items():
@@ -237,7 +246,8 @@ def train_one(cfg) -> None:
       saver.close()                            # waits until the last save is finalised
   if out:
     out.write(json.dumps({"summary": True, "strategy": F.strategy, "mesh": mesh_desc,
-                          "model": F.model, "compile_s": job.compile_s, "flops": stats["flops"],
+                          "model": F.model, "dtype": cfg.dtype, "compile_s": job.compile_s,
+                          "flops": stats["flops"],
                           "memory": {k: stats["memory"][k] for k in
                                      ("argument_bytes", "output_bytes", "temp_bytes")},
                           "collectives": stats["collectives"]}) + "\n")

@@ -28,6 +28,10 @@ from common.config import ConfigError
 import strategies
 
 LOSS_TOL = 1e-5          # |dloss| <= LOSS_TOL * (1 + |loss|) counts as PASS (fp32 parity)
+# bf16: a 1-ulp difference flips top-k choices near ties (tests/parity.py, "bf16 parity"), so
+# losses drift apart over steps: measured up to 1.8e-3 relative after 3 steps (tiny, top-2, the 9
+# strategies). The table checks losses only; tests/test_precision.py holds gradients and updates.
+LOSS_TOL_BF16 = 5e-3
 KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 SHORT = {"all-to-all": "a2a", "all-gather": "ag", "reduce-scatter": "rs", "all-reduce": "ar",
          "collective-permute": "cp"}
@@ -67,12 +71,74 @@ def _fallback_meshes(strat, n: int):
     m //= 2
 
 
-def build(name: str, cfg, mesh_spec, compile_only: bool):
+# --mesh=search (with --compile_only --hbm_gb): per strategy, the meshes below are ranked without
+# compiling, and at most SEARCH_COMPILES of them are compiled.
+SEARCH_COMPILES = 3
+
+
+def candidate_meshes(strat, cfg, n: int) -> list[dict]:
+  """Every split of n devices (power-of-two axis sizes) over the strategy's axes that its check()
+  admits -> [{"mesh", "param_opt" (bytes/dev, analytic), "predicted" (cost-model bytes/dev)}]."""
+  axes, out = strat.AXES, []
+
+  def splits(left: int, k: int):
+    if k == 1:
+      yield (left,)
+      return
+    d = 1
+    while d <= left:
+      if left % d == 0:
+        for rest in splits(left // d, k - 1):
+          yield (d,) + rest
+      d *= 2
+  for sizes in splits(n, len(axes)):
+    mesh = mesh_lib.make_mesh(dict(zip(axes, sizes)))
+    try:
+      strat.check(cfg, mesh)
+    except ConfigError:
+      continue
+    mem = cost.param_memory(model.init_params_shapes(cfg), strat.param_specs(cfg, mesh), mesh,
+                            cfg.optimizer)
+    out.append({"mesh": mesh, "param_opt": mem["param_bytes"] + mem["opt_bytes"],
+                "predicted": sum(t.bytes for t in strat.cost(cfg, mesh))})
+  return out
+
+
+def search(strat, cfg, hbm_gb: float, compile_only: bool):
+  """The mesh search: among the candidate meshes whose params + optimizer state fit hbm_gb,
+  compile in order of the cost model's predicted bytes/dev (fewest first) until one fits with
+  XLA's temp bytes too, SEARCH_COMPILES at most; else the one that came closest.
+  -> (job, note for the mesh cell)."""
+  cands = candidate_meshes(strat, cfg, jax.device_count())
+  if not cands:
+    raise ConfigError("no mesh over its axes admits this model")
+  hbm = hbm_gb * 2**30
+  ranked = sorted((c for c in cands if c["param_opt"] <= hbm), key=lambda c: c["predicted"])
+  ranked = ranked or sorted(cands, key=lambda c: c["param_opt"])[:1]
+  best = None
+  for c in ranked[:SEARCH_COMPILES]:
+    job = train.build(strat, cfg, c["mesh"], compile_only=compile_only)
+    total = c["param_opt"] + job.compiled.memory_analysis().temp_size_in_bytes
+    if best is None or total < best[0]:
+      best = (total, job)
+    if total <= hbm:
+      break
+  tried = min(len(ranked), SEARCH_COMPILES)
+  return best[1], f"searched {tried}/{len(cands)}"
+
+
+def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = None):
   """-> (row, job or None). Thread-safe: compare compiles several strategies at once. Without
-  --mesh, a layout the model does not admit falls back to a smaller main axis (see above)."""
+  --mesh, a layout the model does not admit falls back to a smaller main axis (see above);
+  mesh_spec "search": the mesh search (`search`)."""
   strat = strategies.get(name)
   row = {"strategy": name}
   try:
+    if mesh_spec == "search" and strat.AXES:
+      job, note = search(strat, cfg, hbm_gb, compile_only)
+      row["mesh"] = f"{_mesh_str(job.mesh, strat, cfg)} ({note})"
+      return row, job
+    mesh_spec = None if mesh_spec == "search" else mesh_spec
     mesh = _mesh_for(strat, mesh_spec, jax.device_count())
     row["mesh"] = _mesh_str(mesh, strat, cfg)
     if mesh is not None:
@@ -100,7 +166,7 @@ def measure(row: dict, job, steps: int, compile_only: bool) -> dict:
     return row
   strat, cfg, mesh = strategies.get(row["strategy"]), job.cfg, job.mesh
   row["compile_s"] = job.compile_s
-  stats = hlo.compiled_stats(job.compiled, mesh)
+  stats = hlo.compiled_stats(job.compiled, mesh, job.hlo)
   row["collectives"] = {k: stats["collectives"][k] for k in KINDS}
   row["flops"] = stats["flops"]
   row["memory"] = stats["memory"]
@@ -130,9 +196,10 @@ def measure(row: dict, job, steps: int, compile_only: bool) -> dict:
 
 def routed_bytes(cfg, n_devices: int) -> float:
   """The least an EP exchange can move per device per step: each of its T_loc*K routed copies
-  [D] (f32) once per direction (dispatch, combine) and pass (fwd, bwd), every layer."""
+  [D] (in the compute dtype) once per direction (dispatch, combine) and pass (fwd, bwd), every
+  layer."""
   t_loc = cfg.batch * cfg.seq_len / n_devices
-  return 4 * cfg.n_layers * t_loc * cfg.top_k * cfg.d_model * 4
+  return 4 * cfg.n_layers * t_loc * cfg.top_k * cfg.d_model * cost.act_bytes(cfg)
 
 
 def _fmt_bytes(b) -> str:
@@ -286,8 +353,8 @@ def main(cfg, names: str, mesh_spec: str | None, steps: int, report_dir: str | N
         file=sys.stderr, flush=True)
   built = {}
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-    futs = {pool.submit(build, n, cfg, mesh_spec if n != "reference" else None, compile_only): n
-            for n in wanted}
+    futs = {pool.submit(build, n, cfg, mesh_spec if n != "reference" else None, compile_only,
+                        hbm_gb): n for n in wanted}
     for done, fut in enumerate(concurrent.futures.as_completed(futs), 1):
       n = futs[fut]
       built[n] = fut.result()
@@ -306,10 +373,12 @@ def main(cfg, names: str, mesh_spec: str | None, steps: int, report_dir: str | N
         and "nonfinite_step" not in ref:
       d = np.abs(np.array(r["losses"]) - np.array(ref["losses"]))
       r["max_dloss"] = float(d.max())
-      r["parity"] = "PASS" if np.all(d <= LOSS_TOL * (1 + np.abs(ref["losses"]))) else "FAIL"
+      tol = LOSS_TOL_BF16 if cfg.mixed else LOSS_TOL
+      r["parity"] = "PASS" if np.all(d <= tol * (1 + np.abs(ref["losses"]))) else "FAIL"
   print(f"\n{model_name}, {jax.device_count()} {jax.default_backend().upper()} devices"
         f"{' (simulated on this host: times are not hardware times)' if simulated else ''}, "
-        f"{'compile only' if compile_only else f'{steps} steps'}, global batch {cfg.batch} x "
+        f"{'compile only' if compile_only else f'{steps} steps'}, {cfg.dtype}"
+        f"{', remat ' + cfg.remat if cfg.remat != 'none' else ''}, global batch {cfg.batch} x "
         f"seq {cfg.seq_len}; bytes are per device per train step "
         f"(a2a all-to-all, ag all-gather, rs reduce-scatter, ar all-reduce, cp collective-permute)")
   print(render(rows, compile_only, simulated, hbm_gb))

@@ -377,20 +377,21 @@ def _by_axes(ops, mesh) -> dict:
     return dict(_stats(ops, lambda op: (op.kind, op_axes(op, mesh)), defaultdict(_zero)))
 
 
-def compiled_stats(compiled, mesh=None) -> dict:
+def compiled_stats(compiled, mesh=None, text: str | None = None) -> dict:
     """FLOPs (per device), memory and collective stats of a compiled program.
 
     Returns ``{"flops": float, "memory": {argument_bytes, output_bytes,
     temp_bytes, alias_bytes}, "collectives": collective_stats(...)}`` and, with
     a mesh, ``"collectives_by_axes"``. Get the text itself from
-    ``compiled.as_text()``.
+    ``compiled.as_text()``; `text` overrides it for the collectives (a train Job's ``hlo``:
+    bf16 collectives on XLA:CPU, see WIRE_PASS).
     """
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
         cost = cost[0] if cost else {}
     mem = compiled.memory_analysis()
     field = lambda name: int(getattr(mem, name, 0) or 0)
-    ops = collective_ops(compiled.as_text())       # parsed once for both views
+    ops = collective_ops(text or compiled.as_text())   # parsed once for both views
     out = {
         "flops": float((cost or {}).get("flops", 0.0)),
         "memory": {
@@ -412,7 +413,8 @@ def compiled_stats(compiled, mesh=None) -> dict:
 # GPU and TPU move bf16 as the program says. The cost model counts what the program moves, so on
 # CPU the collectives are read from the module as it stands right before those passes: already
 # SPMD-partitioned and optimised (the same ops, groups and shapes as the final HLO, measured in
-# tests/test_precision.py), only not yet upcast.
+# tests/test_precision.py), only not yet upcast. Bytes per (kind, axes) are the final HLO's;
+# op counts are not: XLA combines all-reduces after this point.
 WIRE_PASS = "all-reduce-promotion"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import tempfile
+import threading
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -174,24 +175,28 @@ def build(strategy, cfg, mesh, *, with_grads: bool = False, compile_only: bool =
              opt_state, run_step, compiled, compile_s, batch, hlo_text)
 
 
+_DUMP_LOCK = threading.Lock()     # compare compiles strategies in threads; the cache switch is global
+
+
 def _compile(lowered, mixed: bool):
   """-> (compiled, the HLO text to count collectives in: see common/hlo.py WIRE_PASS). The
-  dump needs a real compile, so the persistent compilation cache is off for it."""
+  dump needs a real compile: the persistent compilation cache is off for it (its key ignores
+  the dump flags, and jax memoises "cache on", hence reset_cache both ways)."""
   with tempfile.TemporaryDirectory() as d:
     opts = hlo.wire_dump_options(mixed, d)
     if not opts:
       compiled = lowered.compile()
       return compiled, compiled.as_text()
-    # the cache key ignores the dump flags, and jax memoises "cache on": reset it both ways
     from jax.experimental.compilation_cache import compilation_cache
-    cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-      compiled = lowered.compile(compiler_options=opts)
-    finally:
-      jax.config.update("jax_enable_compilation_cache", cache)
+    with _DUMP_LOCK:
+      cache = jax.config.jax_enable_compilation_cache
+      jax.config.update("jax_enable_compilation_cache", False)
       compilation_cache.reset_cache()
+      try:
+        compiled = lowered.compile(compiler_options=opts)
+      finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+        compilation_cache.reset_cache()
     return compiled, hlo.read_wire_dump(d) or compiled.as_text()
 
 
