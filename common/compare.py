@@ -100,7 +100,7 @@ def candidate_meshes(strat, cfg, n: int) -> list[dict]:
     mem = cost.param_memory(model.init_params_shapes(cfg), strat.param_specs(cfg, mesh), mesh,
                             cfg.optimizer)
     out.append({"mesh": mesh, "param_opt": mem["param_bytes"] + mem["opt_bytes"],
-                "predicted": sum(t.bytes for t in strat.cost(cfg, mesh))})
+                "predicted": sum(t.bytes for t in cost.step_terms(strat, cfg, mesh))})
   return out
 
 
@@ -115,16 +115,16 @@ def search(strat, cfg, hbm_gb: float, compile_only: bool):
   hbm = hbm_gb * 2**30
   ranked = sorted((c for c in cands if c["param_opt"] <= hbm), key=lambda c: c["predicted"])
   ranked = ranked or sorted(cands, key=lambda c: c["param_opt"])[:1]
-  best = None
+  best, tried = None, 0
   for c in ranked[:SEARCH_COMPILES]:
+    tried += 1
     job = train.build(strat, cfg, c["mesh"], compile_only=compile_only)
     total = c["param_opt"] + job.compiled.memory_analysis().temp_size_in_bytes
     if best is None or total < best[0]:
       best = (total, job)
     if total <= hbm:
       break
-  tried = min(len(ranked), SEARCH_COMPILES)
-  return best[1], f"searched {tried}/{len(cands)}"
+  return best[1], f"compiled {tried} of {len(cands)}"
 
 
 def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = None):
@@ -176,7 +176,7 @@ def measure(row: dict, job, steps: int, compile_only: bool) -> dict:
   if a2a and mesh is not None:            # EP padding: a2a bytes / the routed copies' bytes
     row["a2a_routed"] = a2a / routed_bytes(cfg, mesh.size)
   if mesh is not None and hasattr(strat, "cost"):
-    pred = cost.totals(strat.cost(cfg, mesh))
+    pred = cost.totals(cost.step_terms(strat, cfg, mesh))
     row["predicted"] = {k: pred[k] for k in KINDS}
   if compile_only:
     return row

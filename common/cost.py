@@ -40,6 +40,7 @@ class Term:
   bytes: float     # per-device result bytes summed over the train step
   axes: tuple      # the mesh axes its groups span (size-1 axes dropped)
   group: int       # devices in one group: the product of those axes' sizes
+  remat: tuple = ()  # the --remat policies whose backward issues it again (`step_terms`)
 
 
   @property
@@ -51,13 +52,32 @@ class Term:
     return self.bytes * factor
 
 
-def term(mesh, kind: str, phase: str, what: str, nbytes: float, axes) -> list[Term]:
+def term(mesh, kind: str, phase: str, what: str, nbytes: float, axes, remat=()) -> list[Term]:
   """[Term] over mesh `axes` (a name or a tuple), or [] when they hold one device (nothing
-  moves, and XLA emits nothing)."""
+  moves, and XLA emits nothing). remat: RECOMPUTED / BLOCK_ONLY for a forward collective inside
+  the layer that --remat's recompute issues again."""
   axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.shape[a] > 1)
   if not axes or not nbytes:
     return []
-  return [Term(kind, phase, what, nbytes, axes, math.prod(mesh.shape[a] for a in axes))]
+  return [Term(kind, phase, what, nbytes, axes, math.prod(mesh.shape[a] for a in axes), remat)]
+
+
+# --remat recomputes each layer's forward inside the backward, collectives included, except what
+# the policy saves and what no gradient needs (measured per strategy on tiny: tests/test_remat.py)
+RECOMPUTED = ("block", "dots_saveable", "dots_with_no_batch_dims_saveable")  # weight gathers,
+                                      # token exchanges, K/V gathers: no policy saves them
+BLOCK_ONLY = ("block",)               # the reduction a row-parallel matmul ends in: a dot's
+                                      # output, which the dots_* policies keep
+# (the collective producing the layer's output is never re-issued: its own backward does not
+# read it; nor are the router statistics)
+
+
+def step_terms(strategy, cfg, mesh) -> list[Term]:
+  """The strategy's cost model for the step as compiled: its terms, plus a backward copy of each
+  forward term that cfg.remat's recompute issues again."""
+  terms = strategy.cost(cfg, mesh)
+  return terms + [dataclasses.replace(t, phase="bwd", what=f"{t.what}, recomputed", remat=())
+                  for t in terms if cfg.remat in t.remat]
 
 
 # ----------------------------------------------------------------------------- dtypes on the wire
@@ -183,7 +203,8 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None) -> list
       shards = spec_shards(spec, mesh)
       for m in reversed(moves):
         shards //= math.prod(mesh.shape[a] for a in m)
-        out += term(mesh, "all-gather", "fwd", f"{leaf.role} gathered", full / shards, m)
+        out += term(mesh, "all-gather", "fwd", f"{leaf.role} gathered", full / shards, m,
+                    RECOMPUTED if leaf.role in model.LAYER_ROLES else ())
       for m in moves:
         shards *= math.prod(mesh.shape[a] for a in m)
         out += term(mesh, "reduce-scatter", "bwd", f"{leaf.role} grads", grad / shards, m)

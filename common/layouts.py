@@ -149,7 +149,7 @@ def cp_terms(cfg, mesh, cp_axis: str, batch_axes) -> list[cost_lib.Term]:
   b = cfg.batch // mesh_lib.axis_size(mesh, *_axes(batch_axes))
   kv = b * cfg.seq_len * cfg.n_kv_heads * cfg.head_dim * cost_lib.act_bytes(cfg)  # K or V
   cp, term = mesh_lib.axis_size(mesh, cp_axis), cost_lib.term
-  out = (term(mesh, "all-gather", "fwd", "K/V", 2 * cfg.n_layers * kv, cp_axis)
+  out = (term(mesh, "all-gather", "fwd", "K/V", 2 * cfg.n_layers * kv, cp_axis, cost_lib.RECOMPUTED)
          + term(mesh, "all-gather", "fwd", "kv_pos", b * cfg.seq_len * 4, cp_axis)
          + term(mesh, "reduce-scatter", "bwd", "dK/dV", 2 * cfg.n_layers * kv / cp, cp_axis))
   if cfg.capacity_factor > 0:

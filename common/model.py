@@ -264,16 +264,22 @@ def block(x, lp, positions, cfg: Config, lay: Layout):
   return x + lay.scatter_out(y), stats
 
 
+def remat(body, cfg: Config):
+  """--remat: the scanned layer body under jax.checkpoint (recomputed inside the backward of each
+  scan step, keeping what the policy saves), or as it is for "none"."""
+  if cfg.remat == "none":
+    return body
+  policy = None if cfg.remat == "block" else getattr(jax.checkpoint_policies, cfg.remat)
+  return jax.checkpoint(body, policy=policy, prevent_cse=False)
+
+
 def forward(params, batch, cfg: Config, lay: Layout):
   """-> (logits [B, S, V], router stats {name: [L, ...]}). The layers are one `block` scanned
   over the stacked [L, ...] layer params: compile time does not grow with depth."""
   tokens, positions = batch["tokens"], batch["positions"]
   embed = use(lay, "embed", params["embed"], cfg.dtype)
   x = embed.at[tokens].get(out_sharding=lay.x)                                 # [B, S, D] cfg.dtype
-  body = lambda x, lp: block(x, lp, positions, cfg, lay)
-  if cfg.remat != "none":                 # recompute inside the backward of each scan step
-    policy = (None if cfg.remat == "block" else getattr(jax.checkpoint_policies, cfg.remat))
-    body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+  body = remat(lambda x, lp: block(x, lp, positions, cfg, lay), cfg)
   x, stats = jax.lax.scan(body, x, params["layers"])
   x = rms_norm(x, lay.use("final_norm", params["final_norm"]), cfg.norm_eps)
   logits = jnp.einsum("bsd,dv->bsv", x, use(lay, "unembed", params["unembed"], x.dtype))  # [B, S, V]

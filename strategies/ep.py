@@ -301,7 +301,8 @@ def cost(cfg, mesh, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
     c = dispatch.send_rows(cfg, b_loc, cfg.batch * cfg.seq_len // n // b_loc, e)
     buf = e * c * cfg.d_model * cost_lib.act_bytes(cfg)          # [EP, C, D]
     terms += (cost_lib.term(mesh, "all-to-all", "fwd", "dispatch + combine buffers, counts "
-                            "[EP, e] (int32)", cfg.n_layers * (2 * buf + cfg.n_experts * 4), EXPERT)
+                            "[EP, e] (int32)", cfg.n_layers * (2 * buf + cfg.n_experts * 4), EXPERT,
+                            cost_lib.RECOMPUTED)
               + cost_lib.term(mesh, "all-to-all", "bwd", "their transposes",
                               cfg.n_layers * 2 * buf, EXPERT))
   return terms

@@ -108,6 +108,9 @@ def check(cfg, mesh):
   mesh_lib.require_divisible("n_kv_heads", cfg.n_kv_heads, mesh, "expert")
   if cfg.n_shared_experts:
     mesh_lib.require_divisible("shared_d_ff", cfg.shared_d_ff, mesh, "expert")
+  if cfg.remat.startswith("dots"):     # jax 0.12: "unreduced rule for dynamic_slice is not
+    raise ConfigError(f"ep_tp does not compile with --remat={cfg.remat} (jax has no unreduced "
+                      "rule for dynamic_slice); use --remat=block")       # implemented"
   if not 0 <= cfg.ep_tp_capacity <= 1:
     raise ConfigError(f"ep_tp_capacity={cfg.ep_tp_capacity} must be in [0, 1] (0 = worst case)")
 
@@ -216,8 +219,10 @@ def cost(cfg, mesh):
   term = functools.partial(cost_lib.term, mesh)
   return (weights + cost_lib.stats_terms(cfg, mesh, tok)
           + term("all-gather", "fwd", "normed h x2, routing ids + weights",
-                 n_layers * (2 * act + ids + rk), "expert")
-          + term("reduce-scatter", "fwd", "attn wo, MoE + shared", n_layers * 2 * act / ep, "expert")
+                 n_layers * (2 * act + ids + rk), "expert", cost_lib.RECOMPUTED)
+          + term("reduce-scatter", "fwd", "attn wo", n_layers * act / ep, "expert",
+                 cost_lib.BLOCK_ONLY)
+          + term("reduce-scatter", "fwd", "MoE + shared", n_layers * act / ep, "expert")
           + term("all-gather", "bwd", "cotangents of the two reduce-scatters", n_layers * 2 * act,
                  "expert")
           + term("reduce-scatter", "bwd", "cotangents of the gathered h x2 and weights",

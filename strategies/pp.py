@@ -143,7 +143,8 @@ def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
                                            token_axes=TOKENS))
 
   def run_stage(x, pos_m):                                          # L/P layers of this stage
-    return jax.lax.scan(lambda h, lp: model.block(h, lp, pos_m, cfg, lay), x, p["layers"])
+    body = model.remat(lambda h, lp: model.block(h, lp, pos_m, cfg, lay), cfg)
+    return jax.lax.scan(body, x, p["layers"])
 
   def step(carry, t):
     recv, outs, stats = carry
@@ -200,7 +201,7 @@ def cost(cfg, mesh):
           + term("collective-permute", "bwd", "cotangents to the previous stage", steps * act,
                  STAGE)
           + term("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, e]",
-                 runs * (2 * buf + cfg.n_experts * 4), EXPERT)
+                 runs * (2 * buf + cfg.n_experts * 4), EXPERT, cost_lib.RECOMPUTED)
           + term("all-to-all", "bwd", "their transposes", runs * 2 * buf, EXPERT)
           + term("all-reduce", "fwd", "router stats per microbatch", runs * stats, TOKENS)
           + term("all-reduce", "fwd", "aux / z / dropped sums", 3 * cost_lib.F32, STAGE)

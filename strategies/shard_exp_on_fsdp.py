@@ -160,7 +160,8 @@ def cost(cfg, mesh):
   ep = ep_axes(cfg)
   n_ep = mesh_lib.axis_size(mesh, *ep)
   c = dispatch.send_rows(cfg, cfg.batch // mesh_lib.axis_size(mesh, *TOKENS), cfg.seq_len, n_ep)
-  per_layer = 4 * n_ep * c * cfg.d_model * cost_lib.act_bytes(cfg) + cfg.n_experts * 4  # + counts [EP, e]
-  return terms + cost_lib.term(mesh, "all-to-all", "fwd+bwd",
-                               "dispatch/combine [EP, C, D] x4, counts", cfg.n_layers * per_layer,
-                               ep)
+  buf = n_ep * c * cfg.d_model * cost_lib.act_bytes(cfg)         # one [EP, C, D]
+  return (terms
+          + cost_lib.term(mesh, "all-to-all", "fwd", "dispatch + combine, counts [EP, e]",
+                          cfg.n_layers * (2 * buf + cfg.n_experts * 4), ep, cost_lib.RECOMPUTED)
+          + cost_lib.term(mesh, "all-to-all", "bwd", "their transposes", cfg.n_layers * 2 * buf, ep))

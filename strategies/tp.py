@@ -134,7 +134,9 @@ def cost(cfg, mesh):
        * cost_lib.act_bytes(cfg))                                   # one [b, S, D] activation
   sh = 1 if cfg.n_shared_experts else 0
   return (terms
-          + cost_lib.term(mesh, "all-reduce", "fwd", "attention wo / MoE / shared wo outputs",
-                          cfg.n_layers * (2 + sh) * x, T)
+          + cost_lib.term(mesh, "all-reduce", "fwd", "attention wo output", cfg.n_layers * x, T,
+                          cost_lib.BLOCK_ONLY)
+          + cost_lib.term(mesh, "all-reduce", "fwd", "MoE / shared wo outputs",
+                          cfg.n_layers * (1 + sh) * x, T)
           + cost_lib.term(mesh, "all-reduce", "bwd", "d(normed h) of the attention and MLP blocks",
                           cfg.n_layers * 2 * x, T))

@@ -167,7 +167,7 @@ def assert_cost_model(name: str, cfg, mesh_spec: str, tol: float = 0.1) -> dict:
   Returns {(kind, axes): {predicted, measured, ratio}}."""
   j = job(name, cfg, mesh_spec)
   got = hlo.collective_stats_by_axes(j.hlo, j.mesh)
-  table = cost.versus(strategies.get(name).cost(j.cfg, j.mesh), got, by="axes")
+  table = cost.versus(cost.step_terms(strategies.get(name), j.cfg, j.mesh), got, by="axes")
   bad = {k: v for k, v in table.items() if not 1 - tol <= v["ratio"] <= 1 + tol}
   assert not bad, (name, mesh_spec, bad)
   return table
@@ -212,6 +212,6 @@ def assert_contract(name: str, cfg, mesh_spec: str) -> train.Job:
   want = declared(name, j.cfg, j.mesh)
   got = set(hlo.collective_stats_by_axes(j.hlo, j.mesh))
   assert got == want, {"undeclared": got - want, "declared, not compiled": want - got}
-  model = set(cost.by_axes(strategies.get(name).cost(j.cfg, j.mesh)))
+  model = set(cost.by_axes(cost.step_terms(strategies.get(name), j.cfg, j.mesh)))
   assert model == want, {"not in the cost model": want - model, "not declared": model - want}
   return j

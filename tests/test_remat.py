@@ -1,13 +1,17 @@
 """--remat: jax.checkpoint on the per-layer block inside the layer scan. Parity with the
-reference is unchanged (ep, fsdp), and XLA's temp bytes (compiled.memory_analysis()) go down."""
+reference is unchanged (ep, fsdp, pp), XLA's temp bytes (compiled.memory_analysis()) go down,
+and each strategy's cost model counts the collectives the recompute issues again."""
 import pytest
 
-from common.config import get_config
+from common import cost
+from common.config import ConfigError, get_config
+import strategies
 from tests import parity
 
 CASES = [("ep", "tiny", "data:2,expert:4", "block"),
          ("fsdp", "tiny", "data:2,fsdp:4", "block"),
-         ("fsdp", "deepseek-test", "data:2,fsdp:4", "dots_saveable")]
+         ("fsdp", "deepseek-test", "data:2,fsdp:4", "dots_saveable"),
+         ("pp", "tiny", "data:1,stage:2,expert:4", "block")]          # pp's own stage scan
 
 
 @pytest.mark.parametrize("name,model_name,mesh,remat", CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
@@ -23,3 +27,36 @@ def _temp(name, model_name, mesh, remat):
 def test_remat_lowers_temp_bytes():
   none, block = (_temp("fsdp", "tiny", "data:2,fsdp:4", r) for r in ("none", "block"))
   assert block < none, (block, none)
+
+
+# Every strategy's cost model counts the collectives its recompute issues again
+# (common/cost.py step_terms): per (kind, axes), both ways, within 10% (measured: within 1%).
+REMAT_MESHES = [("dp", None, "block"), ("fsdp", "data:2,fsdp:4", "block"),
+                ("tp", "data:4,tensor:2", "block"), ("tp", "data:4,tensor:2", "dots_saveable"),
+                ("ep", "data:2,expert:4", "block"), ("cp", "data:2,context:4", "block"),
+                ("ep_as_cp", "data:2,expert:4", "block"),
+                ("shard_exp_on_fsdp", "fsdp:2,expert:4", "block"),
+                ("ep_tp", "data:4,expert:2", "block"), ("pp", "data:1,stage:2,expert:4", "block")]
+
+
+@pytest.mark.parametrize("name,mesh,remat", REMAT_MESHES,
+                         ids=[f"{n}-{r}" for n, _, r in REMAT_MESHES])
+def test_cost_model_counts_the_recompute(name, mesh, remat):
+  cfg = get_config("tiny", remat=remat)
+  parity.assert_contract(name, cfg, mesh)
+  table = parity.assert_cost_model(name, cfg, mesh)
+  # what remat adds to the compiled step is what the model's recompute terms say it adds
+  none = parity.assert_cost_model(name, get_config("tiny"), mesh)
+  total = lambda t: sum(v["measured"] for v in t.values())
+  j = parity.job(name, cfg, mesh)
+  extra = sum(t.bytes for t in cost.step_terms(strategies.get(name), j.cfg, j.mesh)
+              if t.what.endswith("recomputed"))
+  assert abs(total(table) - total(none) - extra) <= 0.01 * total(none), (total(table),
+                                                                         total(none), extra)
+
+
+def test_ep_tp_rejects_dots_policies():
+  from common import mesh as mesh_lib
+  s = strategies.get("ep_tp")
+  with pytest.raises(ConfigError, match="use --remat=block"):
+    s.check(get_config("tiny", remat="dots_saveable"), mesh_lib.for_strategy(s, "data:4,expert:2"))
