@@ -37,6 +37,9 @@ Backends:
                 Core kernel: "ragged_dot" (everywhere). Accelerator kernels and
                 wgrads (e.g. "mgpu", Hopper) live in the `kernels` package and
                 register themselves here (register_kernel / register_wgrad).
+  "scan"        one expert at a time under lax.scan, masked: exact, E x the FLOPs,
+                [M, N] live. For compile-only memory studies on CPU (its ragged_dot
+                lowering keeps an [E, M, K] buffer, see _gmm_scan).
   "auto"        "custom" with the last registered kernel that runs natively here
                 (the Hopper "mgpu" kernel on a Hopper GPU), else "ragged_dot".
 
@@ -57,7 +60,7 @@ import numpy as np
 
 from common import sharding
 
-BACKENDS = ("ragged_dot", "padded", "custom")
+BACKENDS = ("ragged_dot", "padded", "custom", "scan")
 
 # Dimension numbers: dw[g] = lhs[rows of g]^T @ rhs[rows of g] (ragged contracting dim).
 _WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
@@ -174,6 +177,24 @@ def _gmm_padded(x, w, group_sizes, out_dtype, capacity=None):
   return jnp.where(valid, y, 0).astype(out_dtype)
 
 
+def _gmm_scan(x, w, group_sizes, out_dtype):
+  """One expert at a time under lax.scan: y += rows of group e @ w[e]. Exact (each row gets one
+  nonzero term), E x the FLOPs, but only [M, N] live, as on an accelerator's grouped GEMM.
+  XLA:CPU lowers ragged_dot through an [E, M, K] buffer: one DeepSeek-V3 expert matmul
+  (M 32768, K 7168, N 2048, E 256, bf16) compiles to 128 GB of temp (343 GB with its backward),
+  so CPU compile-only memory studies use this backend (`--gmm=scan`)."""
+  m, e = x.shape[0], w.shape[0]
+  gid, _ = _row_groups(group_sizes, m)
+
+  def step(acc, i):
+    part = jnp.dot(x, w[i], preferred_element_type=out_dtype)        # [M, N], rows of all groups
+    return acc + jnp.where((gid == i)[:, None], part, 0).astype(out_dtype), None
+
+  acc = jnp.zeros((m, w.shape[2]), out_dtype)
+  acc = sharding.to_varying(acc, sharding.varying_axes(x) | sharding.varying_axes(w))
+  return jax.lax.scan(step, acc, jnp.arange(e))[0]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _gmm_custom(x, w, group_sizes, kernel, wgrad, out_dtype):
   return _KERNELS[kernel][0](x, w, group_sizes, out_dtype=out_dtype)
@@ -249,7 +270,7 @@ def gmm(x, w, group_sizes, *, backend="auto", preferred_element_type=None,
     x: [M, K] rows sorted by group.
     w: [E, K, N].
     group_sizes: [E] int32, sum <= M; rows past the sum give zeros.
-    backend: "auto", "ragged_dot", "padded" or "custom".
+    backend: "auto", "ragged_dot", "padded", "custom" or "scan".
     preferred_element_type: output dtype (default: result type of x and w).
     capacity: "padded" only; per-group row capacity C (default M).
     kernel: "custom" only; a registered kernel (default: resolve_kernel("auto")).
@@ -264,6 +285,8 @@ def gmm(x, w, group_sizes, *, backend="auto", preferred_element_type=None,
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=out_dtype)
   if name == "padded":
     return _gmm_padded(x, w, group_sizes, out_dtype, capacity)
+  if name == "scan":
+    return _gmm_scan(x, w, group_sizes, out_dtype)
   kernel = resolve_kernel(kernel)
   x, w = _same_vma(x, w)
   return _gmm_custom(x, w, group_sizes, kernel, resolve_wgrad(wgrad), np.dtype(out_dtype))

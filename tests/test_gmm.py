@@ -58,6 +58,7 @@ CASES = [
     ("padded", {"capacity": 10}),  # capacity = max group size: nothing dropped
     ("custom", {"kernel": "ragged_dot", "wgrad": "ragged_dot_general"}),
     ("custom", {"kernel": "ragged_dot", "wgrad": "segment"}),
+    ("scan", {}),
 ]
 
 
@@ -92,7 +93,7 @@ def test_custom_dtypes():
 
 
 def test_backend_names():
-  assert gmm_lib.available_backends() == ["ragged_dot", "padded", "custom"]
+  assert gmm_lib.available_backends() == ["ragged_dot", "padded", "custom", "scan"]
   assert gmm_lib.resolve_backend("padded") == "padded"
   expected = "custom" if "mgpu" in gmm_lib.available_kernels() else "ragged_dot"
   assert gmm_lib.resolve_backend("auto") == expected
