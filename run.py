@@ -44,7 +44,8 @@ flags.DEFINE_enum("optimizer", "adamw", ["adamw", "muon"], "optimizer")
 flags.DEFINE_float("lr", None, "learning rate")
 flags.DEFINE_float("capacity_factor", 0.0, "expert capacity factor; 0 = dropless")
 flags.DEFINE_integer("seed", 0, "init and data seed")
-flags.DEFINE_string("gmm", "auto", "grouped-matmul backend: auto | ragged_dot | padded | custom")
+flags.DEFINE_string("gmm", "auto", "grouped-matmul backend: auto | ragged_dot | padded | custom | "
+                    "scan (exact, one expert at a time: for compile-only memory studies on CPU)")
 flags.DEFINE_enum("dispatch", "auto", ["auto", "a2a", "ragged"], "EP token exchange")
 flags.DEFINE_bool("dispatch_batch_on_expert", False,
                   "ep: also shard the dispatch batch dim over expert (MaxText #4179 bug, for demos)")

@@ -116,6 +116,35 @@ def _wgrad_segment(x, dy, group_sizes, *, out_dtype):
   return jnp.einsum("emk,mn->ekn", xe, dy.astype(x.dtype), preferred_element_type=out_dtype)
 
 
+def _scan_kernel(lhs, rhs, group_sizes, *, out_dtype, transpose_rhs=False):
+  """One expert at a time under lax.scan: y += rows of group e @ rhs[e]. Exact (each row gets
+  one nonzero term), E x the FLOPs, but only [M, B] live, as in an accelerator's grouped GEMM.
+  XLA:CPU lowers ragged_dot through an [E, M, K] buffer: one DeepSeek-V3 expert matmul
+  (M 32768, K 7168, N 2048, E 256, bf16) compiles to 128 GB of temp (343 GB with its backward),
+  so CPU compile-only memory studies use this (`--gmm=scan`)."""
+  gid, _ = _row_groups(group_sizes, lhs.shape[0])
+
+  def step(acc, r_i):
+    r, i = r_i
+    part = jnp.dot(lhs, r.T if transpose_rhs else r, preferred_element_type=out_dtype)
+    return acc + jnp.where((gid == i)[:, None], part, 0).astype(out_dtype), None
+
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  acc = sharding.to_varying(jnp.zeros((lhs.shape[0], n), out_dtype),
+                            sharding.varying_axes(lhs) | sharding.varying_axes(rhs))
+  return jax.lax.scan(step, acc, (rhs, jnp.arange(rhs.shape[0])))[0]
+
+
+def _wgrad_scan(x, dy, group_sizes, *, out_dtype):
+  """dw[e] = x_e^T dy_e one expert at a time: [K, N] live per step, no [E, M, K] copy."""
+  gid, _ = _row_groups(group_sizes, x.shape[0])
+
+  def step(_, i):
+    xe = jnp.where((gid == i)[:, None], x, 0)
+    return None, jnp.einsum("mk,mn->kn", xe, dy.astype(x.dtype), preferred_element_type=out_dtype)
+  return jax.lax.scan(step, None, jnp.arange(group_sizes.shape[0]))[1]
+
+
 def _native() -> bool:
   return True
 
@@ -126,6 +155,15 @@ _KERNELS: dict[str, tuple[Callable, Callable[[], bool]]] = {
     "ragged_dot": (_ragged_dot_kernel, _native)}
 _WGRADS: dict[str, tuple[Callable, Callable[[], bool]]] = {
     "ragged_dot_general": (_wgrad_ragged, _native), "segment": (_wgrad_segment, _native)}
+_SCAN = {"kernel": _scan_kernel, "wgrad": _wgrad_scan}   # backend "scan", not an "auto" choice
+
+
+def _kernel_fn(name):
+  return _SCAN["kernel"] if name == "scan" else _KERNELS[name][0]
+
+
+def _wgrad_fn(name):
+  return _SCAN["wgrad"] if name == "scan" else _WGRADS[name][0]
 
 
 def register_kernel(name: str, fn: Callable, available: Callable[[], bool]) -> None:
@@ -177,27 +215,9 @@ def _gmm_padded(x, w, group_sizes, out_dtype, capacity=None):
   return jnp.where(valid, y, 0).astype(out_dtype)
 
 
-def _gmm_scan(x, w, group_sizes, out_dtype):
-  """One expert at a time under lax.scan: y += rows of group e @ w[e]. Exact (each row gets one
-  nonzero term), E x the FLOPs, but only [M, N] live, as on an accelerator's grouped GEMM.
-  XLA:CPU lowers ragged_dot through an [E, M, K] buffer: one DeepSeek-V3 expert matmul
-  (M 32768, K 7168, N 2048, E 256, bf16) compiles to 128 GB of temp (343 GB with its backward),
-  so CPU compile-only memory studies use this backend (`--gmm=scan`)."""
-  m, e = x.shape[0], w.shape[0]
-  gid, _ = _row_groups(group_sizes, m)
-
-  def step(acc, i):
-    part = jnp.dot(x, w[i], preferred_element_type=out_dtype)        # [M, N], rows of all groups
-    return acc + jnp.where((gid == i)[:, None], part, 0).astype(out_dtype), None
-
-  acc = jnp.zeros((m, w.shape[2]), out_dtype)
-  acc = sharding.to_varying(acc, sharding.varying_axes(x) | sharding.varying_axes(w))
-  return jax.lax.scan(step, acc, jnp.arange(e))[0]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _gmm_custom(x, w, group_sizes, kernel, wgrad, out_dtype):
-  return _KERNELS[kernel][0](x, w, group_sizes, out_dtype=out_dtype)
+  return _kernel_fn(kernel)(x, w, group_sizes, out_dtype=out_dtype)
 
 
 def _gmm_custom_fwd(x, w, group_sizes, kernel, wgrad, out_dtype):
@@ -208,8 +228,8 @@ def _gmm_custom_bwd(kernel, wgrad, out_dtype, res, dy):
   del out_dtype
   x, w, group_sizes = res
   dy = dy.astype(jnp.result_type(x.dtype, w.dtype))
-  dx = _KERNELS[kernel][0](dy, w, group_sizes, out_dtype=x.dtype, transpose_rhs=True)
-  dw = _WGRADS[wgrad][0](x, dy, group_sizes, out_dtype=w.dtype)
+  dx = _kernel_fn(kernel)(dy, w, group_sizes, out_dtype=x.dtype, transpose_rhs=True)
+  dw = _wgrad_fn(wgrad)(x, dy, group_sizes, out_dtype=w.dtype)
   return dx, dw, None
 
 
@@ -286,7 +306,8 @@ def gmm(x, w, group_sizes, *, backend="auto", preferred_element_type=None,
   if name == "padded":
     return _gmm_padded(x, w, group_sizes, out_dtype, capacity)
   if name == "scan":
-    return _gmm_scan(x, w, group_sizes, out_dtype)
-  kernel = resolve_kernel(kernel)
+    kernel = wgrad = "scan"
+  else:
+    kernel, wgrad = resolve_kernel(kernel), resolve_wgrad(wgrad)
   x, w = _same_vma(x, w)
-  return _gmm_custom(x, w, group_sizes, kernel, resolve_wgrad(wgrad), np.dtype(out_dtype))
+  return _gmm_custom(x, w, group_sizes, kernel, wgrad, np.dtype(out_dtype))

@@ -307,3 +307,11 @@ def test_autotune_table_reaches_the_kernels(monkeypatch, tmp_path):
   dx_cfg = table[dx]
   assert sorted(seen) == sorted([("fwd", 64, 32), ("dx", dx_cfg["block_n"], dx_cfg["block_k"]),
                                  ("wgrad", 64, 64)]), seen
+
+
+def test_scan_backend_parity_in_a_strategy():
+  """--gmm=scan (the compile-only memory backend) inside a sharded step: the reference's
+  losses, gradients and updates (its weights arrive typed reduced in fsdp's shard_map)."""
+  from common.config import get_config
+  from tests import parity
+  parity.check("fsdp", get_config("tiny", gmm_backend="scan"), "data:2,fsdp:4", steps=2)
