@@ -99,22 +99,34 @@ def candidate_meshes(strat, cfg, n: int) -> list[dict]:
       continue
     mem = cost.param_memory(model.init_params_shapes(cfg), strat.param_specs(cfg, mesh), mesh,
                             cfg.optimizer)
+    terms = cost.step_terms(strat, cfg, mesh)
+    gathered = sum(t.bytes for t in terms if t.kind == "all-gather" and t.phase == "fwd")
     out.append({"mesh": mesh, "param_opt": mem["param_bytes"] + mem["opt_bytes"],
-                "predicted": sum(t.bytes for t in cost.step_terms(strat, cfg, mesh))})
+                "predicted": sum(t.bytes for t in terms),
+                # + what one layer holds at once for its gathered weights: the weights, their
+                # cotangent and its float32 sum before the reduce-scatter (a heuristic)
+                "memory_proxy": (mem["param_bytes"] + mem["opt_bytes"]
+                                 + 3 * gathered / cfg.n_layers)})
   return out
 
 
 def search(strat, cfg, hbm_gb: float, compile_only: bool):
-  """The mesh search: among the candidate meshes whose params + optimizer state fit hbm_gb,
-  compile in order of the cost model's predicted bytes/dev (fewest first) until one fits with
-  XLA's temp bytes too, SEARCH_COMPILES at most; else the one that came closest.
-  -> (job, note for the mesh cell)."""
+  """The mesh search, over the candidate meshes whose params + optimizer state fit hbm_gb:
+  first the one the cost model says moves the fewest bytes/dev; if XLA's temp bytes push it over,
+  then the ones holding the least memory (`memory_proxy`: params + optimizer + 3 x one layer's
+  gathered weights) -- until one fits, SEARCH_COMPILES compiles at most; else the one that came
+  closest. -> (job, note for the mesh cell)."""
   cands = candidate_meshes(strat, cfg, jax.device_count())
   if not cands:
     raise ConfigError("no mesh over its axes admits this model")
   hbm = hbm_gb * 2**30
-  ranked = sorted((c for c in cands if c["param_opt"] <= hbm), key=lambda c: c["predicted"])
-  ranked = ranked or sorted(cands, key=lambda c: c["param_opt"])[:1]
+  fitting = [c for c in cands if c["param_opt"] <= hbm]
+  if fitting:
+    first = min(fitting, key=lambda c: c["predicted"])
+    ranked = [first] + sorted((c for c in fitting if c is not first),
+                              key=lambda c: (c["memory_proxy"], c["predicted"]))
+  else:
+    ranked = sorted(cands, key=lambda c: c["param_opt"])[:1]
   best, tried = None, 0
   for c in ranked[:SEARCH_COMPILES]:
     tried += 1
