@@ -1,5 +1,5 @@
 """--remat: jax.checkpoint on the per-layer block inside the layer scan. Parity with the
-reference is unchanged (ep, fsdp, pp), XLA's temp bytes (compiled.memory_analysis()) go down,
+reference is unchanged (ep, fsdp, ep_as_cp, ep_tp, pp), XLA's temp bytes (compiled.memory_analysis()) go down,
 and each strategy's cost model counts the collectives the recompute issues again."""
 import pytest
 
@@ -11,12 +11,15 @@ from tests import parity
 CASES = [("ep", "tiny", "data:2,expert:4", "block"),
          ("fsdp", "tiny", "data:2,fsdp:4", "block"),
          ("fsdp", "deepseek-test", "data:2,fsdp:4", "dots_saveable"),
+         ("ep_as_cp", "deepseek-test", "data:2,expert:4", "block"),
+         ("ep_tp", "tiny", "data:4,expert:2", "block"),
          ("pp", "tiny", "data:1,stage:2,expert:4", "block")]          # pp's own stage scan
 
 
 @pytest.mark.parametrize("name,model_name,mesh,remat", CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
 def test_parity(name, model_name, mesh, remat):
-  parity.check(name, get_config(model_name, remat=remat), mesh, steps=2)
+  over = {"context_sharding": "expert"} if name == "ep_as_cp" else {}
+  parity.check(name, get_config(model_name, remat=remat, **over), mesh, steps=2)
 
 
 def _temp(name, model_name, mesh, remat):
