@@ -42,6 +42,7 @@ flags.DEFINE_string("grad_reduce_dtype", "float32", "with --dtype=bfloat16: the 
                     "gradients are summed across devices in: float32 | bfloat16")
 flags.DEFINE_enum("optimizer", "adamw", ["adamw", "muon"], "optimizer")
 flags.DEFINE_float("lr", None, "learning rate")
+flags.DEFINE_float("adam_eps", None, "Adam epsilon (default from the preset, 1e-8)")
 flags.DEFINE_float("capacity_factor", 0.0, "expert capacity factor; 0 = dropless")
 flags.DEFINE_integer("seed", 0, "init and data seed")
 flags.DEFINE_string("gmm", "auto", "grouped-matmul backend: auto | ragged_dot | padded | custom | "
@@ -98,6 +99,8 @@ def check_flags() -> None:
       raise UsageError(f"--{name}={v} must be >= 1")
   if F.lr is not None and not (math.isfinite(F.lr) and F.lr > 0):
     raise UsageError(f"--lr={F.lr} must be a finite number > 0")
+  if F.adam_eps is not None and not (math.isfinite(F.adam_eps) and F.adam_eps > 0):
+    raise UsageError(f"--adam_eps={F.adam_eps} must be a finite number > 0")
   if F.hbm_gb is not None:
     if not (math.isfinite(F.hbm_gb) and F.hbm_gb > 0):
       raise UsageError(f"--hbm_gb={F.hbm_gb} must be a finite number > 0")
@@ -170,7 +173,8 @@ def make_config():
               context_sharding=F.context_sharding, expert_fsdp_mode=F.expert_fsdp_mode,
               ep_tp_capacity=F.ep_tp_capacity, microbatches=F.microbatches,
               remat=F.remat, dtype=F.dtype, grad_reduce_dtype=F.grad_reduce_dtype)
-  for flag, key in (("batch", "batch"), ("seq", "seq_len"), ("layers", "n_layers"), ("lr", "lr")):
+  for flag, key in (("batch", "batch"), ("seq", "seq_len"), ("layers", "n_layers"), ("lr", "lr"),
+                    ("adam_eps", "adam_eps")):
     if getattr(F, flag) is not None:
       over[key] = getattr(F, flag)
   from common import gmm

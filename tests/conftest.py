@@ -5,10 +5,20 @@ import sys
 
 # -O0 LLVM codegen: the tests run tiny models for a few steps, so compiling dominates; XLA's HLO
 # passes (SPMD partitioning, collectives) are the same, and -O0 cut test_precision + test_pp from
-# 2:49 to 2:16 (jax 0.11.2, cold cache). run.py (and its subprocess tests) keep XLA's default.
+# 2:49 to 2:16 (jax 0.11.2, cold cache). run.py keeps XLA's default; the tests' run.py
+# subprocesses get the same flag (subprocess_env), as their results are compared with in-process ones.
+CODEGEN_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0").strip()
+                           " --xla_force_host_platform_device_count=8 " + CODEGEN_FLAGS).strip()
+
+
+def subprocess_env() -> dict:
+  """The environment for run.py subprocesses: this one's, with the tests' codegen flag but not
+  their device count (run.py sets it from --devices), so in-process and subprocess results come
+  from the same code."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["XLA_FLAGS"] = CODEGEN_FLAGS
+  return env
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402

@@ -125,7 +125,7 @@ def test_unfinished_save_is_not_offered(saved, tmp_path):
 
 
 def _run(*args):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = subprocess_env()
   env["JAX_PLATFORMS"] = "cpu"
   return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=120)
@@ -153,6 +153,7 @@ _KILLED_SAVE = """
 import os, pathlib, sys
 import jax.numpy as jnp
 from common import checkpoint, config
+from tests.conftest import subprocess_env
 cfg, d = config.get_config("tiny"), sys.argv[1]
 s = checkpoint.Saver(d, cfg)
 s.save(1, {"w": jnp.ones((4, 4))}, {"m": jnp.zeros(4)})
@@ -172,7 +173,7 @@ s.close()
 
 def test_save_killed_before_finalize_is_not_offered(tmp_path):
   d = str(tmp_path / "ck")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = subprocess_env()
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   r = subprocess.run([sys.executable, "-c", _KILLED_SAVE, d], cwd=ROOT, env=env,
                      capture_output=True, text=True, timeout=120)

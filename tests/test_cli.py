@@ -6,12 +6,13 @@ import sys
 
 import numpy as np
 import pytest
+from tests.conftest import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(*args, timeout=300):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = subprocess_env()
   env["JAX_PLATFORMS"] = "cpu"
   return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=timeout)
@@ -39,6 +40,7 @@ def _run(*args, timeout=300):
      "batch=4 is not divisible by mesh axis fsdpxexpert=8"),
     (["--strategy=reference", "--mesh=data:8"], "takes no --mesh"),
     (["--compare=ep", "--mesh=search"], "--mesh=search is a compare-mode study"),
+    (["--strategy=ep", "--adam_eps=0"], "--adam_eps=0.0 must be a finite number > 0"),
     (["--strategy=ep", "--dtype=float16"], "unknown dtype 'float16'; choose from float32, bfloat16"),
     (["--strategy=ep", "--dtype=bfloat16", "--grad_reduce_dtype=fp8"],
      "unknown grad_reduce_dtype 'fp8'"),
