@@ -14,6 +14,7 @@ from common import checkpoint, config, train
 from common import mesh as mesh_lib
 import strategies
 from tests import parity
+from tests.conftest import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -153,7 +154,6 @@ _KILLED_SAVE = """
 import os, pathlib, sys
 import jax.numpy as jnp
 from common import checkpoint, config
-from tests.conftest import subprocess_env
 cfg, d = config.get_config("tiny"), sys.argv[1]
 s = checkpoint.Saver(d, cfg)
 s.save(1, {"w": jnp.ones((4, 4))}, {"m": jnp.zeros(4)})
