@@ -79,7 +79,7 @@ SEARCH_COMPILES = 3
 def candidate_meshes(strat, cfg, n: int) -> list[dict]:
   """Every split of n devices (power-of-two axis sizes) over the strategy's axes that its check()
   admits -> [{"mesh", "param_opt" (bytes/dev, analytic), "predicted" (cost-model bytes/dev)}]."""
-  axes, out = strat.AXES, []
+  axes, out, shapes = strat.AXES, [], model.init_params_shapes(cfg)
 
   def splits(left: int, k: int):
     if k == 1:
@@ -97,8 +97,7 @@ def candidate_meshes(strat, cfg, n: int) -> list[dict]:
       strat.check(cfg, mesh)
     except ConfigError:
       continue
-    mem = cost.param_memory(model.init_params_shapes(cfg), strat.param_specs(cfg, mesh), mesh,
-                            cfg.optimizer)
+    mem = cost.param_memory(shapes, strat.param_specs(cfg, mesh), mesh, cfg.optimizer)
     terms = cost.step_terms(strat, cfg, mesh)
     gathered = sum(t.bytes for t in terms if t.kind == "all-gather" and t.phase == "fwd")
     out.append({"mesh": mesh, "param_opt": mem["param_bytes"] + mem["opt_bytes"],

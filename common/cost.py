@@ -42,7 +42,6 @@ class Term:
   group: int       # devices in one group: the product of those axes' sizes
   remat: tuple = ()  # the --remat policies whose backward issues it again (`step_terms`)
 
-
   @property
   def wire_bytes(self) -> float:
     n = max(self.group, 1)

@@ -39,7 +39,7 @@ Backends:
                 register themselves here (register_kernel / register_wgrad).
   "scan"        one expert at a time under lax.scan, masked: exact, E x the FLOPs,
                 [M, N] live. For compile-only memory studies on CPU (its ragged_dot
-                lowering keeps an [E, M, K] buffer, see _gmm_scan).
+                lowering keeps an [E, M, K] buffer, see _scan_kernel).
   "auto"        "custom" with the last registered kernel that runs natively here
                 (the Hopper "mgpu" kernel on a Hopper GPU), else "ragged_dot".
 

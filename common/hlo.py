@@ -39,9 +39,9 @@ Facts this parser relies on (measured with jax 0.10.2, XLA:CPU, 8 devices):
 
 from __future__ import annotations
 
-import os
-
+import glob
 import math
+import os
 import re
 from collections import defaultdict
 from typing import NamedTuple
@@ -418,20 +418,21 @@ def compiled_stats(compiled, mesh=None, text: str | None = None) -> dict:
 WIRE_PASS = "all-reduce-promotion"
 
 
-def wire_dump_options(mixed: bool, dump_dir: str) -> dict:
-  """compiler_options that dump the module before WIRE_PASS into dump_dir ({} when not needed:
-  float32 programs, or a backend that keeps bf16 collectives)."""
-  import jax
-  if not mixed or jax.default_backend() != "cpu":
-    return {}
-  return {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": WIRE_PASS}
+def wire_dump_needed(mixed: bool) -> bool:
+    """A bf16 program on XLA:CPU: its collectives are read from the WIRE_PASS dump."""
+    import jax
+    return mixed and jax.default_backend() == "cpu"
+
+
+def wire_dump_options(dump_dir: str) -> dict:
+    """compiler_options that dump the module before WIRE_PASS into dump_dir."""
+    return {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": WIRE_PASS}
 
 
 def read_wire_dump(dump_dir: str) -> str | None:
-  """The dumped module before WIRE_PASS (the last one, if several jits were compiled)."""
-  import glob
-  files = sorted(glob.glob(os.path.join(dump_dir, f"*.before_{WIRE_PASS}.txt")))
-  if not files:
-    return None
-  with open(files[-1]) as f:
-    return f.read()
+    """The dumped module before WIRE_PASS (the last one, if several jits were compiled)."""
+    files = sorted(glob.glob(os.path.join(dump_dir, f"*.before_{WIRE_PASS}.txt")))
+    if not files:
+        return None
+    with open(files[-1]) as f:
+        return f.read()

@@ -62,14 +62,19 @@ def stored_use(cfg, grad_axes):
   return lambda role, w: cast_stored(w, role, cfg, grad_axes)
 
 
+def moe_stored(p, cfg, grad_axes):
+  """A layer's "moe" params used as stored inside a shard_map (dp, tp, ep_tp): each leaf through
+  cast_stored -> (params, their in_specs; reduced over grad_axes in bf16)."""
+  p = {k: cast_stored(v, model.MOE_ROLES[k], cfg, grad_axes) for k, v in p.items()}
+  return p, {k: jax.typeof(v).sharding.spec for k, v in p.items()}
+
+
 def fsdp_use(grad_axes, cfg):
   """Layout.use: all-gather a D-sharded weight (backward: reduce-scatter over the gathered axes,
   all-reduce over the other grad axes — see common.sharding.gather_weight); norms pass. Mixed
   precision: the bf16 cast comes first, the all-gather moves bf16 (`precision`)."""
   return lambda role, w: (gather_weight(w, P(), grad_axes, **precision(cfg, role))
                           if role in model.D_DIM else w)
-
-
 
 
 def moe_all_local(cfg, x_spec: P, grad_axes, cp_axis: str | None = None):

@@ -182,21 +182,19 @@ def _compile(lowered, mixed: bool):
   """-> (compiled, the HLO text to count collectives in: see common/hlo.py WIRE_PASS). The
   dump needs a real compile: the persistent compilation cache is off for it (its key ignores
   the dump flags, and jax memoises "cache on", hence reset_cache both ways)."""
-  with tempfile.TemporaryDirectory() as d:
-    opts = hlo.wire_dump_options(mixed, d)
-    if not opts:
-      compiled = lowered.compile()
-      return compiled, compiled.as_text()
-    from jax.experimental.compilation_cache import compilation_cache
-    with _DUMP_LOCK:
-      cache = jax.config.jax_enable_compilation_cache
-      jax.config.update("jax_enable_compilation_cache", False)
+  if not hlo.wire_dump_needed(mixed):
+    compiled = lowered.compile()
+    return compiled, compiled.as_text()
+  from jax.experimental.compilation_cache import compilation_cache
+  with tempfile.TemporaryDirectory() as d, _DUMP_LOCK:
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+      compiled = lowered.compile(compiler_options=hlo.wire_dump_options(d))
+    finally:
+      jax.config.update("jax_enable_compilation_cache", cache)
       compilation_cache.reset_cache()
-      try:
-        compiled = lowered.compile(compiler_options=opts)
-      finally:
-        jax.config.update("jax_enable_compilation_cache", cache)
-        compilation_cache.reset_cache()
     return compiled, hlo.read_wire_dump(d) or compiled.as_text()
 
 

@@ -52,11 +52,10 @@ def layout(cfg, mesh):
   def moe_fn(p, x, positions):
     # Local tokens, all experts local: the single-device MoE inside a full-manual shard_map.
     # (bf16: the experts cast and typed reduced over data, so their gradient sums in float32)
-    p = {k: layouts.cast_stored(v, model.MOE_ROLES[k], cfg, ("data",)) for k, v in p.items()}
+    p, p_specs = layouts.moe_stored(p, cfg, ("data",))
     body = lambda p, x, pos: moe.moe_local(p, x, pos, cfg, token_axes=("data",))
     return jax.shard_map(
-        body, in_specs=(jax.tree.map(lambda v: jax.typeof(v).sharding.spec, p),
-                        P("data", None, None), P("data", None)),
+        body, in_specs=(p_specs, P("data", None, None), P("data", None)),
         out_specs=(P("data", None, None), P()))(p, x, positions)     # y [B, S, D] @ (data,), stats P()
   return model.Layout(x=P("data", None, None), use=layouts.stored_use(cfg, ("data",)), moe=moe_fn)
 

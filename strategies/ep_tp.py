@@ -172,8 +172,7 @@ def layout(cfg, mesh):
   def moe_fn(p, x, positions):                                         # x [B, S, D] gathered h
     body = lambda p, x, pos: moe_local_experts(p, x, pos, cfg, n_local, rows)
     # experts [E@expert, D, F] as stored (bf16: cast, typed reduced over data)
-    p = {k: layouts.cast_stored(v, model.MOE_ROLES[k], cfg, TOK) for k, v in p.items()}
-    p_specs = jax.tree.map(lambda v: jax.typeof(v).sharding.spec, p)
+    p, p_specs = layouts.moe_stored(p, cfg, TOK)
     return jax.shard_map(
         body, in_specs=(p_specs, jax.typeof(x).sharding.spec, P("data", None)),
         out_specs=(ROW, P()))(p, x, positions)                         # y [B, S, D] {U_expert}
@@ -206,7 +205,7 @@ def activation_shardings(cfg, mesh):
 
 def cost(cfg, mesh):
   """Per-device collective bytes per step (common/cost.py; the docstring's schedule)."""
-  n_layers, tok = cfg.n_layers, ("data", "expert")
+  n_layers, tok = cfg.n_layers, TOK
   t = cfg.batch // mesh.shape["data"] * cfg.seq_len
   act = cost_lib.nbytes((t, cfg.d_model), cost_lib.act_bytes(cfg))  # one gathered [T, D]
   rk = cost_lib.nbytes((t, cfg.top_k))                              # one [T, K] of routing

@@ -117,9 +117,9 @@ def moe_weights(p, cfg):
   both, in float32; the experts move in cfg.dtype."""
   out = {"router": gather_weight(p["router"], P(), TOKENS), "bias": p["bias"]}
   for n in EXPERT_WEIGHTS:
-    kw = layouts.precision(cfg, model.MOE_ROLES[n])
-    out[n] = (gather_weight(p[n], P(EXPERT, None, None), (FSDP,), **kw)
-              if cfg.expert_fsdp_mode == "gather" else layouts.cast_stored(p[n], model.MOE_ROLES[n], cfg, ()))
+    role = model.MOE_ROLES[n]
+    out[n] = (gather_weight(p[n], P(EXPERT, None, None), (FSDP,), **layouts.precision(cfg, role))
+              if cfg.expert_fsdp_mode == "gather" else layouts.cast_stored(p[n], role, cfg, ()))
   return out
 
 

@@ -107,8 +107,7 @@ def layout(cfg, mesh):
       stats = jax.tree.map(lambda v: jax.lax.psum(sharding.to_varying(v, tok) * first, tok), stats)
       return y.reshape(b, s, d).astype(x.dtype), stats
     # experts [E, D, F@t] / [E, F@t, D] as stored (bf16: cast, typed reduced over data)
-    p = {k: layouts.cast_stored(v, model.MOE_ROLES[k], cfg, (mesh_lib.DATA,)) for k, v in p.items()}
-    specs = jax.tree.map(lambda v: jax.typeof(v).sharding.spec, p)
+    p, specs = layouts.moe_stored(p, cfg, (mesh_lib.DATA,))
     return jax.shard_map(body, in_specs=(specs, h_spec, P(mesh_lib.DATA, None)),
                          out_specs=(x_spec, P()))(p, x, positions)  # y [B, S, D] @ (data,)
   # x_spec as out_sharding of the row-parallel matmuls (attention wo, shared wo) = the all-reduce
