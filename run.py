@@ -8,6 +8,7 @@
       --coordinator_address=127.0.0.1:1234 --num_processes=2 --process_id=0   # and =1
   python run.py --strategy=ep --steps=3 --checkpoint_dir=ck                # then, any strategy:
   python run.py --strategy=fsdp --steps=2 --checkpoint_dir=ck --restore=latest
+  python run.py --strategy=ep --opt=dispatch=none                          # a strategy's options
 """
 from __future__ import annotations
 
@@ -45,14 +46,27 @@ flags.DEFINE_float("lr", None, "learning rate")
 flags.DEFINE_float("adam_eps", None, "Adam epsilon (default from the preset, 1e-8)")
 flags.DEFINE_float("capacity_factor", 0.0, "expert capacity factor; 0 = dropless")
 flags.DEFINE_integer("seed", 0, "init and data seed")
-flags.DEFINE_string("gmm", "auto", "grouped-matmul backend: auto | ragged_dot | padded | custom | "
-                    "scan (exact, one expert at a time: for compile-only memory studies on CPU)")
-flags.DEFINE_enum("dispatch", "auto", ["auto", "a2a", "ragged"], "EP token exchange")
-flags.DEFINE_bool("dispatch_batch_on_expert", False,
-                  "ep: also shard the dispatch batch dim over expert (MaxText #4179 bug, for demos)")
-flags.DEFINE_string("context_sharding", "context", "mesh axis that plays context parallelism")
-flags.DEFINE_enum("expert_fsdp_mode", "gather", ["gather", "ep"], "shard_exp_on_fsdp exchange")
-flags.DEFINE_float("ep_tp_capacity", 0.0, "ep_tp buffer as a fraction of the worst case (0 = worst)")
+flags.DEFINE_string("gmm", "ragged_dot", "grouped-matmul backend: ragged_dot (= auto) | padded | "
+                    "custom | scan (exact, one expert at a time: for compile-only memory studies "
+                    "on CPU) | mgpu (Hopper kernels, opt-in: unmeasured on hardware)")
+flags.DEFINE_string("opt", None, "the strategy's own options, key=value,... (each strategy's "
+                    "Options in strategies/NAME.py; e.g. ep: dispatch=a2a|ragged|none, "
+                    "shard_exp_on_fsdp: mode=gather|ep, ep_tp: capacity=0..1)")
+# Earlier flags, kept as aliases of strategy options: this table is the only place they live.
+flags.DEFINE_string("dispatch", None, "alias of --opt=dispatch=... (ep)")
+flags.DEFINE_bool("dispatch_batch_on_expert", None, "alias of --opt=dispatch=none (ep)")
+flags.DEFINE_string("expert_fsdp_mode", None, "alias of --opt=mode=... (shard_exp_on_fsdp)")
+flags.DEFINE_string("ep_tp_capacity", None, "alias of --opt=capacity=... (ep_tp)")
+flags.DEFINE_string("context_sharding", None, "accepted for old commands: cp plays context "
+                    "parallelism on `context`, ep_as_cp on `expert`, always")
+ALIASES = {"dispatch": lambda v: ("dispatch", v),
+           "dispatch_batch_on_expert": lambda v: ("dispatch", "none") if v else None,
+           "expert_fsdp_mode": lambda v: ("mode", v),
+           "ep_tp_capacity": lambda v: ("capacity", v)}
+# Simulated CPU devices cost host memory and compile time: 2048 of them compiled a DeepSeek-V3
+# layout in 1.6 GB of host memory (shared/notes/field-2026.md); this bound is checked before JAX
+# starts, so a typo never builds a runtime that grows without end.
+MAX_DEVICES = 4096
 flags.DEFINE_string("metrics_file", None, "write JSON lines: one per step, then a summary")
 flags.DEFINE_bool("dump_sharding", False, "print every parameter's and key activation's sharding")
 flags.DEFINE_bool("hlo_stats", False, "print collectives, flops and memory of the compiled step")
@@ -76,19 +90,19 @@ class UsageError(Exception):
   pass
 
 
-def check_flags() -> None:
-  """Every flag value that can be judged without JAX, before anything compiles."""
+def check_flags():
+  """Every flag value that can be judged without JAX, before anything compiles -> the
+  jax.distributed arguments of a multi-process run (None: one process)."""
   import math
   import os
-  global _dist
   from common import distributed
-  _dist = distributed.settings(F.coordinator_address, F.num_processes, F.process_id)
-  if _dist is not None and not F.strategy:
+  dist = distributed.settings(F.coordinator_address, F.num_processes, F.process_id)
+  if dist is not None and not F.strategy:
     raise UsageError("multi-process runs need --strategy (compare mode is single-process)")
-  if _dist is not None and F.strategy == "reference":
+  if dist is not None and F.strategy == "reference":
     raise UsageError("the reference runs on one device: not multi-process")
-  if F.devices < 1:
-    raise UsageError(f"--devices={F.devices} must be >= 1")
+  if not 1 <= F.devices <= MAX_DEVICES:
+    raise UsageError(f"--devices={F.devices} must be in [1, {MAX_DEVICES}] (simulated CPU devices)")
   if F.steps is not None and F.steps < 0:
     raise UsageError(f"--steps={F.steps} must be >= 0")
   if F.steps == 0 and not F.strategy:
@@ -101,6 +115,11 @@ def check_flags() -> None:
     raise UsageError(f"--lr={F.lr} must be a finite number > 0")
   if F.adam_eps is not None and not (math.isfinite(F.adam_eps) and F.adam_eps > 0):
     raise UsageError(f"--adam_eps={F.adam_eps} must be a finite number > 0")
+  if not (math.isfinite(F.capacity_factor) and F.capacity_factor >= 0):
+    raise UsageError(f"--capacity_factor={F.capacity_factor} must be a finite number >= 0")
+  if F.context_sharding not in (None, "context", "expert"):
+    raise UsageError(f"--context_sharding={F.context_sharding}: cp plays context parallelism on "
+                     "`context` and ep_as_cp on `expert`; the flag takes no other axis")
   if F.hbm_gb is not None:
     if not (math.isfinite(F.hbm_gb) and F.hbm_gb > 0):
       raise UsageError(f"--hbm_gb={F.hbm_gb} must be a finite number > 0")
@@ -128,6 +147,38 @@ def check_flags() -> None:
   for flag in ("checkpoint_dir", "report_dir"):
     if getattr(F, flag):
       _writable_dir(flag, getattr(F, flag))
+  return dist
+
+
+def strategy_names() -> list[str]:
+  """The strategies this run builds: --strategy, or --compare's list ('all': every one)."""
+  import strategies
+  if F.strategy:
+    strategies.get(F.strategy)                 # unknown name -> one-line error
+    return [F.strategy]
+  names = F.compare or "all"
+  wanted = strategies.available() if names == "all" else [
+      n.strip() for n in names.split(",") if n.strip()]
+  for n in wanted:
+    strategies.get(n)
+  return wanted
+
+
+def strategy_options(names: list[str]) -> dict:
+  """{name: its Options} from --opt and the alias flags (one-line errors, before JAX starts)."""
+  import strategies
+  from common import options
+  pairs = options.split(F.opt)
+  for flag, to_pair in ALIASES.items():
+    value = getattr(F, flag)
+    pair = None if value is None else to_pair(value)
+    if pair is not None:
+      if pair[0] in pairs and pairs[pair[0]] != pair[1]:
+        raise UsageError(f"--{flag} and --opt={pair[0]}=... disagree")
+      pairs[pair[0]] = pair[1]
+  if pairs.get("dispatch") == "auto":
+    pairs["dispatch"] = "a2a"                  # the old default: now the checked a2a everywhere
+  return strategies.parse_options(names, ",".join(f"{k}={v}" for k, v in pairs.items()))
 
 
 def _writable_dir(flag: str, path: str) -> None:
@@ -145,39 +196,33 @@ class NonFinite(Exception):
   pass
 
 
-_dist = None      # jax.distributed.initialize arguments of a multi-process run (check_flags)
-
-
-def _setup_devices(n: int) -> None:
-  """n CPU devices per process; starts the multi-process runtime first when asked."""
+def _setup_devices(n: int, dist) -> None:
+  """n CPU devices per process; starts the multi-process runtime first when asked (dist)."""
   import os
   import jax
   jax.config.update("jax_num_cpu_devices", n)
   if F.compilation_cache:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(F.compilation_cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-  if _dist is not None:
+  if dist is not None:
     from common import distributed
-    distributed.initialize(_dist)
+    distributed.initialize(dist)
   if jax.default_backend() == "cpu" and jax.local_device_count() != n:
     raise UsageError(f"asked for {n} CPU devices, got {jax.local_device_count()}")
 
 
 def make_config():
   from common.config import ConfigError, get_config
-  if F.capacity_factor < 0:
-    raise ConfigError(f"--capacity_factor={F.capacity_factor} must be >= 0")
   over = dict(optimizer=F.optimizer, capacity_factor=F.capacity_factor, seed=F.seed,
-              gmm_backend=F.gmm, dispatch=F.dispatch,
-              dispatch_batch_on_expert=F.dispatch_batch_on_expert,
-              context_sharding=F.context_sharding, expert_fsdp_mode=F.expert_fsdp_mode,
-              ep_tp_capacity=F.ep_tp_capacity, microbatches=F.microbatches,
+              gmm_backend=F.gmm, microbatches=F.microbatches,
               remat=F.remat, dtype=F.dtype, grad_reduce_dtype=F.grad_reduce_dtype)
   for flag, key in (("batch", "batch"), ("seq", "seq_len"), ("layers", "n_layers"), ("lr", "lr"),
                     ("adam_eps", "adam_eps")):
     if getattr(F, flag) is not None:
       over[key] = getattr(F, flag)
   from common import gmm
+  if F.gmm == "mgpu":
+    import kernels.mgpu  # noqa: F401  (registers the Hopper kernel and wgrad with common.gmm)
   try:
     gmm.resolve_backend(F.gmm)
   except ValueError as e:
@@ -185,7 +230,7 @@ def make_config():
   return get_config(F.model, **over)
 
 
-def train_one(cfg) -> None:
+def train_one(cfg, opts) -> None:
   from common import hlo, mesh as mesh_lib, train
   from common.sharding import describe
   import strategies
@@ -200,7 +245,7 @@ def train_one(cfg) -> None:
     from common import checkpoint
     start = checkpoint.check(F.checkpoint_dir, F.restore, cfg)
     state = checkpoint.restore(F.checkpoint_dir, start, cfg, strat, mesh)
-  job = train.build(strat, cfg, mesh, state=state)
+  job = train.build(strat, cfg, mesh, opts, state=state)
   mesh_desc = ",".join(f"{k}:{v}" for k, v in mesh.shape.items()) if mesh is not None else "single"
   say(f"{F.strategy} on mesh {mesh_desc}, model {F.model}: compiled in {job.compile_s:.1f}s"
       + (f", restored step {start} from {F.checkpoint_dir}" if F.restore is not None else ""),
@@ -211,7 +256,7 @@ def train_one(cfg) -> None:
     for path, t in describe(job.batch(0)):
       say(f"  batch {path:<40s} {t}")
     if hasattr(strat, "activation_shardings"):
-      for name, t in strat.activation_shardings(cfg, mesh):
+      for name, t in strat.activation_shardings(cfg, mesh, opts):
         say(f"  act   {name:<40s} {t}")
   stats = hlo.compiled_stats(job.compiled, mesh, job.hlo)
   if F.hlo_stats:
@@ -266,17 +311,18 @@ def main(argv):
     raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if F.strategy and F.compare:
     raise UsageError("give --strategy or --compare, not both")
-  check_flags()
-  _setup_devices(F.devices)
+  dist = check_flags()
+  names = strategy_names()
+  opts = strategy_options(names)
   cfg = make_config()
+  _setup_devices(F.devices, dist)
   if F.strategy:
-    train_one(cfg)
+    train_one(cfg, opts[F.strategy])
   else:
     from common import compare
-    compare.main(cfg, names=F.compare or "all", mesh_spec=F.mesh,
-                 steps=3 if F.steps is None else F.steps,
+    compare.main(cfg, names=names, mesh_spec=F.mesh, steps=3 if F.steps is None else F.steps,
                  report_dir=F.report_dir, compile_only=F.compile_only, model_name=F.model,
-                 hbm_gb=F.hbm_gb)
+                 hbm_gb=F.hbm_gb, opts=opts)
 
 
 def _run():

@@ -60,9 +60,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from common import gmm as gmm_lib
-from common import timing
-from common import moe
+from common import moe, timing
 from common.config import Config
+from kernels import mgpu  # noqa: F401  (registers the "mgpu" kernel and wgrad)
 
 PROXIES = {  # name: (T, D, F, E, k, norm_topk_prob)
     "mixtral": (16384, 4096, 14336, 8, 2, True),

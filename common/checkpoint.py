@@ -25,12 +25,6 @@ import jax
 from common import model, optim
 from common.config import Config, ConfigError
 
-# Config fields that define the model (a checkpoint only restores into the same values);
-# run settings (batch, seq_len, lr, seed, strategy knobs, ...) may change between runs.
-MODEL_FIELDS = ("vocab", "d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers", "n_experts",
-                "top_k", "d_ff", "n_shared_experts", "router", "norm_topk_prob", "n_group",
-                "topk_group", "routed_scaling_factor", "rope_theta", "norm_eps")
-
 
 def _closed_loop(exc) -> bool:
   return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
@@ -77,7 +71,7 @@ def _meta(cfg: Config, step: int, **extra) -> dict:
   shapes = {jax.tree_util.keystr(p): list(l.shape) for p, l in jax.tree_util.tree_flatten_with_path(
       model.init_params_shapes(cfg), is_leaf=lambda l: isinstance(l, model.ShapeLeaf))[0]}
   return {"format": 1, "step": step, "data_step": step, "optimizer": cfg.optimizer,
-          "model": {k: getattr(cfg, k) for k in MODEL_FIELDS}, "param_shapes": shapes, **extra}
+          "model": cfg.model_fields(), "param_shapes": shapes, **extra}
 
 
 class Saver:
@@ -130,8 +124,8 @@ def check(directory: str, step: str | int, cfg: Config) -> int:
     raise CheckpointError(f"{where} holds {meta['optimizer']} state: restore it with "
                           f"--optimizer={meta['optimizer']}, not {cfg.optimizer}")
   want = _meta(cfg, n)
-  for k in MODEL_FIELDS:
-    if meta["model"].get(k) != want["model"][k]:
+  for k in want["model"]:                  # the model's fields (common/config.py); run settings
+    if meta["model"].get(k) != want["model"][k]:   # and strategy options may change
       raise CheckpointError(f"{where} is from another model config: {k}={meta['model'].get(k)} "
                             f"there, {want['model'][k]} here")
   if meta["param_shapes"] != want["param_shapes"]:

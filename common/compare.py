@@ -11,8 +11,6 @@ bytes.png with --report_dir. --compile_only skips running (collectives and memor
 from __future__ import annotations
 
 import concurrent.futures
-import csv
-import json
 import os
 import statistics
 import sys
@@ -25,6 +23,7 @@ from common import cost, hlo
 from common import mesh as mesh_lib
 from common import model, train
 from common.config import ConfigError
+from common.report import KINDS, render, write_report
 import strategies
 
 LOSS_TOL = 1e-5          # |dloss| <= LOSS_TOL * (1 + |loss|) counts as PASS (fp32 parity)
@@ -32,9 +31,6 @@ LOSS_TOL = 1e-5          # |dloss| <= LOSS_TOL * (1 + |loss|) counts as PASS (fp
 # losses drift apart over steps: measured up to 1.8e-3 relative after 3 steps (tiny, top-2, the 9
 # strategies). The table checks losses only; tests/test_precision.py holds gradients and updates.
 LOSS_TOL_BF16 = 5e-3
-KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
-SHORT = {"all-to-all": "a2a", "all-gather": "ag", "reduce-scatter": "rs", "all-reduce": "ar",
-         "collective-permute": "cp"}
 
 
 def _mesh_for(strat, spec: str | None, n: int):
@@ -76,7 +72,7 @@ def _fallback_meshes(strat, n: int):
 SEARCH_COMPILES = 3
 
 
-def candidate_meshes(strat, cfg, n: int) -> list[dict]:
+def candidate_meshes(strat, cfg, n: int, opts=None) -> list[dict]:
   """Every split of n devices (power-of-two axis sizes) over the strategy's axes that its check()
   admits -> [{"mesh", "param_opt" (bytes/dev, analytic), "predicted" (cost-model bytes/dev)}]."""
   axes, out, shapes = strat.AXES, [], model.init_params_shapes(cfg)
@@ -94,11 +90,11 @@ def candidate_meshes(strat, cfg, n: int) -> list[dict]:
   for sizes in splits(n, len(axes)):
     mesh = mesh_lib.make_mesh(dict(zip(axes, sizes)))
     try:
-      strat.check(cfg, mesh)
+      strat.check(cfg, mesh, opts)
     except ConfigError:
       continue
     mem = cost.param_memory(shapes, strat.param_specs(cfg, mesh), mesh, cfg.optimizer)
-    terms = cost.step_terms(strat, cfg, mesh)
+    terms = cost.step_terms(strat, cfg, mesh, opts)
     gathered = sum(t.bytes for t in terms if t.kind == "all-gather" and t.phase == "fwd")
     out.append({"mesh": mesh, "param_opt": mem["param_bytes"] + mem["opt_bytes"],
                 "predicted": sum(t.bytes for t in terms),
@@ -109,13 +105,13 @@ def candidate_meshes(strat, cfg, n: int) -> list[dict]:
   return out
 
 
-def search(strat, cfg, hbm_gb: float, compile_only: bool):
+def search(strat, cfg, hbm_gb: float, compile_only: bool, opts):
   """The mesh search, over the candidate meshes whose params + optimizer state fit hbm_gb:
   first the one the cost model says moves the fewest bytes/dev; if XLA's temp bytes push it over,
   then the ones holding the least memory (`memory_proxy`: params + optimizer + 3 x one layer's
   gathered weights) -- until one fits, SEARCH_COMPILES compiles at most; else the one that came
   closest. -> (job, note for the mesh cell)."""
-  cands = candidate_meshes(strat, cfg, jax.device_count())
+  cands = candidate_meshes(strat, cfg, jax.device_count(), opts)
   if not cands:
     raise ConfigError("no mesh over its axes admits this model")
   hbm = hbm_gb * 2**30
@@ -129,7 +125,7 @@ def search(strat, cfg, hbm_gb: float, compile_only: bool):
   best, tried = None, 0
   for c in ranked[:SEARCH_COMPILES]:
     tried += 1
-    job = train.build(strat, cfg, c["mesh"], compile_only=compile_only)
+    job = train.build(strat, cfg, c["mesh"], opts, compile_only=compile_only)
     total = c["param_opt"] + job.compiled.memory_analysis().temp_size_in_bytes
     if best is None or total < best[0]:
       best = (total, job)
@@ -138,15 +134,18 @@ def search(strat, cfg, hbm_gb: float, compile_only: bool):
   return best[1], f"compiled {tried} of {len(cands)}"
 
 
-def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = None):
+def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = None,
+          opts=None):
   """-> (row, job or None). Thread-safe: compare compiles several strategies at once. Without
   --mesh, a layout the model does not admit falls back to a smaller main axis (see above);
-  mesh_spec "search": the mesh search (`search`)."""
+  mesh_spec "search": the mesh search (`search`). A strategy that fails to build, trace or
+  compile becomes its row's error (one line); the other rows still run."""
   strat = strategies.get(name)
+  opts = strat.Options() if opts is None else opts
   row = {"strategy": name}
   try:
     if mesh_spec == "search" and strat.AXES:
-      job, note = search(strat, cfg, hbm_gb, compile_only)
+      job, note = search(strat, cfg, hbm_gb, compile_only, opts)
       row["mesh"] = f"{_mesh_str(job.mesh, strat, cfg)} ({note})"
       return row, job
     mesh_spec = None if mesh_spec == "search" else mesh_spec
@@ -154,21 +153,29 @@ def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = 
     row["mesh"] = _mesh_str(mesh, strat, cfg)
     if mesh is not None:
       try:
-        strat.check(cfg, mesh)
+        strat.check(cfg, mesh, opts)
       except ConfigError:
         if mesh_spec is not None:
           raise
         for m in _fallback_meshes(strat, jax.device_count()):
           try:
-            strat.check(cfg, m)
+            strat.check(cfg, m, opts)
           except ConfigError:
             continue
           mesh, row["mesh"] = m, _mesh_str(m, strat, cfg)
           break
-    return row, train.build(strat, cfg, mesh, compile_only=compile_only)
+    return row, train.build(strat, cfg, mesh, opts, compile_only=compile_only)
   except ConfigError as e:
     row["error"] = str(e)
     return row, None
+  except Exception as e:                   # noqa: BLE001 -- a trace / compile failure: its row
+    row["error"] = f"failed: {type(e).__name__}: {_first_line(e)}"
+    return row, None
+
+
+def _first_line(e: Exception) -> str:
+  s = str(e).strip()
+  return s.splitlines()[0][:200] if s else ""
 
 
 def measure(row: dict, job, steps: int, compile_only: bool) -> dict:
@@ -187,7 +194,7 @@ def measure(row: dict, job, steps: int, compile_only: bool) -> dict:
   if a2a and mesh is not None:            # EP padding: a2a bytes / the routed copies' bytes
     row["a2a_routed"] = a2a / routed_bytes(cfg, mesh.size)
   if mesh is not None and hasattr(strat, "cost"):
-    pred = cost.totals(cost.step_terms(strat, cfg, mesh))
+    pred = cost.totals(cost.step_terms(strat, cfg, mesh, job.opts))
     row["predicted"] = {k: pred[k] for k in KINDS}
   if compile_only:
     return row
@@ -213,31 +220,6 @@ def routed_bytes(cfg, n_devices: int) -> float:
   return 4 * cfg.n_layers * t_loc * cfg.top_k * cfg.d_model * cost.act_bytes(cfg)
 
 
-def _fmt_bytes(b) -> str:
-  if b is None:
-    return "-"
-  for unit, div in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
-    if b >= div:
-      return f"{b / div:.1f}{unit}"
-  return f"{b:.0f}"
-
-
-def _collective_cell(row) -> str:
-  parts = [f"{SHORT[k]}{v['count']}:{_fmt_bytes(v['bytes'])}" for k, v in row["collectives"].items()
-           if v["count"]]
-  return " ".join(parts) or "none"
-
-
-def _ratio(row) -> str:
-  if "predicted" not in row:
-    return "-"
-  meas = sum(v["bytes"] for v in row["collectives"].values())
-  pred = sum(row["predicted"].values())
-  if not pred:
-    return "1.00" if not meas else "inf"
-  return f"{meas / pred:.2f}"
-
-
 def fit(row: dict, hbm_gb: float) -> None:
   """total/dev = params + optimizer state + XLA temp bytes per device (the step's outputs alias
   its donated inputs in a real run; the batch is negligible), and whether it fits hbm_gb GiB."""
@@ -245,113 +227,11 @@ def fit(row: dict, hbm_gb: float) -> None:
   row["fits"] = row["total_bytes"] <= hbm_gb * 2**30
 
 
-def render(rows: list[dict], compile_only: bool, simulated: bool, hbm_gb: float | None = None) -> str:
-  head = ["strategy", "mesh", "final loss", "max dloss", "parity", "collectives/step (count:bytes)",
-          "bytes/dev", "meas/pred", "a2a/routed", "params+opt/dev", "temp/dev", "step ms" + ("*" if simulated else ""),
-          "dropped"]
-  fits = "fits" if hbm_gb is None else f"fits {hbm_gb:g}G"
-  if hbm_gb is not None:
-    head[head.index("temp/dev") + 1:head.index("temp/dev") + 1] = ["total/dev", fits]
-  if compile_only:
-    head = [h for h in head if h not in ("final loss", "max dloss", "parity", "step ms*", "step ms",
-                                         "dropped")]
-  lines = []
-  for r in rows:
-    if "error" in r:                    # a skipped row keeps the columns: its reason in one cell
-      cells = dict.fromkeys(head, "-")
-      cells.update({"strategy": r["strategy"], "mesh": r.get("mesh", "-"),
-                    "collectives/step (count:bytes)": f"skipped: {r['error']}"})
-      lines.append([cells[h] for h in head])
-      continue
-    cells = {
-        "strategy": r["strategy"], "mesh": r["mesh"],
-        "final loss": f"{r['losses'][-1]:.5f}" if r.get("losses") else "-",
-        "max dloss": f"{r['max_dloss']:.1e}" if "max_dloss" in r else "-",
-        "parity": r.get("parity", "-"),
-        "collectives/step (count:bytes)": _collective_cell(r),
-        "bytes/dev": _fmt_bytes(sum(v["bytes"] for v in r["collectives"].values())),
-        "meas/pred": _ratio(r),
-        "a2a/routed": f"{r['a2a_routed']:.2f}" if "a2a_routed" in r else "-",
-        "params+opt/dev": _fmt_bytes(r["param_bytes"] + r["opt_bytes"]),
-        "temp/dev": _fmt_bytes(r["memory"]["temp_bytes"]),
-        "total/dev": _fmt_bytes(r.get("total_bytes")),
-        fits: {True: "yes", False: "NO"}.get(r.get("fits"), "-"),
-        "step ms*": f"{1e3 * r['step_s']:.1f}" if "step_s" in r else "-",
-        "step ms": f"{1e3 * r['step_s']:.1f}" if "step_s" in r else "-",
-        "dropped": f"{r['dropped_frac']:.1%}" if "dropped_frac" in r else "-",
-    }
-    if "nonfinite_step" in r:           # never print nan as a result
-      cells["final loss"] = cells["max dloss"] = "-"
-      cells["parity"] = f"NON-FINITE at step {r['nonfinite_step']}"
-    lines.append([cells[h] for h in head])
-  widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h)
-            for i, h in enumerate(head)]
-  out = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |",
-         "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-  out += ["| " + " | ".join(c.ljust(w) for c, w in zip(l, widths)) + " |" for l in lines]
-  return "\n".join(out)
-
-
-def write_report(rows, report_dir: str, model_name: str) -> None:
-  os.makedirs(report_dir, exist_ok=True)
-  with open(os.path.join(report_dir, "table.json"), "w") as f:
-    json.dump(rows, f, indent=1, default=float)
-  fields = ["strategy", "mesh", "final_loss", "max_dloss", "parity", "step_s", "dropped_frac",
-            "a2a_routed",
-            "param_bytes", "opt_bytes", "temp_bytes", "compile_s", "total_bytes", "fits"] + \
-           [f"{k}_{x}" for k in KINDS for x in ("count", "bytes", "predicted")]
-  with open(os.path.join(report_dir, "table.csv"), "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-    w.writeheader()
-    for r in rows:
-      if "error" in r:
-        w.writerow({"strategy": r["strategy"], "mesh": r.get("mesh", "")})
-        continue
-      flat = {k: r.get(k) for k in fields}
-      flat["final_loss"] = r["losses"][-1] if r.get("losses") and "nonfinite_step" not in r else None
-      flat["temp_bytes"] = r["memory"]["temp_bytes"]
-      for k in KINDS:
-        flat[f"{k}_count"] = r["collectives"][k]["count"]
-        flat[f"{k}_bytes"] = r["collectives"][k]["bytes"]
-        flat[f"{k}_predicted"] = r.get("predicted", {}).get(k)
-      w.writerow(flat)
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  ok = [r for r in rows if "error" not in r]
-  if any("losses" in r for r in ok):
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, r in enumerate(r for r in ok if "losses" in r):
-      ax.plot(range(1, len(r["losses"]) + 1), r["losses"], marker="o", ms=3,
-              ls=["-", "--", ":", "-."][i % 4], label=f"{r['strategy']} ({r['mesh']})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(f"loss per step, {model_name} (curves overlap when parity holds)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(report_dir, "loss.png"), dpi=120)
-    plt.close(fig)
-  fig, ax = plt.subplots(figsize=(9, 4))
-  bottom = np.zeros(len(ok))
-  for k in KINDS:
-    vals = np.array([r["collectives"][k]["bytes"] for r in ok], float) / 2**20
-    ax.bar([r["strategy"] for r in ok], vals, bottom=bottom, label=k)
-    bottom += vals
-  ax.set_ylabel("MiB per device per step")
-  ax.set_title(f"collective bytes by kind (compiled HLO), {model_name}")
-  ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-  plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
-  fig.tight_layout()
-  fig.savefig(os.path.join(report_dir, "bytes.png"), dpi=120)
-  plt.close(fig)
-
-
-def main(cfg, names: str, mesh_spec: str | None, steps: int, report_dir: str | None,
-         compile_only: bool, model_name: str, hbm_gb: float | None = None) -> list[dict]:
-  avail = strategies.available()
-  wanted = avail if names == "all" else [n.strip() for n in names.split(",") if n.strip()]
-  for n in wanted:
-    strategies.get(n)                                        # unknown name -> one-line error
+def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: str | None,
+         compile_only: bool, model_name: str, hbm_gb: float | None = None,
+         opts: dict | None = None) -> list[dict]:
+  """names: the strategies to compare (run.py resolves 'all'); opts: {name: its Options}."""
+  wanted, opts = list(names), opts or {}
   if compile_only:                         # nothing to check parity against; the dense oracle is
     wanted = [n for n in wanted if n != "reference"]     # E x the FLOPs of the layer it checks
   elif "reference" not in wanted:
@@ -365,7 +245,7 @@ def main(cfg, names: str, mesh_spec: str | None, steps: int, report_dir: str | N
   built = {}
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
     futs = {pool.submit(build, n, cfg, mesh_spec if n != "reference" else None, compile_only,
-                        hbm_gb): n for n in wanted}
+                        hbm_gb, opts.get(n)): n for n in wanted}
     for done, fut in enumerate(concurrent.futures.as_completed(futs), 1):
       n = futs[fut]
       built[n] = fut.result()

@@ -22,53 +22,62 @@ REMAT_POLICIES = ("none",                # everything the autodiff saves (no jax
 DTYPES = ("float32", "bfloat16")
 
 
+def _model(default):
+  """A field of the model itself: a checkpoint restores only into the same values."""
+  return dataclasses.field(default=default, metadata={"group": "model"})
+
+
+def _run(default):
+  """A field of the run (data, optimizer, precision): may change between runs of one model."""
+  return dataclasses.field(default=default, metadata={"group": "run"})
+
+
+def _plain(default):
+  """How the step computes, not what: the same losses and gradients for any value (gradient
+  accumulation, recompute, the grouped-matmul backend). The reference runs at the defaults."""
+  return dataclasses.field(default=default, metadata={"group": "plain"})
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
-  # model
-  vocab: int = 256
-  d_model: int = 64
-  n_heads: int = 4
-  n_kv_heads: int = 2
-  head_dim: int = 16
-  n_layers: int = 2
-  n_experts: int = 8
-  top_k: int = 2
-  d_ff: int = 128                 # F, per routed expert
-  n_shared_experts: int = 0       # shared experts are fused into one SwiGLU of width n_shared * d_ff
-  router: str = "softmax"         # "softmax" (Mixtral) | "sigmoid" (DeepSeek-V3)
-  norm_topk_prob: bool = True     # renormalise the top-k weights to sum 1
-  n_group: int = 1                # group-limited routing (sigmoid router)
-  topk_group: int = 1
-  routed_scaling_factor: float = 1.0
-  rope_theta: float = 10000.0
-  norm_eps: float = 1e-6
+  """The model and the run. A strategy's own knobs are its Options (strategies/NAME.py)."""
+  vocab: int = _model(256)
+  d_model: int = _model(64)
+  n_heads: int = _model(4)
+  n_kv_heads: int = _model(2)
+  head_dim: int = _model(16)
+  n_layers: int = _model(2)
+  n_experts: int = _model(8)
+  top_k: int = _model(2)
+  d_ff: int = _model(128)                # F, per routed expert
+  n_shared_experts: int = _model(0)      # shared experts are fused into one SwiGLU of width n_shared * d_ff
+  router: str = _model("softmax")        # "softmax" (Mixtral) | "sigmoid" (DeepSeek-V3)
+  norm_topk_prob: bool = _model(True)    # renormalise the top-k weights to sum 1
+  n_group: int = _model(1)               # group-limited routing (sigmoid router)
+  topk_group: int = _model(1)
+  routed_scaling_factor: float = _model(1.0)
+  rope_theta: float = _model(10000.0)
+  norm_eps: float = _model(1e-6)
   # losses / balancing
-  aux_loss_coef: float = 0.01
-  z_loss_coef: float = 0.0
-  bias_update_rate: float = 0.0   # gamma of the aux-loss-free bias update (0 = off)
-  capacity_factor: float = 0.0    # 0 = dropless
+  aux_loss_coef: float = _run(0.01)
+  z_loss_coef: float = _run(0.0)
+  bias_update_rate: float = _run(0.0)    # gamma of the aux-loss-free bias update (0 = off)
+  capacity_factor: float = _run(0.0)     # 0 = dropless
   # run
-  seq_len: int = 32
-  batch: int = 8
-  lr: float = 3e-3
-  weight_decay: float = 0.0
-  adam_eps: float = 1e-8
-  optimizer: str = "adamw"
-  seed: int = 0
-  gmm_backend: str = "auto"
-  microbatches: int = 1           # M microbatches per step, one optimizer update: gradient
-                                  # accumulation (common/train.py); pp: the pipeline's microbatches
-  remat: str = "none"             # jax.checkpoint of each layer's block: see REMAT_POLICIES
-  dtype: str = "float32"          # compute dtype: DTYPES (mixed precision: common/model.py)
-  grad_reduce_dtype: str = "float32"   # weight-gradient reductions under dtype=bfloat16
-  # strategy knobs (each strategy reads only its own; the reference ignores them all)
-  dispatch: str = "auto"                 # ep exchange: "a2a" (capacity-padded all_to_all, any
-                                         # backend) | "ragged" (ragged_all_to_all, GPU/TPU) | "auto"
-  dispatch_batch_on_expert: bool = False  # ep: reproduce the MaxText #4179 mis-sharding
-  context_sharding: str = "context"      # mesh axis that plays CP in data reordering / attention
-  expert_fsdp_mode: str = "gather"       # shard_exp_on_fsdp: "gather" (MaxText) | "ep" (one EP group)
-  ep_tp_capacity: float = 0.0            # ep_tp compaction buffer as a fraction of the worst case
-                                         # (0 = worst case, dropless)
+  seq_len: int = _run(32)
+  batch: int = _run(8)
+  lr: float = _run(3e-3)
+  weight_decay: float = _run(0.0)
+  adam_eps: float = _run(1e-8)
+  optimizer: str = _run("adamw")
+  seed: int = _run(0)
+  dtype: str = _run("float32")           # compute dtype: DTYPES (mixed precision: common/model.py)
+  grad_reduce_dtype: str = _run("float32")   # weight-gradient reductions under dtype=bfloat16
+  # how the step computes (the same math for every value)
+  gmm_backend: str = _plain("ragged_dot")
+  microbatches: int = _plain(1)          # M microbatches per step, one optimizer update: gradient
+                                         # accumulation (common/train.py); pp: the pipeline's microbatches
+  remat: str = _plain("none")            # jax.checkpoint of each layer's block: see REMAT_POLICIES
 
   @property
   def shared_d_ff(self) -> int:
@@ -82,12 +91,16 @@ class Config:
   def replace(self, **kw) -> "Config":
     return dataclasses.replace(self, **kw)
 
-  def model_only(self) -> "Config":
-    """The same model and run with every strategy knob at its default (the reference's key);
-    microbatches too: the reference takes the whole batch in one pass (M = 1)."""
-    knobs = ("dispatch", "dispatch_batch_on_expert", "context_sharding", "expert_fsdp_mode",
-             "ep_tp_capacity", "gmm_backend", "microbatches", "remat")
-    return dataclasses.replace(self, **{k: Config.__dataclass_fields__[k].default for k in knobs})
+  def model_fields(self) -> dict:
+    """The fields that define the model (a checkpoint compares them)."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if f.metadata["group"] == "model"}
+
+  def plain(self) -> "Config":
+    """The same model and run computed the plainest way (every "plain" field at its default):
+    the single-device reference's config; M = 1, no recompute, the ragged_dot gmm."""
+    return dataclasses.replace(self, **{f.name: f.default for f in dataclasses.fields(self)
+                                        if f.metadata["group"] == "plain"})
 
   def validate(self) -> "Config":
     """Model-level checks (strategy-independent)."""

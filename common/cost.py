@@ -26,8 +26,10 @@ import dataclasses
 import math
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from common import hlo
+from common.sharding import entry_axes, spec_axes, spec_shards
 
 F32 = 4
 
@@ -71,10 +73,10 @@ BLOCK_ONLY = ("block",)               # the reduction a row-parallel matmul ends
 # read it; nor are the router statistics)
 
 
-def step_terms(strategy, cfg, mesh) -> list[Term]:
+def step_terms(strategy, cfg, mesh, opts=None) -> list[Term]:
   """The strategy's cost model for the step as compiled: its terms, plus a backward copy of each
-  forward term that cfg.remat's recompute issues again."""
-  terms = strategy.cost(cfg, mesh)
+  forward term that cfg.remat's recompute issues again. opts: its Options (None = defaults)."""
+  terms = strategy.cost(cfg, mesh, strategy.Options() if opts is None else opts)
   return terms + [dataclasses.replace(t, phase="bwd", what=f"{t.what}, recomputed", remat=())
                   for t in terms if cfg.remat in t.remat]
 
@@ -131,15 +133,6 @@ def nbytes(shape, itemsize: int = F32) -> int:
   return int(math.prod(shape)) * itemsize
 
 
-def spec_shards(spec, mesh) -> int:
-  """How many ways a PartitionSpec splits an array on this mesh."""
-  n = 1
-  for entry in (spec or ()):
-    for a in ((entry,) if isinstance(entry, str) else (entry or ())):
-      n *= mesh.shape[a]
-  return n
-
-
 def param_memory(param_shapes, specs, mesh, optimizer: str) -> dict[str, float]:
   """Per-device bytes of params and optimizer state from the param specs (mesh None: one
   device, everything whole).
@@ -159,14 +152,6 @@ def param_memory(param_shapes, specs, mesh, optimizer: str) -> dict[str, float]:
     else:
       opt += 2 * b
   return {"param_bytes": params, "opt_bytes": opt}
-
-
-def _entry_axes(entry) -> tuple[str, ...]:
-  return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-
-
-def spec_axes(spec) -> tuple[str, ...]:
-  return tuple(a for e in (spec or ()) for a in _entry_axes(e))
 
 
 def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None) -> list[Term]:
@@ -197,7 +182,7 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None) -> list
     local = grad / spec_shards(spec, mesh)
     if leaf.role in gathered:
       used, g = gathered[leaf.role]
-      moves = [m for m in (tuple(a for a in _entry_axes(e) if a not in spec_axes(used))
+      moves = [m for m in (tuple(a for a in entry_axes(e) if a not in spec_axes(used))
                            for e in spec) if m]                  # per dim, major first
       shards = spec_shards(spec, mesh)
       for m in reversed(moves):
@@ -216,6 +201,44 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None) -> list
       out += term(mesh, "all-reduce", "bwd", f"{leaf.role} grads",
                   local, tuple(a for a in group if a not in stored))
   return out + term(mesh, "all-reduce", "opt", "grad norm", F32, tuple(mesh.axis_names))
+
+
+def fsdp_gathered(grad_axes) -> dict:
+  """weight_terms' `gathered` for common.fsdp.use: every D-sharded role gathered whole, its
+  gradient a partial sum over grad_axes."""
+  from common import model
+  return {role: (P(), _tuple(grad_axes)) for role in model.D_DIM}
+
+
+def cp_norm_grads(cp_axis: str, batch_axes) -> dict:
+  """weight_terms' `grads` for the norm scales under CP: XLA sums their gradient over the
+  sequence axis first, then over the batch axes."""
+  from common import model
+  return {role: ((cp_axis,), _tuple(batch_axes)) for role in model.NORMS}
+
+
+def cp_terms(cfg, mesh, cp_axis: str, batch_axes) -> list[Term]:
+  """K and V all-gathered over cp_axis per layer (fwd), their gradients reduce-scattered over it
+  (bwd, model._gather_kv), kv_pos gathered once, and with the capacity rule the sequence's
+  expert ids per layer and its positions once (CSE'd across layers)."""
+  b = cfg.batch // _size(mesh, _tuple(batch_axes))
+  kv = b * cfg.seq_len * cfg.n_kv_heads * cfg.head_dim * act_bytes(cfg)    # K or V
+  cp = _size(mesh, (cp_axis,))
+  out = (term(mesh, "all-gather", "fwd", "K/V", 2 * cfg.n_layers * kv, cp_axis, RECOMPUTED)
+         + term(mesh, "all-gather", "fwd", "kv_pos", b * cfg.seq_len * 4, cp_axis)
+         + term(mesh, "reduce-scatter", "bwd", "dK/dV", 2 * cfg.n_layers * kv / cp, cp_axis))
+  if cfg.capacity_factor > 0:
+    out += term(mesh, "all-gather", "fwd", "expert ids per layer + positions (capacity)",
+                (cfg.n_layers * cfg.top_k + 1) * b * cfg.seq_len * 4, cp_axis)
+  return out
+
+
+def _tuple(axes) -> tuple[str, ...]:
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _size(mesh, axes) -> int:
+  return math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
 
 
 def stats_terms(cfg, mesh, token_axes) -> list[Term]:

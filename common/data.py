@@ -3,7 +3,8 @@
 Each token v has 4 successors (fixed from the seed) with probabilities 0.6/0.2/0.1/0.1, so the
 best achievable next-token CE is ~1.09 nats and a model visibly learns. Batch `step` is a pure
 function of (seed, step, batch, seq_len, vocab): every strategy and process count sees the same
-global batch. Strategies that reorder the sequence (CP load balancing) do it on top of this.
+global batch. Strategies that reorder the sequence (CP load balancing, common/context.py) do it
+on top of this.
 """
 from __future__ import annotations
 
@@ -29,21 +30,3 @@ def batch(step: int, batch_size: int, seq_len: int, vocab: int, seed: int = 0) -
   pos = np.broadcast_to(np.arange(seq_len), (batch_size, seq_len))
   return {"tokens": seq[:, :-1].astype(np.int32), "targets": seq[:, 1:].astype(np.int32),
           "positions": pos.astype(np.int32).copy()}
-
-
-def load_balance_order(seq_len: int, cp: int) -> np.ndarray:
-  """CP load balancing: cut S into 2*cp chunks; device i holds chunks i and 2*cp-1-i.
-
-  Returns the permutation of sequence indices in device order, e.g. S=8, cp=2:
-  chunks [01][23][45][67] -> device0 [01 67], device1 [23 45] -> [0,1,6,7,2,3,4,5].
-  """
-  if seq_len % (2 * cp):
-    raise ValueError(f"seq_len={seq_len} not divisible by 2*context={2 * cp}")
-  c = seq_len // (2 * cp)
-  chunks = np.arange(seq_len).reshape(2 * cp, c)
-  return np.concatenate([np.concatenate([chunks[i], chunks[2 * cp - 1 - i]]) for i in range(cp)])
-
-
-def reorder_sequence(b: dict, order: np.ndarray) -> dict:
-  """Apply a sequence permutation to tokens, targets and positions alike."""
-  return {k: np.ascontiguousarray(v[:, order]) for k, v in b.items()}

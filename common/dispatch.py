@@ -1,9 +1,8 @@
 """Index helpers of the expert-parallel (EP) token exchange, each with hand-worked tests
-(tests/test_dispatch.py). The exchange itself is strategies/ep.py's shard_map body, moe_body
-(ep_ragged.py: the ragged transport); ep_as_cp and shard_exp_on_fsdp call it too.
+(tests/test_dispatch.py). The exchange itself is strategies/ep.py's shard_map body, moe_body,
+with its transports (padded all-to-all, ragged, none); ep_as_cp, shard_exp_on_fsdp and pp call it.
 
-  capacity / send_rows -> C, make_plan -> Plan, pack, unpack, segment_ids, ragged_params;
-  resolve_method / check_method: --dispatch ("auto" -> ragged on GPU/TPU, a2a on CPU).
+  rows_bound / send_rows -> C, make_plan -> Plan, pack, unpack, segment_ids, ragged_params.
 
 Send plan of one device (T local tokens, K copies each, EP shards of e = E/EP experts):
   copies (t, k) sorted stably by expert id (dropped copies -> id E, last); shard j's copies are
@@ -14,7 +13,7 @@ Send plan of one device (T local tokens, K copies each, EP shards of e = E/EP ex
   The receiver gets rows [EP_src, C] and the counts [EP_src, e] (a tiny int all_to_all); row c of
   source i belongs to local expert #{l : cumsum(counts[i])[l] <= c} (e = padding).
 
-Buffer bound (a2a, `capacity`): nothing is ever dropped by the exchange (the `dropped` metric is
+Buffer bound (a2a, `rows_bound`): nothing is ever dropped by the exchange (the `dropped` metric is
 the capacity rule's count only).
   dropless (capacity_factor 0): a token picks K distinct experts, so it sends at most min(K, e)
     copies to one shard: C = T * min(K, e), the exact worst case. Each device sends and receives
@@ -28,34 +27,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import einops
 import jax
 import jax.numpy as jnp
 
 from common import buffers, routing
-from common.config import ConfigError
 
-METHODS = ("a2a", "ragged")
-
-
-# ----------------------------------------------------------------------------- method, bound
-def resolve_method(name: str, platform: str | None = None) -> str:
-  """"auto" -> ragged on GPU/TPU, a2a on CPU."""
-  platform = platform or jax.default_backend()
-  if name == "auto":
-    return "a2a" if platform == "cpu" else "ragged"
-  if name not in METHODS:
-    raise ConfigError(f"dispatch={name!r} must be auto, a2a or ragged")
-  return name
-
-
-def check_method(name: str, platform: str | None = None) -> None:
-  platform = platform or jax.default_backend()
-  if resolve_method(name, platform) == "ragged" and platform == "cpu":
-    raise ConfigError("dispatch='ragged' needs ragged_all_to_all, which XLA:CPU does not "
-                      "implement; use --dispatch=a2a (or auto)")
-
-
-def capacity(t_local: int, top_k: int, n_local: int, seqs: int = 0, slots: int = 0) -> int:
+def rows_bound(t_local: int, top_k: int, n_local: int, seqs: int = 0, slots: int = 0) -> int:
   """C, the rows one device sends to one EP shard of n_local experts, at most.
   Dropless (slots = 0): T*min(K, e), the exact worst case (a token's K copies go to K distinct
   experts). With the capacity rule, at most `slots` = C_e = ceil(cf*S*K/E) copies of a sequence
@@ -67,8 +45,8 @@ def capacity(t_local: int, top_k: int, n_local: int, seqs: int = 0, slots: int =
 
 def send_rows(cfg, b_loc: int, s_loc: int, ep: int) -> int:
   """C for a device holding [b_loc, s_loc] tokens (b_loc sequences, whole or in part)."""
-  return capacity(b_loc * s_loc, cfg.top_k, cfg.n_experts // ep, seqs=b_loc,
-                  slots=routing.capacity(cfg, cfg.seq_len))
+  return rows_bound(b_loc * s_loc, cfg.top_k, cfg.n_experts // ep, seqs=b_loc,
+                  slots=routing.expert_slots(cfg, cfg.seq_len))
 
 
 # ----------------------------------------------------------------------------- index helpers
@@ -89,7 +67,8 @@ def make_plan(experts, keep, n_experts: int, ep: int) -> Plan:
   flat = jnp.where(keep, experts, n_experts).reshape(-1)                 # [T*K], dropped -> E
   order = jnp.argsort(flat, stable=True)
   pos = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-  counts = jnp.sum(jax.nn.one_hot(flat, n_experts, dtype=jnp.int32), axis=0).reshape(ep, n_local)
+  per_expert = jnp.sum(jax.nn.one_hot(flat, n_experts, dtype=jnp.int32), axis=0)   # [E]
+  counts = einops.rearrange(per_expert, "(x e) -> x e", x=ep)           # expert id = x*e + local
   sizes = jnp.sum(counts, axis=1)                                        # [EP] rows per shard
   start = jnp.concatenate([_excl_cumsum(sizes), jnp.sum(sizes, keepdims=True)])   # [EP+1]
   dst = flat // n_local                                                  # E // e = EP for dropped

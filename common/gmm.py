@@ -35,13 +35,16 @@ Backends:
                                 shapes, else ragged_dot_general, which need not
                                 materialize an [E, M, K] copy)
                 Core kernel: "ragged_dot" (everywhere). Accelerator kernels and
-                wgrads (e.g. "mgpu", Hopper) live in the `kernels` package and
-                register themselves here (register_kernel / register_wgrad).
+                wgrads (e.g. "mgpu", Hopper) live in the `kernels` package, which
+                imports this module and registers them (register_kernel /
+                register_wgrad); this module never imports it.
   "scan"        one expert at a time under lax.scan, masked: exact, E x the FLOPs,
                 [M, N] live. For compile-only memory studies on CPU (its ragged_dot
                 lowering keeps an [E, M, K] buffer, see _scan_kernel).
-  "auto"        "custom" with the last registered kernel that runs natively here
-                (the Hopper "mgpu" kernel on a Hopper GPU), else "ragged_dot".
+  "mgpu"        "custom" with the Hopper kernel and wgrad "mgpu" (kernels/mgpu.py, which
+                the caller imports: run.py does for --gmm=mgpu). Opt-in: no GPU run
+                has held it to the suite's contracts yet.
+  "auto"        "ragged_dot", the default, checked on CPU by every strategy's tests.
 
 On CPU, lax.ragged_dot (and ragged_dot_general) lowers to a dense masked product
 of E x the dense FLOPs; there "padded" with capacity = largest group is the
@@ -51,7 +54,6 @@ fastest backend (bench/gmm.py). CPU timings say nothing about GPU kernels.
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Callable
 
 import jax
@@ -83,7 +85,7 @@ def _row_groups(group_sizes, m):
   return gid, pos
 
 
-def _valid_rows(group_sizes, m):
+def valid_rows(group_sizes, m):
   """[M] bool: rows covered by some group."""
   return jnp.arange(m) < jnp.sum(group_sizes)
 
@@ -98,12 +100,12 @@ def _out_dtype(x, w, preferred_element_type):
 # group_sizes, out_dtype) -> dw [E, K, N], ignoring tail rows.
 
 
-def _ragged_dot_kernel(lhs, rhs, group_sizes, *, out_dtype, transpose_rhs=False):
+def ragged_dot_kernel(lhs, rhs, group_sizes, *, out_dtype, transpose_rhs=False):
   rhs = rhs.transpose(0, 2, 1) if transpose_rhs else rhs
   return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
 
 
-def _wgrad_ragged(x, dy, group_sizes, *, out_dtype):
+def wgrad_ragged(x, dy, group_sizes, *, out_dtype):
   return jax.lax.ragged_dot_general(x, dy, group_sizes, _WGRAD_DIMS,
                                     preferred_element_type=out_dtype)
 
@@ -152,9 +154,9 @@ def _native() -> bool:
 # name -> (fn, available() -> whether it runs natively in this process). Registered kernels
 # must fall back to a core one where they are unavailable, so every name works everywhere.
 _KERNELS: dict[str, tuple[Callable, Callable[[], bool]]] = {
-    "ragged_dot": (_ragged_dot_kernel, _native)}
+    "ragged_dot": (ragged_dot_kernel, _native)}
 _WGRADS: dict[str, tuple[Callable, Callable[[], bool]]] = {
-    "ragged_dot_general": (_wgrad_ragged, _native), "segment": (_wgrad_segment, _native)}
+    "ragged_dot_general": (wgrad_ragged, _native), "segment": (_wgrad_segment, _native)}
 _SCAN = {"kernel": _scan_kernel, "wgrad": _wgrad_scan}   # backend "scan", not an "auto" choice
 
 
@@ -176,26 +178,13 @@ def register_wgrad(name: str, fn: Callable, available: Callable[[], bool]) -> No
   _WGRADS[name] = (fn, available)
 
 
-@functools.cache
-def _load_kernels() -> None:
-  # The hook: common/ holds no accelerator code. The first table lookup imports the `kernels`
-  # package (repo root), whose modules call register_kernel / register_wgrad at import time.
-  try:
-    importlib.import_module("kernels")
-  except ModuleNotFoundError as err:  # common/ used without the kernels package
-    if err.name != "kernels":
-      raise
-
-
 def available_kernels() -> list[str]:
   """Kernels that run natively in this process, in registration order ("ragged_dot" first)."""
-  _load_kernels()
   return [name for name, (_, available) in _KERNELS.items() if available()]
 
 
 def available_wgrads() -> list[str]:
   """Weight-gradient reductions that run natively in this process."""
-  _load_kernels()
   return [name for name, (_, available) in _WGRADS.items() if available()]
 
 
@@ -254,10 +243,9 @@ def available_backends() -> list[str]:
 
 
 def resolve_kernel(name: str | None) -> str:
-  """None or "auto" -> the last registered kernel that runs natively here; else checks name."""
+  """None or "auto" -> "ragged_dot"; else a registered kernel's name."""
   if name in (None, "auto"):
-    return available_kernels()[-1]
-  _load_kernels()
+    return "ragged_dot"
   if name not in _KERNELS:
     raise ValueError(f"unknown gmm kernel {name!r}; expected 'auto' or one of {tuple(_KERNELS)}")
   return name
@@ -266,9 +254,14 @@ def resolve_kernel(name: str | None) -> str:
 def resolve_backend(name: str) -> str:
   """Maps a backend name ("auto" included) to a concrete backend."""
   if name == "auto":
-    return "ragged_dot" if resolve_kernel("auto") == "ragged_dot" else "custom"
+    return "ragged_dot"
+  if name == "mgpu":
+    if "mgpu" not in _KERNELS or "mgpu" not in _WGRADS:
+      raise ValueError("gmm backend 'mgpu' needs kernels/mgpu.py: import kernels.mgpu first "
+                       "(run.py does for --gmm=mgpu)")
+    return "mgpu"
   if name not in BACKENDS:
-    raise ValueError(f"unknown gmm backend {name!r}; expected 'auto' or one of {BACKENDS}")
+    raise ValueError(f"unknown gmm backend {name!r}; expected 'auto', 'mgpu' or one of {BACKENDS}")
   return name
 
 
@@ -276,7 +269,6 @@ def resolve_wgrad(name: str) -> str:
   """"auto" -> "segment" on CPU (measured faster there), else "ragged_dot_general"."""
   if name == "auto":
     return "segment" if jax.default_backend() == "cpu" else "ragged_dot_general"
-  _load_kernels()
   if name not in _WGRADS:
     raise ValueError(f"unknown gmm wgrad {name!r}; expected 'auto' or one of {tuple(_WGRADS)}")
   return name
@@ -290,10 +282,10 @@ def gmm(x, w, group_sizes, *, backend="auto", preferred_element_type=None,
     x: [M, K] rows sorted by group.
     w: [E, K, N].
     group_sizes: [E] int32, sum <= M; rows past the sum give zeros.
-    backend: "auto", "ragged_dot", "padded", "custom" or "scan".
+    backend: "auto" (= "ragged_dot"), "ragged_dot", "padded", "custom", "scan" or "mgpu".
     preferred_element_type: output dtype (default: result type of x and w).
     capacity: "padded" only; per-group row capacity C (default M).
-    kernel: "custom" only; a registered kernel (default: resolve_kernel("auto")).
+    kernel: "custom" only; a registered kernel (default: "ragged_dot").
     wgrad: "custom" only; "auto" or a registered wgrad.
   Returns:
     [M, N] array.
@@ -305,8 +297,8 @@ def gmm(x, w, group_sizes, *, backend="auto", preferred_element_type=None,
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=out_dtype)
   if name == "padded":
     return _gmm_padded(x, w, group_sizes, out_dtype, capacity)
-  if name == "scan":
-    kernel = wgrad = "scan"
+  if name in ("scan", "mgpu"):
+    kernel = wgrad = name
   else:
     kernel, wgrad = resolve_kernel(kernel), resolve_wgrad(wgrad)
   x, w = _same_vma(x, w)

@@ -70,3 +70,16 @@ def require_divisible(dim_name: str, dim: int, mesh, axes) -> None:
   if dim % n:
     label = "x".join(axes)
     raise ConfigError(f"{dim_name}={dim} is not divisible by mesh axis {label}={n}")
+
+
+def require_microbatches(cfg, mesh, bspec) -> None:
+  """Each microbatch is sharded like the whole batch: B % (M x the batch axes' size) == 0."""
+  if cfg.microbatches <= 1:
+    return
+  axes = tuple(a for e in tuple(bspec)[:1] if e is not None
+               for a in ((e,) if isinstance(e, str) else e)) if mesh is not None and bspec else ()
+  n = axis_size(mesh, *axes) if axes else 1
+  if cfg.batch % (cfg.microbatches * n):
+    label = "x".join(axes) or "none"
+    raise ConfigError(f"batch={cfg.batch} is not divisible by microbatches={cfg.microbatches} x "
+                      f"mesh axis {label}={n}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import einops
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -217,20 +218,20 @@ def _gather_kv(a, spec):
   """K or V [B, S@cp, KV, Dh] -> spec (whole along the sequence): an all-gather over the axes
   that split S. Every such rank's queries read all of K/V, so the cotangent is a partial sum over
   those axes: gather_weight's backward reduce-scatters it (XLA:CPU alone would all-reduce)."""
-  seq_axes = sharding.spec_axes(jax.typeof(a).sharding.spec, 1)
+  seq_axes = sharding.dim_axes(jax.typeof(a).sharding.spec, 1)
   return sharding.gather_weight(a, spec, tuple(x for x in seq_axes
-                                               if x not in sharding.spec_axes(spec, 1)))
+                                               if x not in sharding.dim_axes(spec, 1)))
 
 
 def attention(p, x, positions, cfg: Config, lay: Layout):
   """Causal GQA attention. x [B, S, D] -> [B, S, D]."""
   wq, wk, wv, wo = (use(lay, r, p[n], x.dtype) for n, r in (("wq", "attn_q"), ("wk", "attn_kv"),
                                                            ("wv", "attn_kv"), ("wo", "attn_o")))
-  kv, g, dh = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+  kv, dh = cfg.n_kv_heads, cfg.head_dim
   # H = KV x G viewed on the weights, never on activations: a reshape of [B, S, H, Dh] would
   # drop the batch dim's sharding when B is 1 per shard (jax >= 0.11)
-  wq = wq.reshape(wq.shape[0], kv, g, dh)                                      # [D, KV, G, Dh]
-  wo = wo.reshape(kv, g, dh, wo.shape[-1])                                     # [KV, G, Dh, D]
+  wq = einops.rearrange(wq, "d (k g) h -> d k g h", k=kv)                     # [D, KV, G, Dh]
+  wo = einops.rearrange(wo, "(k g) h d -> k g h d", k=kv)                     # [KV, G, Dh, D]
   q = rope(jnp.einsum("bsd,dkgh->bskgh", x, wq), positions, cfg.rope_theta)    # [B, S, KV, G, Dh]
   k = rope(jnp.einsum("bsd,dkh->bskh", x, wk), positions, cfg.rope_theta)      # [B, S, KV, Dh]
   v = jnp.einsum("bsd,dkh->bskh", x, wv)                                       # [B, S, KV, Dh]

@@ -1,4 +1,5 @@
-"""Token permutation, the expert FFN on sorted tokens, and the dense MoE oracle.
+"""Token permutation, the expert FFN on sorted tokens (swiglu_experts, experts_ffn), and the
+dense MoE oracle.
 
 permute:   token copies (t, k) sorted by expert id, stably; dropped copies get the sentinel id E
            so they sort last, past sum(group_sizes), where gmm returns exact zeros.
@@ -44,6 +45,18 @@ def swiglu_experts(xs: jax.Array, group_sizes: jax.Array, p: dict, backend: str,
   return mm(jax.nn.silu(h0) * h1, p["wo"])                            # [M, D]
 
 
+def experts_ffn(p: dict, rows: jax.Array, ids: jax.Array, n: int, backend: str) -> jax.Array:
+  """rows [..., D] with expert ids [...] in 0..n (n = padding) -> each row through its expert:
+  stable sort by id (padding last), SwiGLU gmm on p's n experts (zero tail), unsort. The EP
+  exchanges' expert step (strategies/ep.py), whatever buffer layout brought the rows."""
+  shape, d = rows.shape, rows.shape[-1]
+  rows, gid = rows.reshape(-1, d), ids.reshape(-1)                       # [M, D], [M]
+  order = jnp.argsort(gid, stable=True)
+  gs = jnp.sum(jax.nn.one_hot(gid, n, dtype=jnp.int32), axis=0)          # [n], padding excluded
+  ys = swiglu_experts(rows[order], gs, p, backend)                       # [M, D]
+  return jnp.zeros_like(rows).at[order].set(ys.astype(rows.dtype)).reshape(shape)
+
+
 def route_tokens(p: dict, x: jax.Array, positions: jax.Array, cfg: Config,
                  experts_all=None, positions_all=None):
   """Route local tokens x [B, S, D] -> (Routing over T=B*S, keep [T, K], stats (local sums)).
@@ -58,7 +71,7 @@ def route_tokens(p: dict, x: jax.Array, positions: jax.Array, cfg: Config,
     e_all, pos_all = (experts_all(e_local, positions) if callable(experts_all)
                       else (experts_all, positions_all))
     s_all = s if e_all is None else e_all.shape[1]
-    keep = routing.capacity_keep(e_local, positions, routing.capacity(cfg, s_all), cfg.n_experts,
+    keep = routing.capacity_keep(e_local, positions, routing.expert_slots(cfg, s_all), cfg.n_experts,
                                  e_all, pos_all).reshape(b * s, cfg.top_k)
   else:
     keep = jnp.ones(r.experts.shape, jnp.bool_)

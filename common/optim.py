@@ -65,6 +65,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
 from common import model
+from common.sharding import entry_axes
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -106,7 +107,19 @@ def _per_layer(role, fn):
     role: optax would otherwise merge L with E into one batch dim, a reshape that explicit
     sharding rejects when E is sharded (a vmap rounds differently between sharded and
     unsharded programs, which Newton-Schulz amplifies past the parity tolerance)."""
-    return (lambda a: jax.lax.map(fn, a)) if role in model.LAYER_ROLES else fn
+    if role not in model.LAYER_ROLES:
+        return fn
+
+    def mapped(a):
+        layer_axes = entry_axes(_spec(a)[0])
+        if not layer_axes:
+            return jax.lax.map(fn, a)
+        # [L] split over pipeline stages (pp): each stage maps over its own layers, in a
+        # shard_map manual over those axes only (lax.map needs its mapped dim unsharded)
+        entry = layer_axes[0] if len(layer_axes) == 1 else layer_axes
+        return jax.shard_map(lambda x: jax.lax.map(fn, x), in_specs=P(entry), out_specs=P(entry),
+                             axis_names=set(layer_axes))(a)
+    return mapped
 
 
 def _by_path(roles, fn) -> dict:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import einops
 import jax
 import jax.numpy as jnp
 
@@ -63,12 +64,12 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array, cfg: Config) -> Ro
   sb = s + jax.lax.stop_gradient(bias)[None, :]
   t, e = sb.shape
   g = cfg.n_group
-  grouped = sb.reshape(t, g, e // g)                                    # [T, G, E/G]
+  grouped = einops.rearrange(sb, "t (g n) -> t g n", g=g)               # [T, G, E/G]
   top2 = jax.lax.top_k(grouped, min(2, e // g))[0]
   group_score = jnp.sum(top2, axis=-1)                                  # [T, G]
   keep_groups = _topk_ids(group_score, cfg.topk_group)                  # [T, topk_group]
   gmask = jnp.sum(jax.nn.one_hot(keep_groups, g, dtype=jnp.bool_), axis=1) > 0   # [T, G]
-  emask = jnp.repeat(gmask, e // g, axis=1)                             # [T, E]
+  emask = einops.repeat(gmask, "t g -> t (g n)", n=e // g)              # [T, E]: expert = g*E/G + n
   idx = _topk_ids(jnp.where(emask, sb, -jnp.inf), cfg.top_k)            # [T, K]
   w = jnp.take_along_axis(s, idx, axis=-1)                              # unbiased scores
   if cfg.norm_topk_prob:
@@ -78,7 +79,7 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array, cfg: Config) -> Ro
   return Routing(idx.astype(jnp.int32), w, probs, logits)
 
 
-def capacity(cfg: Config, seq_len: int) -> int:
+def expert_slots(cfg: Config, seq_len: int) -> int:
   """Slots per expert per sequence (0 = dropless)."""
   if cfg.capacity_factor <= 0:
     return 0

@@ -3,6 +3,7 @@ the sequence all-gather of an activation), an explicit reduce-scatter of an unre
 placing pytrees on a mesh (multi-process too), and reading layouts back for --dump_sharding."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax
@@ -11,16 +12,26 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
-def _axes(entry) -> tuple[str, ...]:
+def entry_axes(entry) -> tuple[str, ...]:
   if entry is None:
     return ()
   return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def spec_axes(spec, dim: int) -> tuple[str, ...]:
+def dim_axes(spec, dim: int) -> tuple[str, ...]:
   """Mesh axes that split dimension `dim` under PartitionSpec `spec` (() past its end)."""
   entries = tuple(spec)
-  return _axes(entries[dim]) if dim < len(entries) else ()
+  return entry_axes(entries[dim]) if dim < len(entries) else ()
+
+
+def spec_axes(spec) -> tuple[str, ...]:
+  """Every mesh axis a PartitionSpec names, dims in order."""
+  return tuple(a for e in (spec or ()) for a in entry_axes(e))
+
+
+def spec_shards(spec, mesh) -> int:
+  """How many ways a PartitionSpec splits an array on this mesh."""
+  return math.prod(mesh.shape[a] for a in spec_axes(spec))
 
 
 def varying_axes(a) -> frozenset:
@@ -79,7 +90,7 @@ def gather_weight(w: jax.Array, out_spec: P, grad_axes: Sequence[str], dtype=Non
     return _gather(a), None
 
   def _bwd(_, ct):
-    scatter = [(d, tuple(a for a in _axes(in_spec[d]) if a not in _axes(out_entries[d])))
+    scatter = [(d, tuple(a for a in entry_axes(in_spec[d]) if a not in entry_axes(out_entries[d])))
                for d in range(w.ndim)]
     scattered = {a for _, axs in scatter for a in axs}
     rest = tuple(a for a in grad_axes if a not in scattered)
@@ -111,7 +122,7 @@ def reduce_scatter(y: jax.Array, out_spec: P) -> jax.Array:
   spec = jax.typeof(y).sharding.spec
   in_entries = spec.partitions + (None,) * (y.ndim - len(spec))
   out_entries = tuple(out_spec) + (None,) * (y.ndim - len(tuple(out_spec)))
-  scatter = [(d, tuple(a for a in _axes(out_entries[d]) if a not in _axes(in_entries[d])))
+  scatter = [(d, tuple(a for a in entry_axes(out_entries[d]) if a not in entry_axes(in_entries[d])))
              for d in range(y.ndim)]
   rest = tuple(a for a in spec.unreduced if all(a not in axs for _, axs in scatter))
 

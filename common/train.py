@@ -10,12 +10,14 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple
 
+import einops
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from common import data as data_lib
-from common import cost, hlo, model, optim, routing, sharding
+from common import hlo, model, optim, routing, sharding
+from common import mesh as mesh_lib
 from common.config import ConfigError
 from common.sharding import put
 
@@ -24,6 +26,7 @@ class Job(NamedTuple):
   name: str
   cfg: Any
   mesh: Any                 # None for the single-device reference
+  opts: Any                 # the strategy's Options
   params: Any
   opt_state: Any
   step: Callable            # compiled: (params, opt_state, batch) -> (params, opt_state, metrics)
@@ -47,7 +50,7 @@ def global_norm(tree) -> jax.Array:
 
   def local(*shards):
     axes = tuple(mesh.axis_names)
-    total = sum(jnp.sum(jnp.square(s)) / (mesh.size // cost.spec_shards(p, mesh))
+    total = sum(jnp.sum(jnp.square(s)) / (mesh.size // sharding.spec_shards(p, mesh))
                 for s, p in zip(shards, specs))
     return jax.lax.psum(sharding.to_varying(total, axes), axes)
 
@@ -57,10 +60,7 @@ def global_norm(tree) -> jax.Array:
 def microbatches(batch: dict, m: int) -> dict:
   """[B, S] -> [M, B/M, S]: microbatch i = rows i, i+M, i+2M, ... Each device keeps its own
   rows (B/M stays split over the batch axes when B % (M x their size) == 0): no data moves."""
-  def split(a):
-    b = a.reshape(a.shape[0] // m, m, *a.shape[1:])                        # [B/M, M, S]
-    return jnp.moveaxis(b, 1, 0)                                           # [M, B/M, S]
-  return jax.tree.map(split, batch)
+  return jax.tree.map(lambda a: einops.rearrange(a, "(b m) s -> m b s", m=m), batch)
 
 
 def accumulated_grads(params, batch, cfg, lay: model.Layout):
@@ -115,32 +115,22 @@ def make_train_step(cfg, lay: model.Layout, opt: optim.Optimizer, with_grads: bo
   return step
 
 
-def check_microbatches(cfg, mesh, bspec) -> None:
-  """Each microbatch is sharded like the whole batch: B % (M x the batch axes' size) == 0."""
-  if cfg.microbatches <= 1:
-    return
-  axes = cost.spec_axes(bspec[:1]) if mesh is not None and bspec is not None else ()
-  n = math.prod(mesh.shape[a] for a in axes) if axes else 1
-  if cfg.batch % (cfg.microbatches * n):
-    label = "x".join(axes) or "none"
-    raise ConfigError(f"batch={cfg.batch} is not divisible by microbatches={cfg.microbatches} x "
-                      f"mesh axis {label}={n}")
-
-
-def build(strategy, cfg, mesh, *, with_grads: bool = False, compile_only: bool = False,
+def build(strategy, cfg, mesh, opts=None, *, with_grads: bool = False, compile_only: bool = False,
           init: Callable | None = None, state: tuple | None = None) -> Job:
-  """strategy: a module from strategies/ (see strategies/__init__.py for the contract).
-  init: cfg -> numpy params (default model.init_params); state: (params, opt_state) already
-  placed in this strategy's shardings (a restored checkpoint, common/checkpoint.py)."""
+  """strategy: a module from strategies/ (see strategies/__init__.py for the contract); opts:
+  its Options (None = the defaults). init: cfg -> numpy params (default model.init_params);
+  state: (params, opt_state) already placed in this strategy's shardings (a restored
+  checkpoint, common/checkpoint.py)."""
+  opts = strategy.Options() if opts is None else opts
   ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
   with ctx:
     if mesh is not None:
-      strategy.check(cfg, mesh)
+      strategy.check(cfg, mesh, opts)
     specs = strategy.param_specs(cfg, mesh) if mesh is not None else None
-    check_microbatches(cfg, mesh, strategy.batch_spec(cfg, mesh) if mesh is not None else None)
+    mesh_lib.require_microbatches(cfg, mesh, strategy.batch_spec(cfg, mesh) if mesh is not None else None)
     opt = optim.make_optimizer(cfg.optimizer, model.param_roles(cfg), lr=cfg.lr,
                                weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
-    lay = strategy.layout(cfg, mesh)
+    lay = strategy.layout(cfg, mesh, opts)
     step_fn = make_train_step(cfg, lay, opt, with_grads)
     bspec = strategy.batch_spec(cfg, mesh) if mesh is not None else None
     prep = getattr(strategy, "prepare_batch", None)
@@ -171,7 +161,7 @@ def build(strategy, cfg, mesh, *, with_grads: bool = False, compile_only: bool =
     with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
       return compiled(p, o, b)
 
-  return Job(getattr(strategy, "NAME", strategy.__name__.split(".")[-1]), cfg, mesh, params,
+  return Job(getattr(strategy, "NAME", strategy.__name__.split(".")[-1]), cfg, mesh, opts, params,
              opt_state, run_step, compiled, compile_s, batch, hlo_text)
 
 

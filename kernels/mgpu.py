@@ -1,4 +1,5 @@
-"""Hopper grouped-matmul kernels for common/gmm.py's "custom" backend (registered as "mgpu").
+"""Hopper grouped-matmul kernels for common/gmm.py's "mgpu" backend (registered as "mgpu" when this
+module is imported: run.py imports it for --gmm=mgpu, bench/ always).
 
   kernel "mgpu"  jax.experimental.pallas.ops.gpu.ragged_dot_mgpu: forward x @ w and dx = dy @ w^T
                  (transpose_rhs where the kernel has it, else a transposed copy of w)
@@ -32,9 +33,9 @@ from common import gmm as gmm_lib
 from common import timing
 
 # common.gmm's core kernel, wgrad and tail mask: the fallbacks and the autotuner's references.
-_ragged_dot_kernel = gmm_lib._ragged_dot_kernel  # pylint: disable=protected-access
-_wgrad_ragged = gmm_lib._wgrad_ragged  # pylint: disable=protected-access
-_valid_rows = gmm_lib._valid_rows  # pylint: disable=protected-access
+_ragged_dot_kernel = gmm_lib.ragged_dot_kernel
+_wgrad_ragged = gmm_lib.wgrad_ragged
+_valid_rows = gmm_lib.valid_rows
 
 # Tile config where the tile table has no entry for a call's shape
 # (needs K % block_k == 0 and N % block_n == 0; the weight gradient K % block_m == 0).

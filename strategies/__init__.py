@@ -3,30 +3,62 @@
 Every strategy module exposes the same small functional interface:
   NAME: str, AXES: tuple of mesh axis names (mesh order), MAIN_AXIS: the axis that gets all
   devices when --mesh is omitted, and
-  check(cfg, mesh)            -> None, raises common.config.ConfigError with a one-line message
+  Options                     -> a frozen dataclass of the strategy's own knobs (--opt=k=v,...,
+                                 parsed by common/options.py), or common.options.NoOptions
+  check(cfg, mesh, opts)      -> None, raises common.config.ConfigError with a one-line message
   param_specs(cfg, mesh)      -> pytree of PartitionSpec shaped like common.model params, written
                                  as a role -> spec table (common.model.param_specs: one layer's
-                                 array per role; the stacked [L] dim is never sharded)
+                                 array per role; the stacked [L] dim is unsharded, or split over
+                                 pipeline stages)
   batch_spec(cfg, mesh)       -> PartitionSpec of tokens/targets/positions [B, S]
-  layout(cfg, mesh)           -> common.model.Layout (shardings + the routed-MoE implementation)
+  layout(cfg, mesh, opts)     -> common.model.Layout (shardings + the routed-MoE implementation)
   prepare_batch(b, cfg, mesh) -> optional: reorder the global numpy batch (CP load balancing)
-  cost(cfg, mesh)             -> list of common.cost.Term, each over named mesh axes: the
+  cost(cfg, mesh, opts)       -> list of common.cost.Term, each over named mesh axes: the
                                  weight traffic from common.cost.weight_terms (stored vs used
                                  specs by role) plus the strategy's own activation terms
   __doc__                     -> opens with the contract: mesh axes, sharding table, collectives
                                  per layer; its "HLO contract" block lists (kind over axes) lines
                                  that must equal both the compiled program and cost()'s terms
-  contract_variant(cfg)       -> optional: the name of another "HLO contract, <name>:" block
-  COMPARE_MESH                -> optional mesh spec for the comparison table when the main axis
-                                 alone does not fit the presets (its first axis is scaled to the
-                                 device count)
+  contract_variant(opts)      -> optional: the name of another "HLO contract, <name>:" block
+  activation_shardings(cfg, mesh, opts) -> optional: [(name, sharding)] for --dump_sharding
+  COMPARE_MESH                -> mesh spec for the comparison table when the main axis alone
+                                 does not fit the presets (its first axis is scaled to the
+                                 device count); None: every device on MAIN_AXIS
+  TEST_CASES, COST_CASES, BAD_INPUT -> the strategy's rows of the one table that drives
+                                 tests/test_strategies.py (parity and contract per TEST_CASES
+                                 row, the cost model per COST_CASES row, one-line errors)
 The reference has AXES = () and runs on one device with no mesh.
+
+Adding a strategy: write strategies/NAME.py to this interface, add NAME to NAMES below, and put
+only what is specific to it in tests/test_NAME.py.
 """
 from __future__ import annotations
 
 import importlib
+from typing import NamedTuple
 
+from common import options
 from common.config import ConfigError
+
+
+class Case(NamedTuple):
+  """A test row: a preset with config overrides, on a mesh, with the strategy's options."""
+  model: str
+  mesh: str | None
+  overrides: dict = {}           # Config fields over the preset  # noqa: RUF012 (never mutated)
+  opts: object = None            # the strategy's Options (None = the defaults)
+
+  def config(self):
+    from common.config import get_config
+    return get_config(self.model, **self.overrides)
+
+
+class BadInput(NamedTuple):
+  """A config / mesh / options the strategy's check() refuses with exactly this one line."""
+  overrides: dict
+  mesh: str
+  opts: object
+  message: str
 
 # Order = the order of the comparison table.
 NAMES = ["reference", "dp", "fsdp", "tp", "ep", "cp", "ep_as_cp", "shard_exp_on_fsdp", "ep_tp", "pp"]
@@ -54,3 +86,21 @@ def get(name: str):
     if e.name == f"strategies.{name}":
       raise ConfigError(f"strategy {name!r} is not implemented in this checkout") from None
     raise
+
+
+def parse_options(names: list[str], text: str | None) -> dict:
+  """{strategy name: its Options} from --opt=key=value,... Single strategy: every key must be
+  one of its options. Several (compare mode): each key must belong to at least one of them and
+  goes to those that have it."""
+  pairs = options.split(text)
+  classes = {n: get(n).Options for n in NAMES if n in available()}
+  if len(names) == 1:
+    others = {n: c for n, c in classes.items() if n != names[0]}
+    return {names[0]: options.parse(names[0], classes[names[0]], pairs, others)}
+  for key in pairs:
+    if not any(key in options.keys(classes[n]) for n in names):
+      owners = [n for n, c in classes.items() if key in options.keys(c)]
+      where = f" (an option of {', '.join(owners)})" if owners else ""
+      raise ConfigError(f"--opt key {key!r} belongs to none of the compared strategies{where}")
+  return {n: options.parse(n, classes[n], {k: v for k, v in pairs.items()
+                                           if k in options.keys(classes[n])}) for n in names}

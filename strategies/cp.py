@@ -4,7 +4,7 @@ Mesh axes: (data, fsdp, context)
 
 | tensor                                  | sharding                                          |
 |-----------------------------------------|---------------------------------------------------|
-| every weight matrix                     | D over fsdp, as in fsdp.py (common/layouts.py)    |
+| every weight matrix                     | D over fsdp, as in fsdp.py (common/fsdp.py)       |
 | norms [D], router bias [E]              | replicated                                        |
 | tokens / targets / positions [B, S]     | (B_(data,fsdp), S_context), load-balanced order   |
 | residual x [B, S, D], q [B, S, H, Dh]   | (B_(data,fsdp), S_context, ..)                    |
@@ -12,8 +12,8 @@ Mesh axes: (data, fsdp, context)
 | MoE                                     | all experts local, on each device's own tokens    |
 
 Load balancing: the global sequence is cut into 2cp chunks and context rank i holds chunks i and
-2cp-1-i (prepare_batch reorders tokens, targets and positions together; the model masks with the
-true positions), so every rank has the same causal work:
+2cp-1-i (prepare_batch reorders tokens, targets and positions together, common/context.py; the model masks
+with the true positions), so every rank has the same causal work:
   S=8, cp=2: chunks [01][23][45][67] -> rank0 [0 1 6 7], rank1 [2 3 4 5]
 
 Collectives per layer (c = context, f = fsdp, d = data; kv bytes = B_(d,f)*S*KV*Dh*4):
@@ -50,31 +50,39 @@ with S*KV*Dh per layer (cheap with GQA), on top of FSDP's weight traffic.
 """
 from jax.sharding import PartitionSpec as P
 
+from common import context, fsdp, model
 from common import cost as cost_lib
-from common import layouts
 from common import mesh as mesh_lib
-from common import model
-from common.config import ConfigError
+from common.options import NoOptions
+from strategies import BadInput, Case
 
 NAME = "cp"
 AXES = (mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.CONTEXT)
 MAIN_AXIS = mesh_lib.CONTEXT
 CP = mesh_lib.CONTEXT
-BATCH = (mesh_lib.DATA, mesh_lib.FSDP)
-GRAD = (mesh_lib.DATA, mesh_lib.FSDP, CP)        # every axis tokens are split over
+BATCH = (mesh_lib.DATA, mesh_lib.FSDP)           # the axes splitting B
+TOKENS = (mesh_lib.DATA, mesh_lib.FSDP, CP)      # every axis tokens are split over (= grad axes)
+COMPARE_MESH = None
+Options = NoOptions
+TEST_CASES = [Case("tiny", "context:4,data:2"), Case("tiny", "fsdp:2,context:2,data:2"),
+              # the capacity rule: CP must gather the sequence's expert ids
+              Case("deepseek-test", "fsdp:2,context:2,data:2", dict(capacity_factor=1.0))]
+COST_CASES = TEST_CASES
+LAYOUTS = ("tiny", ("context:4,data:2", "fsdp:2,context:2,data:2"))
+BAD_INPUT = [BadInput(dict(seq_len=36), "context:4,data:2", Options(),
+                      "seq_len=36 is not divisible by 2*context=8"),
+             BadInput(dict(batch=3), "context:4,data:2", Options(),
+                      "batch=3 is not divisible by mesh axis dataxfsdp=2")]
 
 
-def check(cfg, mesh):
-  if cfg.context_sharding != CP:
-    raise ConfigError(f"context_sharding={cfg.context_sharding!r} must be {CP!r} for cp "
-                      f"(ep_as_cp plays CP on the expert axis)")
+def check(cfg, mesh, opts):
   mesh_lib.require_divisible("batch", cfg.batch, mesh, BATCH)
-  layouts.check_cp(cfg, mesh, CP)
-  layouts.check_fsdp(cfg, mesh, mesh_lib.FSDP)
+  context.check(cfg, mesh, CP)
+  fsdp.check(cfg, mesh, mesh_lib.FSDP)
 
 
 def param_specs(cfg, mesh):
-  return model.param_specs(cfg, layouts.fsdp_table(mesh_lib.FSDP))  # fsdp.py's table
+  return model.param_specs(cfg, fsdp.table(mesh_lib.FSDP))        # fsdp.py's table
 
 
 def batch_spec(cfg, mesh):
@@ -82,27 +90,27 @@ def batch_spec(cfg, mesh):
 
 
 def prepare_batch(b, cfg, mesh):
-  return layouts.cp_prepare_batch(b, cfg, mesh, CP)
+  return context.prepare_batch(b, cfg, mesh, CP)
 
 
-def layout(cfg, mesh):
+def layout(cfg, mesh, opts):
   x_spec = P(BATCH, CP, None)                                       # [B, S, D] @ (.., context, None)
-  kv, kv_pos = layouts.cp_kv_specs(BATCH)                           # [B, T, KV, Dh] @ (.., None, ..)
-  return model.Layout(x=x_spec, kv=kv, kv_pos=kv_pos, use=layouts.fsdp_use(GRAD, cfg),
-                      moe=layouts.moe_all_local(cfg, x_spec, GRAD, cp_axis=CP))
+  kv, kv_pos = context.kv_specs(BATCH)                              # [B, T, KV, Dh] @ (.., None, ..)
+  return model.Layout(x=x_spec, kv=kv, kv_pos=kv_pos, use=fsdp.use(TOKENS, cfg),
+                      moe=fsdp.moe_all_local(cfg, x_spec, TOKENS, cp_axis=CP))
 
 
-def activation_shardings(cfg, mesh):
+def activation_shardings(cfg, mesh, opts):
   return [("residual x [B, S, D]", f"[{cfg.batch}@(data,fsdp), {cfg.seq_len}@context, {cfg.d_model}]"),
           ("k/v [B, T, KV, Dh]", f"[{cfg.batch}@(data,fsdp), {cfg.seq_len}, {cfg.n_kv_heads}, {cfg.head_dim}]"),
           ("load-balanced positions per context rank",
-           str(layouts.lb_positions(cfg.seq_len, mesh_lib.axis_size(mesh, CP)).tolist()))]
+           str(context.lb_positions(cfg.seq_len, mesh_lib.axis_size(mesh, CP)).tolist()))]
 
 
-def cost(cfg, mesh):
+def cost(cfg, mesh, opts):
   """Collective bytes per device per step (common/cost.py): fsdp's weight traffic over the grad
   axes, the norm-scale grads summed over context first; K/V gathers; router statistics."""
-  return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), GRAD,
-                                gathered=layouts.fsdp_gathered(GRAD),
-                                grads=layouts.cp_norm_grads(CP, BATCH))
-          + layouts.cp_terms(cfg, mesh, CP, BATCH) + cost_lib.stats_terms(cfg, mesh, GRAD))
+  return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), TOKENS,
+                                gathered=cost_lib.fsdp_gathered(TOKENS),
+                                grads=cost_lib.cp_norm_grads(CP, BATCH))
+          + cost_lib.cp_terms(cfg, mesh, CP, BATCH) + cost_lib.stats_terms(cfg, mesh, TOKENS))

@@ -27,16 +27,26 @@ full parameter + optimizer memory on every device.
 import jax
 from jax.sharding import PartitionSpec as P
 
-from common import mesh as mesh_lib
 from common import cost as cost_lib
-from common import layouts, model, moe
+from common import mesh as mesh_lib
+from common import model, moe
+from common.options import NoOptions
+from common.precision import moe_stored, stored_use
+from strategies import BadInput, Case
 
 NAME = "dp"
 AXES = (mesh_lib.DATA,)
 MAIN_AXIS = mesh_lib.DATA
+DATA = mesh_lib.DATA
+COMPARE_MESH = None
+Options = NoOptions
+TEST_CASES = [Case("tiny", "data:8"), Case("deepseek-test", "data:8")]
+COST_CASES = TEST_CASES
+BAD_INPUT = [BadInput(dict(batch=12), "data:8", Options(),
+                      "batch=12 is not divisible by mesh axis data=8")]
 
 
-def check(cfg, mesh):
+def check(cfg, mesh, opts):
   mesh_lib.require_divisible("batch", cfg.batch, mesh, AXES)
 
 
@@ -45,29 +55,29 @@ def param_specs(cfg, mesh):
 
 
 def batch_spec(cfg, mesh):
-  return P("data", None)                                            # [B, S] @ (data, None)
+  return P(DATA, None)                                              # [B, S] @ (data, None)
 
 
-def layout(cfg, mesh):
+def layout(cfg, mesh, opts):
   def moe_fn(p, x, positions):
     # Local tokens, all experts local: the single-device MoE inside a full-manual shard_map.
     # (bf16: the experts cast and typed reduced over data, so their gradient sums in float32)
-    p, p_specs = layouts.moe_stored(p, cfg, ("data",))
-    body = lambda p, x, pos: moe.moe_local(p, x, pos, cfg, token_axes=("data",))
+    p, p_specs = moe_stored(p, cfg, (DATA,))
+    body = lambda p, x, pos: moe.moe_local(p, x, pos, cfg, token_axes=(DATA,))
     return jax.shard_map(
-        body, in_specs=(p_specs, P("data", None, None), P("data", None)),
-        out_specs=(P("data", None, None), P()))(p, x, positions)     # y [B, S, D] @ (data,), stats P()
-  return model.Layout(x=P("data", None, None), use=layouts.stored_use(cfg, ("data",)), moe=moe_fn)
+        body, in_specs=(p_specs, P(DATA, None, None), P(DATA, None)),
+        out_specs=(P(DATA, None, None), P()))(p, x, positions)       # y [B, S, D] @ (data,), stats P()
+  return model.Layout(x=P(DATA, None, None), use=stored_use(cfg, (DATA,)), moe=moe_fn)
 
 
-def activation_shardings(cfg, mesh):
-  b = cfg.batch // mesh.shape["data"]
+def activation_shardings(cfg, mesh, opts):
+  b = cfg.batch // mesh.shape[DATA]
   return [("residual x [B, S, D]", f"[{cfg.batch}@data, {cfg.seq_len}, {cfg.d_model}]"),
           ("MoE tokens per device", f"{b * cfg.seq_len} x top_{cfg.top_k}, all {cfg.n_experts} experts local")]
 
 
-def cost(cfg, mesh):
+def cost(cfg, mesh, opts):
   """Collective bytes per device per step (common/cost.py): every gradient over data, replicated
   weights used as stored; the router statistics."""
-  return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), ("data",))
-          + cost_lib.stats_terms(cfg, mesh, ("data",)))
+  return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), (DATA,))
+          + cost_lib.stats_terms(cfg, mesh, (DATA,)))

@@ -16,13 +16,17 @@ Mesh axes: (data, fsdp, expert)   (MaxText's default "EP as FSDP/DP": every axis
 |   and combine buffer                     |   on (data, fsdp) only, expert dim on expert (#4179) |
 
 MoE: moe_ep, one full-manual shard_map whose body (moe_body, below) routes the local tokens,
-packs their K copies by destination shard into send [EP, C, D], "dispatch_a2a" all_to_all over
-expert (rows and the counts [EP, e]), "expert_gmm" sorts the received rows by local expert and
-runs the SwiGLU gmm on the e = E/EP local experts, "combine_a2a" all_to_all back, unpacks and
-combines with the routing weights (index helpers: common/dispatch.py). ep_as_cp and
-shard_exp_on_fsdp call moe_ep too. cfg.dispatch: "a2a" (that; any backend), "ragged"
-(strategies/ep_ragged.py: ragged_all_to_all moves only the routed rows, GPU/TPU only), "auto"
-(ragged on GPU/TPU, a2a on CPU). The padded a2a moves EP*min(K,e)/K (<= EP) times the ragged
+plans where each of their K copies goes (common/dispatch.py) and hands them to a transport, the
+option `dispatch` (--opt=dispatch=...):
+  a2a (default)  packs the copies by destination shard into send [EP, C, D]; "dispatch_a2a":
+                 all_to_all over expert (rows and the counts [EP, e]); "expert_gmm": sort the
+                 received rows by local expert, SwiGLU gmm on the e = E/EP local experts;
+                 "combine_a2a": all_to_all back; unpack. Checked on CPU (contract, cost model).
+  ragged         ragged_all_to_all moves only the routed rows (GPU/TPU; XLA:CPU cannot compile
+                 it, so it is opt-in and its contract below is unmeasured until a GPU run holds it)
+  none           MaxText #4179's mis-sharding (below): no exchange at all
+then combines the returned copies with the routing weights. ep_as_cp and shard_exp_on_fsdp call
+moe_ep with the a2a transport. The padded a2a moves EP*min(K,e)/K (<= EP) times the ragged
 bytes. C, rows per destination shard (dispatch.send_rows):
   capacity_factor 0 (dropless): T_loc*min(K, e), the exact worst case (tiny, EP 8: 4x the routed
     T_loc*K/EP; DeepSeek-V3 shape, EP 64: 32x)
@@ -48,15 +52,15 @@ least the device count and E divides by EP; cost: 4 token all-to-alls of EP*C*D 
 bwd), on the critical path, and worst-case padding unless ragged.
 
 Dispatch fix (MaxText #4179), `dispatch_buffer_type` shows it without running the model:
-  default                        [N_src@(data,fsdp), EP@expert, C, D]   (moe_body's recv)
-  --dispatch_batch_on_expert     [N_src@(data,fsdp,expert), EP, C, D]   (local_moe_body's send)
-The literal mis-sharding P((data,fsdp,expert), expert, ..) raises DuplicateSpecError in JAX; the
-flag builds what Flax's rule resolution made of it (batch keeps `expert`, E loses it): no token
-moves (local_moe_body packs the send buffer and keeps it), every device needs every expert, so
-the experts are all-gathered over fsdp, then expert, and their grads reduce-scattered back — the
-AllGather+ReduceScatter fallback of #4179, here written explicitly because shard_map in_specs
-must match exactly. Same losses; EP x the expert bytes gathered per layer instead of the token
-exchange (and --dispatch is moot: nothing is exchanged).
+  dispatch=a2a    [N_src@(data,fsdp), EP@expert, C, D]   (the a2a transport's recv)
+  dispatch=none   [N_src@(data,fsdp,expert), EP, C, D]   (local_exchange's send)
+The literal mis-sharding P((data,fsdp,expert), expert, ..) raises DuplicateSpecError in JAX;
+dispatch=none builds what Flax's rule resolution made of it (batch keeps `expert`, E loses it):
+no token moves (local_exchange packs the send buffer and keeps it), every device needs every
+expert, so the experts are all-gathered over fsdp, then expert, and their grads
+reduce-scattered back — the AllGather+ReduceScatter fallback of #4179, here written explicitly
+because shard_map in_specs must match exactly. Same losses; EP x the expert bytes gathered per
+layer instead of the token exchange.
 
 HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
 (kind, axes) set equals it, and tests/test_ep.py holds both to the program, both ways):
@@ -66,7 +70,7 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
   all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
   all-reduce over data: expert grad shards
   all-reduce over (data, fsdp, expert): router stats, loss sums, norm-scale grads, grad norm
-HLO contract, --dispatch_batch_on_expert (no all-to-all at all):
+HLO contract, dispatch=none (no all-to-all at all):
   all-gather over fsdp: weight matrices and experts [E/EP, D/f, F] -> [E/EP, D, F] (fwd)
   reduce-scatter over fsdp: their gradients
   all-gather over expert: then the experts [E/EP, D, F] -> [E, D, F], whole on every device
@@ -74,22 +78,33 @@ HLO contract, --dispatch_batch_on_expert (no all-to-all at all):
   all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
   all-reduce over data: expert grad shards
   all-reduce over (data, fsdp, expert): router stats, loss sums, norm-scale grads, grad norm
+HLO contract, dispatch=ragged (GPU/TPU; not yet measured on hardware):
+  all-gather over fsdp: weight matrices and experts (fwd)
+  reduce-scatter over fsdp: their gradients
+  all-gather over expert: the counts [EP_src, EP_dst, e] (int32) per layer
+  ragged-all-to-all over expert: dispatch [EP*C, D] and combine [T*K, D] rows, fwd and bwd
+  all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
+  all-reduce over data: expert grad shards
+  all-reduce over (data, fsdp, expert): router stats, loss sums, norm-scale grads, grad norm
 
   python run.py --strategy=ep --mesh=data:2,expert:4 --devices=8 --steps=3 --hlo_stats
-  python run.py --strategy=ep --mesh=fsdp:2,expert:4 --dispatch_batch_on_expert --hlo_stats
+  python run.py --strategy=ep --mesh=fsdp:2,expert:4 --opt=dispatch=none --hlo_stats
 """
+import dataclasses
 import functools
 
+import einops
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from common import buffers, dispatch, fsdp, model, moe, options
 from common import cost as cost_lib
-from common import dispatch, layouts
 from common import mesh as mesh_lib
-from common import model, moe
-from common.sharding import gather_weight, spec_axes
+from common.config import ConfigError
+from common.precision import precision
+from common.sharding import dim_axes, gather_weight
+from strategies import BadInput, Case
 
 NAME = "ep"
 DATA, FSDP, EXPERT = mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.EXPERT
@@ -99,21 +114,45 @@ TOKENS = (DATA, FSDP, EXPERT)                   # every axis splits the batch (=
 EXPERT_WEIGHTS = ("wi_0", "wi_1", "wo")
 
 
-def contract_variant(cfg):
-  """Which HLO contract block of the docstring this config compiles to."""
-  return "--dispatch_batch_on_expert" if cfg.dispatch_batch_on_expert else None
+@dataclasses.dataclass(frozen=True)
+class Options:
+  dispatch: str = options.choice("a2a", ("a2a", "ragged", "none"),
+                                 "the token exchange: padded all-to-all, ragged_all_to_all "
+                                 "(GPU/TPU), none (MaxText #4179's mis-sharding)")
 
 
-def check(cfg, mesh):
+COMPARE_MESH = None
+TEST_CASES = [Case("tiny", "expert:8"), Case("tiny", "data:2,expert:4"),
+              Case("deepseek-test", "fsdp:2,expert:4"),
+              Case("tiny", "data:2,expert:4", opts=Options(dispatch="none"))]
+COST_CASES = [Case("tiny", "expert:8"), Case("deepseek-test", "fsdp:2,expert:4"),
+              Case("tiny", "data:2,expert:4", opts=Options(dispatch="none"))]
+BAD_INPUT = [
+    BadInput(dict(n_experts=6, top_k=2), "expert:4,data:2", Options(),
+             "n_experts=6 is not divisible by mesh axis expert=4"),
+    BadInput(dict(batch=12), "data:2,expert:4", Options(),
+             "batch=12 is not divisible by mesh axis dataxfsdpxexpert=8"),
+    BadInput({}, "expert:8", Options(dispatch="ragged"),
+             "dispatch=ragged needs ragged_all_to_all, which XLA:CPU does not implement; use "
+             "dispatch=a2a (the default)"),
+]
+
+
+def contract_variant(opts):
+  """Which HLO contract block of the docstring this exchange compiles to."""
+  return None if opts.dispatch == "a2a" else f"dispatch={opts.dispatch}"
+
+
+def check(cfg, mesh, opts):
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)
-  layouts.check_fsdp(cfg, mesh, FSDP)
-  dispatch.check_method(cfg.dispatch)
+  fsdp.check(cfg, mesh, FSDP)
+  check_transport(opts.dispatch)
 
 
 def param_specs(cfg, mesh):
   """fsdp.py's table (D over fsdp) with the routed experts' E dim over expert."""
-  return model.param_specs(cfg, {**layouts.fsdp_table(FSDP),
+  return model.param_specs(cfg, {**fsdp.table(FSDP),
                                  "expert_in": P(EXPERT, FSDP, None),    # [E@e, D@f, F]
                                  "expert_out": P(EXPERT, None, FSDP)})  # [E@e, F, D@f]
 
@@ -122,31 +161,31 @@ def batch_spec(cfg, mesh):
   return P(TOKENS, None)                                            # [B, S] @ ((d, f, x), None)
 
 
-def moe_weights(p, token_axes, cfg, batch_on_expert=False):
+def moe_weights(p, token_axes, cfg, whole=False):
   """Router gathered whole (float32); experts gathered over fsdp only -> [E@expert, D, F] (typed
-  reduced over the batch axes; cfg.dtype, cast before the gather), or with batch_on_expert over
-  fsdp and expert -> [E, D, F]."""
-  e_entry, e_grad = (None, token_axes) if batch_on_expert else (
+  reduced over the batch axes; cfg.dtype, cast before the gather), or with whole=True
+  (dispatch=none) over fsdp and expert -> [E, D, F]."""
+  e_entry, e_grad = (None, token_axes) if whole else (
       EXPERT, tuple(a for a in token_axes if a != EXPERT))
   out = {"router": gather_weight(p["router"], P(), token_axes), "bias": p["bias"]}
   for n in EXPERT_WEIGHTS:
     out[n] = gather_weight(p[n], P(e_entry, None, None), e_grad,      # [E/EP, D, F] local
-                           **layouts.precision(cfg, model.MOE_ROLES[n]))
+                           **precision(cfg, model.MOE_ROLES[n]))
   return out
 
 
-def layout(cfg, mesh):
+def layout(cfg, mesh, opts):
   x_spec = P(TOKENS, None, None)                                    # [B, S, D] @ ((d, f, x),)
-  flag = cfg.dispatch_batch_on_expert
+  whole = opts.dispatch == "none"
 
   def moe_fn(p, x, positions):
-    return moe_ep(moe_weights(p, TOKENS, cfg, flag), x, positions, cfg, ep_axes=(EXPERT,),
-                  body=local_moe_body if flag else None)
-  return model.Layout(x=x_spec, use=layouts.fsdp_use(TOKENS, cfg), moe=moe_fn)
+    return moe_ep(moe_weights(p, TOKENS, cfg, whole), x, positions, cfg, ep_axes=(EXPERT,),
+                  transport=TRANSPORTS[opts.dispatch])
+  return model.Layout(x=x_spec, use=fsdp.use(TOKENS, cfg), moe=moe_fn)
 
 
 # ----------------------------------------------------------------------------- the EP exchange
-def moe_ep(p, x, positions, cfg, *, ep_axes, gather_sequence=None, body=None):
+def moe_ep(p, x, positions, cfg, *, ep_axes, transport=None, gather_sequence=None):
   """The routed MoE with experts sharded over the mesh axes `ep_axes`, as one full-manual
   shard_map (also ep_as_cp's and shard_exp_on_fsdp's MoE). Call in explicit-sharding mode.
   An EP group = the devices that differ only along ep_axes; shard index = their linear index
@@ -155,13 +194,13 @@ def moe_ep(p, x, positions, cfg, *, ep_axes, gather_sequence=None, body=None):
        that order, D and F whole (moe_weights gathers the FSDP shards).
     x [B, S, D], positions [B, S]: any token sharding whose axes include ep_axes, e.g.
        [B, S, D] @ ((data, fsdp, expert), None, None) or ((data, fsdp), expert, None) (ep_as_cp).
+    transport: how the copies reach their experts and come back (a2a_exchange by default).
     gather_sequence: the capacity rule's whole-sequence gather when S is sharded.
-    body: the shard_map body; default exchange_body(cfg.dispatch).
   -> (y with x's sharding, router stats summed over every token axis)."""
   mesh, x_spec = jax.typeof(x).sharding.mesh, _spec(x)
   ep_axes = tuple(ep_axes)
-  body = functools.partial(body or exchange_body(cfg.dispatch), cfg=cfg, ep_axes=ep_axes,
-                           ep=_size(mesh, ep_axes), token_axes=_token_axes(x_spec),
+  body = functools.partial(moe_body, cfg=cfg, ep_axes=ep_axes, ep=mesh_lib.axis_size(mesh, *ep_axes),
+                           token_axes=_token_axes(x_spec), transport=transport or a2a_exchange,
                            gather_sequence=gather_sequence)
   y, stats = jax.shard_map(body, mesh=mesh,
                            in_specs=(jax.tree.map(_spec, p), x_spec, P(*tuple(x_spec)[:2])),
@@ -169,48 +208,83 @@ def moe_ep(p, x, positions, cfg, *, ep_axes, gather_sequence=None, body=None):
   return y.astype(x.dtype), stats
 
 
-def moe_body(p, x, positions, *, cfg, ep_axes, ep, token_axes, gather_sequence=None):
-  """One device: local tokens x [b, s, D] -> (y [b, s, D], stats summed over token_axes)."""
+def moe_body(p, x, positions, *, cfg, ep_axes, ep, token_axes, transport, gather_sequence=None):
+  """One device: local tokens x [b, s, D] -> (y [b, s, D], stats summed over token_axes).
+  route -> plan -> transport (the copies through their experts and back) -> weighted combine."""
   b, s, d = x.shape
-  t, k, n_local = b * s, cfg.top_k, cfg.n_experts // ep
+  t, k = b * s, cfg.top_k
   r, keep, stats = moe.route_tokens(p, x, positions, cfg, experts_all=gather_sequence)  # [T, K]
   c = dispatch.send_rows(cfg, b, s, ep)                 # C: rows for one shard, never exceeded
   plan = dispatch.make_plan(r.experts, keep, cfg.n_experts, ep)          # copy (t, k) -> dst, slot
-  send = dispatch.pack(x.reshape(t, d), plan, k, c)                      # [EP, C, D] by dst shard
+  ycopy = transport(p, x.reshape(t, d), plan, c, cfg=cfg, ep_axes=ep_axes, ep=ep)  # [T*K, D]
+  ycopy = einops.rearrange(ycopy, "(t k) d -> t k d", k=k)               # 0 where not sent
+  y = jnp.einsum("tkd,tk->td", ycopy, r.weights.astype(ycopy.dtype))     # weights 0 if dropped
+  return y.reshape(b, s, d), jax.tree.map(lambda v: jax.lax.psum(v, token_axes), stats)
+
+
+def a2a_exchange(p, x, plan, c, *, cfg, ep_axes, ep):
+  """Padded all-to-all: x [T, D] local tokens -> their copies' expert outputs [T*K, D]."""
+  n_local = cfg.n_experts // ep
+  send = dispatch.pack(x, plan, cfg.top_k, c)                            # [EP, C, D] by dst shard
   with jax.named_scope("dispatch_a2a"):
     recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True)           # [EP, C, D] by src shard
     counts = jax.lax.all_to_all(plan.counts, ep_axes, 0, 0, tiled=True)  # [EP, e] by src shard
   with jax.named_scope("expert_gmm"):
     ids = dispatch.segment_ids(counts, c)                                # [EP, C] in 0..e (e = pad)
-    out = experts_ffn(p, recv, ids, n_local, cfg.gmm_backend)            # [EP, C, D]
+    out = moe.experts_ffn(p, recv, ids, n_local, cfg.gmm_backend)        # [EP, C, D]
   with jax.named_scope("combine_a2a"):
     back = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)            # [EP, C, D] by dst shard
-  ycopy = dispatch.unpack(back, plan).reshape(t, k, d)                   # [T, K, D], 0 if dropped
-  y = jnp.einsum("tkd,tk->td", ycopy, r.weights.astype(ycopy.dtype))     # weights 0 if dropped
-  return y.reshape(b, s, d), _psum(stats, token_axes)
+  return dispatch.unpack(back, plan)                                     # [T*K, D], 0 if dropped
 
 
-def experts_ffn(p, rows, ids, n, backend):
-  """rows [..., D] with expert ids [...] in 0..n (n = padding) -> each row through its expert:
-  stable sort by id (padding last), SwiGLU gmm on p's n experts (zero tail), unsort."""
-  shape, d = rows.shape, rows.shape[-1]
-  rows, gid = rows.reshape(-1, d), ids.reshape(-1)                       # [M, D], [M]
-  order = jnp.argsort(gid, stable=True)
-  gs = jnp.sum(jax.nn.one_hot(gid, n, dtype=jnp.int32), axis=0)          # [n], padding excluded
-  ys = moe.swiglu_experts(rows[order], gs, p, backend)                   # [M, D]
-  return jnp.zeros_like(rows).at[order].set(ys.astype(rows.dtype)).reshape(shape)
+def ragged_exchange(p, x, plan, c, *, cfg, ep_axes, ep, ragged_fn=jax.lax.ragged_all_to_all):
+  """ragged_all_to_all (GPU/TPU): only the routed rows move. The copies, sorted by expert
+  (plan.pos), are one contiguous run per destination shard; the counts are all-gathered so
+  every shard knows a[i, j], the rows shard i sends j, and the offsets follow
+  (dispatch.ragged_params). ragged_fn: a stand-in for the op (tests, on CPU)."""
+  t, d = x.shape
+  k, n_local = cfg.top_k, cfg.n_experts // ep
+  rows = jnp.repeat(x, k, axis=0)                                        # [T*K, D] copy order
+  xs = jnp.zeros_like(rows).at[plan.pos].set(rows)                       # expert-sorted
+  g = jax.lax.all_gather(plan.counts, ep_axes, axis=0)                   # [EP_src, EP_dst, e]
+  me = jax.lax.axis_index(ep_axes)
+  there, home = dispatch.ragged_params(jnp.sum(g, axis=-1), me)          # offsets and sizes
+  with jax.named_scope("dispatch_a2a"):
+    recv = ragged_fn(xs, buffers.padded((ep * c, d), x.dtype), *there, axis_name=ep_axes)
+  with jax.named_scope("expert_gmm"):
+    seg = dispatch.segment_ids(g[:, me, :].reshape(ep * n_local), ep * c)  # (source, local expert)
+    ids = jnp.where(seg < ep * n_local, seg % n_local, n_local)          # local expert, e = pad
+    out = moe.experts_ffn(p, recv, ids, n_local, cfg.gmm_backend)        # [EP*C, D]
+  with jax.named_scope("combine_a2a"):
+    back = ragged_fn(out, buffers.padded((t * k, d), out.dtype), *home,
+                     axis_name=ep_axes)                                  # [T*K, D] expert-sorted
+  sent = plan.dst < ep                                                   # dropped copies: unsent
+  return jnp.where(sent[:, None], back[plan.pos], 0)                     # [T*K, D] copy order
 
 
-def exchange_body(method: str):
-  """--dispatch -> the shard_map body: "a2a" moe_body; "ragged" ep_ragged.moe_body (GPU/TPU)."""
-  if dispatch.resolve_method(method) == "a2a":
-    return moe_body
-  from strategies import ep_ragged                      # off the main path (it imports this file)
-  return ep_ragged.moe_body
+def local_exchange(p, x, plan, c, *, cfg, ep_axes, ep):
+  """dispatch=none (MaxText #4179): the send buffer [EP, C, D] is never exchanged (its batch dim
+  keeps `expert`): every device runs its own rows through every expert, so p's experts must be
+  whole [E, D, F] (moe_weights(whole=True) gathers them over expert too)."""
+  del ep_axes
+  n_local = cfg.n_experts // ep
+  send = dispatch.pack(x, plan, cfg.top_k, c)                            # [EP, C, D], stays here
+  with jax.named_scope("expert_gmm"):
+    local = dispatch.segment_ids(plan.counts, c)                         # [EP, C] in 0..e (e = pad)
+    first = einops.repeat(jnp.arange(ep) * n_local, "x -> x c", c=c)     # shard x's first expert
+    ids = jnp.where(local < n_local, first + local, cfg.n_experts)       # global ids, E = pad
+    out = moe.experts_ffn(p, send, ids, cfg.n_experts, cfg.gmm_backend)
+  return dispatch.unpack(out, plan)                                      # [T*K, D]
 
 
-def _psum(tree, axes):
-  return jax.tree.map(lambda v: jax.lax.psum(v, axes), tree)
+TRANSPORTS = {"a2a": a2a_exchange, "ragged": ragged_exchange, "none": local_exchange}
+
+
+def check_transport(name: str, platform: str | None = None) -> None:
+  """ragged_all_to_all does not compile on XLA:CPU: refuse it there, before any compile."""
+  if name == "ragged" and (platform or jax.default_backend()) == "cpu":
+    raise ConfigError("dispatch=ragged needs ragged_all_to_all, which XLA:CPU does not "
+                      "implement; use dispatch=a2a (the default)")
 
 
 def _spec(a):
@@ -218,32 +292,7 @@ def _spec(a):
 
 
 def _token_axes(x_spec) -> tuple[str, ...]:
-  return tuple(a for i in range(len(x_spec)) for a in spec_axes(x_spec, i))
-
-
-def _size(mesh, axes) -> int:
-  return int(np.prod([mesh.shape[a] for a in axes]))
-
-
-# ----------------------------------------------------------------------------- MaxText #4179
-def local_moe_body(p, x, positions, *, cfg, ep_axes, ep, token_axes, gather_sequence=None):
-  """--dispatch_batch_on_expert: moe_body's send buffer [EP, C, D], never exchanged (its batch
-  dim keeps `expert`): every device runs its own rows through every expert, so p's experts must
-  be whole [E, D, F] (moe_weights gathers them over expert too)."""
-  del ep_axes
-  b, s, d = x.shape
-  t, k, n_local = b * s, cfg.top_k, cfg.n_experts // ep
-  r, keep, stats = moe.route_tokens(p, x, positions, cfg, experts_all=gather_sequence)  # [T, K]
-  c = dispatch.send_rows(cfg, b, s, ep)
-  plan = dispatch.make_plan(r.experts, keep, cfg.n_experts, ep)
-  send = dispatch.pack(x.reshape(t, d), plan, k, c)                      # [EP, C, D], stays here
-  with jax.named_scope("expert_gmm"):
-    ids = dispatch.segment_ids(plan.counts, c)                           # [EP, C] in 0..e (e = pad)
-    ids = jnp.where(ids < n_local, ids + n_local * jnp.arange(ep)[:, None], cfg.n_experts)
-    out = experts_ffn(p, send, ids, cfg.n_experts, cfg.gmm_backend)      # global ids, E = pad
-  ycopy = dispatch.unpack(out, plan).reshape(t, k, d)                    # [T, K, D]
-  y = jnp.einsum("tkd,tk->td", ycopy, r.weights.astype(ycopy.dtype))
-  return y.reshape(b, s, d), _psum(stats, token_axes)
+  return tuple(a for i in range(len(x_spec)) for a in dim_axes(x_spec, i))
 
 
 def buffer_spec(token_axes, ep_axes, batch_on_expert: bool = False) -> P:
@@ -256,53 +305,57 @@ def buffer_spec(token_axes, ep_axes, batch_on_expert: bool = False) -> P:
   return P(entry(rest), entry(ep_axes), None, None)
 
 
-def buffer_type(cfg, mesh, x_spec, ep_axes, *, batch_on_expert=False, dtype=jnp.float32):
+def buffer_type(cfg, mesh, x_spec, ep_axes, *, dispatch_name="a2a", dtype=jnp.float32):
   """The experts' input buffer as one global array [N_src, EP, rows, D] (ShapeDtypeStruct with
   its sharding; N_src = token shards, dim 0 = who sent the rows, dim 1 = whose experts they are
-  for): each device's body holds one block of it, moe_body's recv [EP_src, C, D] (ragged:
-  [EP*C, D]; #4179: its own send [EP_dst, C, D]). Computed from the shapes: nothing is traced."""
-  token_axes, ep = _token_axes(x_spec), _size(mesh, ep_axes)
-  n = _size(mesh, token_axes)
-  b_loc = cfg.batch // _size(mesh, spec_axes(x_spec, 0))
-  s_loc = cfg.seq_len // _size(mesh, spec_axes(x_spec, 1))
+  for): each device's body holds one block of it, a2a's recv [EP_src, C, D] (ragged:
+  [EP*C, D]; none: its own send [EP_dst, C, D]). Computed from the shapes: nothing is traced."""
+  token_axes, ep = _token_axes(x_spec), mesh_lib.axis_size(mesh, *ep_axes)
+  n = mesh_lib.axis_size(mesh, *token_axes)
+  b_loc = cfg.batch // mesh_lib.axis_size(mesh, *dim_axes(x_spec, 0))
+  s_loc = cfg.seq_len // mesh_lib.axis_size(mesh, *dim_axes(x_spec, 1))
   c = dispatch.send_rows(cfg, b_loc, s_loc, ep)
-  ragged = not batch_on_expert and dispatch.resolve_method(cfg.dispatch) == "ragged"
-  shape = (n // ep, ep, ep * c, cfg.d_model) if ragged else (n, ep, c, cfg.d_model)
+  shape = (n // ep, ep, ep * c, cfg.d_model) if dispatch_name == "ragged" else (n, ep, c, cfg.d_model)
   return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(
-      mesh, buffer_spec(token_axes, ep_axes, batch_on_expert)))
+      mesh, buffer_spec(token_axes, ep_axes, dispatch_name == "none")))
 
 
-def dispatch_buffer_type(cfg, mesh):
+def dispatch_buffer_type(cfg, mesh, opts):
   """The experts' input buffer (ShapeDtypeStruct with its sharding) for this cfg and mesh."""
-  return buffer_type(cfg, mesh, P(TOKENS, None, None), (EXPERT,),
-                     batch_on_expert=cfg.dispatch_batch_on_expert)
+  return buffer_type(cfg, mesh, P(TOKENS, None, None), (EXPERT,), dispatch_name=opts.dispatch)
 
 
-def activation_shardings(cfg, mesh):
-  t = dispatch_buffer_type(cfg, mesh)
+def activation_shardings(cfg, mesh, opts):
+  t = dispatch_buffer_type(cfg, mesh, opts)
   return [("residual x [B, S, D]", f"[{cfg.batch}@(data,fsdp,expert), {cfg.seq_len}, {cfg.d_model}]"),
           ("dispatch buffer [N_src, EP, C, D]", f"{t.shape} @ {t.sharding.spec}")]
 
 
-def cost(cfg, mesh, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
+def cost(cfg, mesh, opts, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
   """Per-device collective bytes per step (common/cost.py; the docstring's schedule). The weight
-  traffic from moe_weights / fsdp_use; the all-to-alls; router statistics. batch_axes: the axes
+  traffic from moe_weights / fsdp.use; the exchange; router statistics. batch_axes: the axes
   splitting B (ep_as_cp: (data, fsdp); the rest of token_axes split S); grads: overrides of
   cost.weight_terms' gradient axes (ep_as_cp's norms)."""
-  flag, e = cfg.dispatch_batch_on_expert, mesh_lib.axis_size(mesh, EXPERT)
-  expert_use = (P(), token_axes) if flag else (
+  whole, e = opts.dispatch == "none", mesh_lib.axis_size(mesh, EXPERT)
+  expert_use = (P(), token_axes) if whole else (
       P(EXPERT, None, None), tuple(a for a in token_axes if a != EXPERT))
-  gathered = {**layouts.fsdp_gathered(token_axes), **dict.fromkeys(model.EXPERTS, expert_use)}
+  gathered = {**cost_lib.fsdp_gathered(token_axes), **dict.fromkeys(model.EXPERTS, expert_use)}
   terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), token_axes, gathered, grads)
            + cost_lib.stats_terms(cfg, mesh, token_axes))
-  if not flag:
-    b_loc = cfg.batch // mesh_lib.axis_size(mesh, *batch_axes)
-    n = mesh_lib.axis_size(mesh, *token_axes)
-    c = dispatch.send_rows(cfg, b_loc, cfg.batch * cfg.seq_len // n // b_loc, e)
-    buf = e * c * cfg.d_model * cost_lib.act_bytes(cfg)          # [EP, C, D]
-    terms += (cost_lib.term(mesh, "all-to-all", "fwd", "dispatch + combine buffers, counts "
-                            "[EP, e] (int32)", cfg.n_layers * (2 * buf + cfg.n_experts * 4), EXPERT,
-                            cost_lib.RECOMPUTED)
-              + cost_lib.term(mesh, "all-to-all", "bwd", "their transposes",
-                              cfg.n_layers * 2 * buf, EXPERT))
+  b_loc = cfg.batch // mesh_lib.axis_size(mesh, *batch_axes)
+  t_loc = cfg.batch * cfg.seq_len // mesh_lib.axis_size(mesh, *token_axes)
+  c = dispatch.send_rows(cfg, b_loc, t_loc // b_loc, e)
+  act, term = cost_lib.act_bytes(cfg), functools.partial(cost_lib.term, mesh)
+  if opts.dispatch == "a2a":
+    buf = e * c * cfg.d_model * act                              # [EP, C, D]
+    terms += (term("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, e] (int32)",
+                   cfg.n_layers * (2 * buf + cfg.n_experts * 4), EXPERT, cost_lib.RECOMPUTED)
+              + term("all-to-all", "bwd", "their transposes", cfg.n_layers * 2 * buf, EXPERT))
+  elif opts.dispatch == "ragged":                  # output buffers: [EP*C, D] and [T*K, D]
+    rows = (e * c + t_loc * cfg.top_k) * cfg.d_model * act
+    terms += (term("all-gather", "fwd", "counts [EP, EP, e] (int32)", cfg.n_layers * e * cfg.n_experts * 4,
+                   EXPERT, cost_lib.RECOMPUTED)
+              + term("ragged-all-to-all", "fwd", "dispatch + combine rows", cfg.n_layers * rows,
+                     EXPERT, cost_lib.RECOMPUTED)
+              + term("ragged-all-to-all", "bwd", "their transposes", cfg.n_layers * rows, EXPERT))
   return terms

@@ -1,10 +1,7 @@
 """ep_as_cp — the expert axis plays context parallelism everywhere except inside the core MoE
 (MaxText #3656's ep-as-cp rule): tokens are split over `expert` along the *sequence*.
 
-Mesh axes: (data, fsdp, expert)   cfg.context_sharding names the axis playing CP: it must be
-"expert" (--context_sharding=expert); the flag's default "context" names no axis of this mesh and
-is read as "this strategy's CP axis", i.e. expert too, so one config can drive cp and ep_as_cp
-(`--compare`). Any other value is a one-line error.
+Mesh axes: (data, fsdp, expert). The expert axis is the one playing CP.
 
 | tensor                                  | sharding                                            |
 |-----------------------------------------|-----------------------------------------------------|
@@ -19,7 +16,7 @@ weight layout equals cp.py's and FSDP=2+CP=2 vs FSDP=2+EP-as-CP=2 compares like 
 
 Only between the two exchanges are tokens "sharded over expert as the experts' inputs": the
 MoE is ep.py's moe_ep (one shard_map, its all_to_all exchange) on the local b x S/EP tokens.
-Load balancing as cp.py (common/layouts.py): S cut into 2*EP chunks, rank i holds chunks i and
+Load balancing as cp.py (common/context.py): S cut into 2*EP chunks, rank i holds chunks i and
 2EP-1-i. The capacity rule needs whole sequences: the expert ids and positions (ints) are
 all-gathered over expert (moe_ep's gather_sequence).
 Because S is split over expert, the global batch only needs to divide by data*fsdp: batch 2 on
@@ -52,16 +49,16 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
   all-reduce over data: expert grad shards
   all-reduce over (data, fsdp, expert): router stats, loss sums, grad norm
 
-  python run.py --strategy=ep_as_cp --mesh=fsdp:2,expert:2,data:2 --context_sharding=expert --steps=3
-  python run.py --strategy=ep_as_cp --mesh=fsdp:2,expert:4 --batch=2 --context_sharding=expert
+  python run.py --strategy=ep_as_cp --mesh=fsdp:2,expert:2,data:2 --steps=3
+  python run.py --strategy=ep_as_cp --mesh=fsdp:2,expert:4 --batch=2
 """
 from jax.sharding import PartitionSpec as P
 
-from common import dispatch, layouts
+from common import context, fsdp, model
+from common import cost as cost_lib
 from common import mesh as mesh_lib
-from common import model
-from common.config import ConfigError
-from strategies import ep
+from common.options import NoOptions
+from strategies import BadInput, Case, ep
 
 NAME = "ep_as_cp"
 DATA, FSDP, EXPERT = mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.EXPERT
@@ -70,24 +67,27 @@ MAIN_AXIS = EXPERT
 BATCH = (DATA, FSDP)
 CP = EXPERT
 TOKENS = (DATA, FSDP, EXPERT)                 # axes tokens are split over (= grad axes)
+COMPARE_MESH = None
+Options = NoOptions
+SEED_MESH = "fsdp:2,expert:2,data:2"          # MaxText #3656's FSDP=2 + EP-as-CP=2 (+ data=2)
+# tiny batch 2: 2 sequences on 8 devices, a quarter of a sequence each, with the capacity rule,
+# which needs the whole sequence (expert ids and positions all-gathered over expert)
+TEST_CASES = [Case("deepseek-test", SEED_MESH),
+              Case("tiny", "fsdp:2,expert:4", dict(batch=2, capacity_factor=1.0))]
+COST_CASES = TEST_CASES
+BAD_INPUT = [
+    BadInput(dict(seq_len=36), "expert:8", Options(), "seq_len=36 is not divisible by 2*expert=16"),
+    BadInput(dict(batch=3), "fsdp:2,expert:4", Options(),
+             "batch=3 is not divisible by mesh axis dataxfsdp=2"),
+    BadInput(dict(n_experts=6, top_k=2), "expert:4,data:2", Options(),
+             "n_experts=6 is not divisible by mesh axis expert=4")]
 
 
-def cp_axis(cfg, mesh) -> str:
-  """The physical axis playing CP: "expert" ("context", the flag's default, means the same)."""
-  name = EXPERT if cfg.context_sharding == mesh_lib.CONTEXT else cfg.context_sharding
-  if name != CP or name not in mesh.axis_names:
-    raise ConfigError(f"context_sharding={cfg.context_sharding!r} must be 'expert' for ep_as_cp "
-                      f"(mesh axes {', '.join(mesh.axis_names)}; expert plays context parallelism)")
-  return name
-
-
-def check(cfg, mesh):
-  cp_axis(cfg, mesh)
+def check(cfg, mesh, opts):
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, BATCH)
-  layouts.check_cp(cfg, mesh, CP)
-  layouts.check_fsdp(cfg, mesh, FSDP)
-  dispatch.check_method(cfg.dispatch)
+  context.check(cfg, mesh, CP)
+  fsdp.check(cfg, mesh, FSDP)
 
 
 def param_specs(cfg, mesh):
@@ -99,25 +99,25 @@ def batch_spec(cfg, mesh):
 
 
 def prepare_batch(b, cfg, mesh):
-  return layouts.cp_prepare_batch(b, cfg, mesh, CP)
+  return context.prepare_batch(b, cfg, mesh, CP)
 
 
-def layout(cfg, mesh):
+def layout(cfg, mesh, opts):
   x_spec = P(BATCH, CP, None)                                       # [B, S, D] @ ((d, f), e, None)
-  kv, kv_pos = layouts.cp_kv_specs(BATCH)                           # [B, T, KV, Dh] @ ((d, f),)
-  gather_seq = layouts.sequence_gatherer(CP) if cfg.capacity_factor > 0 else None
+  kv, kv_pos = context.kv_specs(BATCH)                              # [B, T, KV, Dh] @ ((d, f),)
+  gather_seq = context.sequence_gatherer(CP) if cfg.capacity_factor > 0 else None
 
   def moe_fn(p, x, positions):                                      # ep.py's exchange, S split
     return ep.moe_ep(ep.moe_weights(p, TOKENS, cfg), x, positions, cfg, ep_axes=(EXPERT,),
                      gather_sequence=gather_seq)
-  return model.Layout(x=x_spec, kv=kv, kv_pos=kv_pos, use=layouts.fsdp_use(TOKENS, cfg), moe=moe_fn)
+  return model.Layout(x=x_spec, kv=kv, kv_pos=kv_pos, use=fsdp.use(TOKENS, cfg), moe=moe_fn)
 
 
 def dispatch_buffer_type(cfg, mesh):
   return ep.buffer_type(cfg, mesh, P(BATCH, CP, None), (EXPERT,))
 
 
-def activation_shardings(cfg, mesh):
+def activation_shardings(cfg, mesh, opts):
   t = dispatch_buffer_type(cfg, mesh)
   cp = mesh_lib.axis_size(mesh, CP)
   return [("residual x [B, S, D]", f"[{cfg.batch}@(data,fsdp), {cfg.seq_len}@expert, {cfg.d_model}]"),
@@ -125,10 +125,10 @@ def activation_shardings(cfg, mesh):
                                  f"{cfg.head_dim}]"),
           ("dispatch buffer [N_src, EP, C, D]", f"{t.shape} @ {t.sharding.spec}"),
           ("load-balanced positions per expert rank",
-           str(layouts.lb_positions(cfg.seq_len, cp).tolist()))]
+           str(context.lb_positions(cfg.seq_len, cp).tolist()))]
 
 
-def cost(cfg, mesh):
-  return (ep.cost(cfg, mesh, token_axes=TOKENS, batch_axes=BATCH,
-                  grads=layouts.cp_norm_grads(CP, BATCH))
-          + layouts.cp_terms(cfg, mesh, CP, BATCH))
+def cost(cfg, mesh, opts):
+  return (ep.cost(cfg, mesh, ep.Options(), token_axes=TOKENS, batch_axes=BATCH,
+                  grads=cost_lib.cp_norm_grads(CP, BATCH))
+          + cost_lib.cp_terms(cfg, mesh, CP, BATCH))

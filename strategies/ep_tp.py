@@ -36,7 +36,7 @@ only those M are sorted (common/compact.py) -> "expert_gmm" on [M, D] -> weighte
 into a partial [T, D] {U_expert} -> "combine_rs" (+ shared expert): reduce-scatter over expert.
 The prefix sum is O(T*K) int work; the sort, the row gathers, the gmm and the scatter-add are
 O(M), where MaxText #3600 sorts and permutes all T*K gathered copies. M = T*min(K, e) (worst
-case, dropless, default) or ceil(ep_tp_capacity * T*min(K, e)) (balanced routing needs
+case, dropless, default) or ceil(capacity * T*min(K, e)) (option `capacity`, --opt=capacity=f) (balanced routing needs
 T*K/EP); copies past slot M are dropped (earliest tokens win) and counted into `dropped`, which
 is otherwise the reference's capacity-rule count (0 extra with the worst-case bound). With
 capacity_factor cf > 0 the worst case itself shrinks to b*e*C_e (b sequences of the data shard,
@@ -75,64 +75,93 @@ the replicated-residual (Megatron) layout, 2r(EP-1)/EP each, with activations at
 [T, K] routing. Attention needs H and KV divisible by EP, the sequence S divisible by EP.
 
   python run.py --strategy=ep_tp --mesh=data:4,expert:2 --model=deepseek-test --steps=3
-  python run.py --strategy=ep_tp --mesh=expert:2 --devices=2 --batch=1 --seq=8 --ep_tp_capacity=0.5
+  python run.py --strategy=ep_tp --mesh=expert:2 --devices=2 --batch=1 --seq=8 --opt=capacity=0.5
 """
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from common import buffers, compact, layouts
+from common import buffers, compact, model, moe, options, routing
 from common import cost as cost_lib
 from common import mesh as mesh_lib
-from common import model, moe, routing
 from common.config import ConfigError
+from common.precision import cast_stored, moe_stored, precision
 from common.sharding import gather_weight, reduce_scatter
+from strategies import BadInput, Case
 
 NAME = "ep_tp"
-AXES = (mesh_lib.DATA, mesh_lib.EXPERT)
-MAIN_AXIS = mesh_lib.EXPERT
+DATA, EXPERT = mesh_lib.DATA, mesh_lib.EXPERT
+AXES = (DATA, EXPERT)
+MAIN_AXIS = EXPERT
 COMPARE_MESH = "data:4,expert:2"        # the presets have 2 KV heads: EP = 2 for the table
-X_SPEC = P("data", "expert", None)      # residual [B, S, D]: sequence-parallel
-FULL = P("data", None, None)            # gathered h [B, S, D]
-TOK = ("data", "expert")              # the token axes = the grad axes
-ROW = P("data", None, None, unreduced={"expert"})   # row-parallel outputs before the RS
+X_SPEC = P(DATA, EXPERT, None)          # residual [B, S, D]: sequence-parallel
+FULL = P(DATA, None, None)              # gathered h [B, S, D]
+TOKENS = (DATA, EXPERT)                 # the token axes = the grad axes
+ROW = P(DATA, None, None, unreduced={EXPERT})   # row-parallel outputs before the RS
 
 
-def check(cfg, mesh):
-  mesh_lib.require_divisible("batch", cfg.batch, mesh, "data")
-  mesh_lib.require_divisible("seq_len", cfg.seq_len, mesh, "expert")
-  mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, "expert")
-  mesh_lib.require_divisible("n_heads", cfg.n_heads, mesh, "expert")
-  mesh_lib.require_divisible("n_kv_heads", cfg.n_kv_heads, mesh, "expert")
+@dataclasses.dataclass(frozen=True)
+class Options:
+  capacity: float = options.number(0.0, "compaction buffer as a fraction of the worst case "
+                                   "(0 = the worst case, dropless)", lo=0.0, hi=1.0)
+
+
+SMALL = dict(n_heads=8, n_kv_heads=8, batch=1, seq_len=8)   # 8 tokens; heads divisible by EP=8
+TEST_CASES = [Case("tiny", "data:2,expert:4", dict(n_kv_heads=4)),
+              Case("deepseek-test", "data:4,expert:2"),
+              Case("deepseek-test", "expert:8", SMALL)]         # 1 token per device: inference-like
+COST_CASES = TEST_CASES
+BAD_INPUT = [
+    BadInput({}, "data:2,expert:4", Options(), "n_kv_heads=2 is not divisible by mesh axis expert=4"),
+    BadInput(dict(n_heads=8, n_kv_heads=8, n_experts=4), "expert:8", Options(),
+             "n_experts=4 is not divisible by mesh axis expert=8"),
+    BadInput(dict(n_kv_heads=4, batch=3), "data:2,expert:4", Options(),
+             "batch=3 is not divisible by mesh axis data=2"),
+    BadInput(dict(n_heads=8, n_kv_heads=8, seq_len=12), "expert:8", Options(),
+             "seq_len=12 is not divisible by mesh axis expert=8"),
+    BadInput(dict(remat="dots_saveable"), "data:4,expert:2", Options(),
+             "ep_tp does not compile with --remat=dots_saveable (jax has no unreduced rule for "
+             "dynamic_slice); use --remat=block"),
+    BadInput(dict(n_kv_heads=4), "data:2,expert:4", Options(capacity=1.5),
+             "ep_tp option capacity=1.5: must be a finite number in [0, 1]")]
+
+
+def check(cfg, mesh, opts):
+  mesh_lib.require_divisible("batch", cfg.batch, mesh, DATA)
+  mesh_lib.require_divisible("seq_len", cfg.seq_len, mesh, EXPERT)
+  mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
+  mesh_lib.require_divisible("n_heads", cfg.n_heads, mesh, EXPERT)
+  mesh_lib.require_divisible("n_kv_heads", cfg.n_kv_heads, mesh, EXPERT)
   if cfg.n_shared_experts:
-    mesh_lib.require_divisible("shared_d_ff", cfg.shared_d_ff, mesh, "expert")
+    mesh_lib.require_divisible("shared_d_ff", cfg.shared_d_ff, mesh, EXPERT)
   if cfg.remat.startswith("dots"):     # jax 0.12: "unreduced rule for dynamic_slice is not
     raise ConfigError(f"ep_tp does not compile with --remat={cfg.remat} (jax has no unreduced "
                       "rule for dynamic_slice); use --remat=block")       # implemented"
-  if not 0 <= cfg.ep_tp_capacity <= 1:
-    raise ConfigError(f"ep_tp_capacity={cfg.ep_tp_capacity} must be in [0, 1] (0 = worst case)")
+  if not 0 <= opts.capacity <= 1:
+    raise ConfigError(f"ep_tp option capacity={opts.capacity}: must be a finite number in [0, 1]")
 
 
 def param_specs(cfg, mesh):
   return model.param_specs(cfg, {
-      "attn_q": P(None, "expert", None), "attn_kv": P(None, "expert", None),  # column-parallel
-      "attn_o": P("expert", None, None),                                       # row-parallel
-      "shared_in": P(None, "expert"), "shared_out": P("expert", None),
-      "expert_in": P("expert", None, None), "expert_out": P("expert", None, None)})  # e whole
+      "attn_q": P(None, EXPERT, None), "attn_kv": P(None, EXPERT, None),  # column-parallel
+      "attn_o": P(EXPERT, None, None),                                       # row-parallel
+      "shared_in": P(None, EXPERT), "shared_out": P(EXPERT, None),
+      "expert_in": P(EXPERT, None, None), "expert_out": P(EXPERT, None, None)})  # e whole
 
 
 def batch_spec(cfg, mesh):
-  return P("data", None)                                              # [B, S] @ (data, None)
+  return P(DATA, None)                                              # [B, S] @ (data, None)
 
 
-def buffer_rows(cfg, mesh) -> int:
+def buffer_rows(cfg, mesh, opts) -> int:
   """M, the per-device row budget of the compacted MoE buffer."""
-  seqs = cfg.batch // mesh.shape["data"]                              # gathered: whole sequences
-  n_local = cfg.n_experts // mesh.shape["expert"]
-  return compact.buffer_rows(seqs * cfg.seq_len, cfg.top_k, n_local, cfg.ep_tp_capacity,
-                             seqs=seqs, slots=routing.capacity(cfg, cfg.seq_len))
+  seqs = cfg.batch // mesh.shape[DATA]                              # gathered: whole sequences
+  n_local = cfg.n_experts // mesh.shape[EXPERT]
+  return compact.buffer_rows(seqs * cfg.seq_len, cfg.top_k, n_local, opts.capacity,
+                             seqs=seqs, slots=routing.expert_slots(cfg, cfg.seq_len))
 
 
 def moe_local_experts(p, x, positions, cfg, n_local: int, rows: int):
@@ -140,8 +169,8 @@ def moe_local_experts(p, x, positions, cfg, n_local: int, rows: int):
   -> (y [b, S, D] partial sum over expert, stats summed over (data, expert))."""
   b, s, d = x.shape
   t, k = b * s, cfg.top_k
-  i, s_loc = jax.lax.axis_index("expert"), s // jax.lax.axis_size("expert")
-  ag = lambda a: jax.lax.all_gather(a, "expert", axis=1, tiled=True)  # [b, S/EP, ..] -> [b, S, ..]
+  i, s_loc = jax.lax.axis_index(EXPERT), s // jax.lax.axis_size(EXPERT)
+  ag = lambda a: jax.lax.all_gather(a, EXPERT, axis=1, tiled=True)  # [b, S/EP, ..] -> [b, S, ..]
   x_loc = jax.lax.dynamic_slice_in_dim(x, i * s_loc, s_loc, axis=1)   # [b, S/EP, D] own tokens
   pos_loc = jax.lax.dynamic_slice_in_dim(positions, i * s_loc, s_loc, axis=1)
   r, keep, stats = moe.route_tokens(                                  # [T/EP, K], local stats
@@ -160,26 +189,26 @@ def moe_local_experts(p, x, positions, cfg, n_local: int, rows: int):
     ys = moe.swiglu_experts(xs, c.group_sizes, p, cfg.gmm_backend)    # [M, D]
   y = jnp.zeros((t, d), ys.dtype).at[tok].add(ys * w[:, None].astype(ys.dtype), mode="drop")
   stats["dropped"] = stats["dropped"] + c.overflow
-  stats = jax.tree.map(lambda v: jax.lax.psum(v, ("data", "expert")), stats)
-  y = jax.lax.pcast(y.reshape(b, s, d).astype(x.dtype), "expert", to="unreduced")
+  stats = jax.tree.map(lambda v: jax.lax.psum(v, (DATA, EXPERT)), stats)
+  y = jax.lax.pcast(y.reshape(b, s, d).astype(x.dtype), EXPERT, to="unreduced")
   return y, stats                                                     # y [b, S, D] {U_expert}
 
 
-def layout(cfg, mesh):
-  n_local = cfg.n_experts // mesh.shape["expert"]
-  rows = buffer_rows(cfg, mesh)
+def layout(cfg, mesh, opts):
+  n_local = cfg.n_experts // mesh.shape[EXPERT]
+  rows = buffer_rows(cfg, mesh, opts)
 
   def moe_fn(p, x, positions):                                         # x [B, S, D] gathered h
     body = lambda p, x, pos: moe_local_experts(p, x, pos, cfg, n_local, rows)
     # experts [E@expert, D, F] as stored (bf16: cast, typed reduced over data)
-    p, p_specs = layouts.moe_stored(p, cfg, TOK)
+    p, p_specs = moe_stored(p, cfg, TOKENS)
     return jax.shard_map(
-        body, in_specs=(p_specs, jax.typeof(x).sharding.spec, P("data", None)),
+        body, in_specs=(p_specs, jax.typeof(x).sharding.spec, P(DATA, None)),
         out_specs=(ROW, P()))(p, x, positions)                         # y [B, S, D] {U_expert}
 
   def gather_in(h):                                # [B, S@expert, D] -> [B, S, D] (bwd: RS)
     with jax.named_scope("seq_ag"):
-      return gather_weight(h, FULL, ("expert",))
+      return gather_weight(h, FULL, (EXPERT,))
 
   def scatter_out(y):                              # [B, S, D] {U_expert} -> [B, S@expert, D]
     with jax.named_scope("combine_rs"):
@@ -187,42 +216,42 @@ def layout(cfg, mesh):
 
   def use(role, w):             # embed / unembed: one gradient all-reduce over (data, expert)
     if role in ("embed", "unembed"):
-      return gather_weight(w, P(), TOK, **layouts.precision(cfg, role))
-    return layouts.cast_stored(w, role, cfg, TOK)       # float32: w as stored
+      return gather_weight(w, P(), TOKENS, **precision(cfg, role))
+    return cast_stored(w, role, cfg, TOKENS)       # float32: w as stored
 
   return model.Layout(x=X_SPEC, use=use, moe=moe_fn, gather_in=gather_in,
                       scatter_out=scatter_out, row_out=ROW)
 
 
-def activation_shardings(cfg, mesh):
-  t = cfg.batch // mesh.shape["data"] * cfg.seq_len
+def activation_shardings(cfg, mesh, opts):
+  t = cfg.batch // mesh.shape[DATA] * cfg.seq_len
   return [("residual x [B, S, D]", "(data, expert, None)  sequence-parallel"),
           ("gathered h [B, S, D]", "(data, None, None) reduced over expert"),
           ("q [B, S, H, Dh]", "(data, None, expert, None)"),
           ("moe buffer xs [M, D] per device",
-           f"M={buffer_rows(cfg, mesh)} rows (all copies T*K={t * cfg.top_k})")]
+           f"M={buffer_rows(cfg, mesh, opts)} rows (all copies T*K={t * cfg.top_k})")]
 
 
-def cost(cfg, mesh):
+def cost(cfg, mesh, opts):
   """Per-device collective bytes per step (common/cost.py; the docstring's schedule)."""
-  n_layers, tok = cfg.n_layers, TOK
-  t = cfg.batch // mesh.shape["data"] * cfg.seq_len
+  n_layers = cfg.n_layers
+  t = cfg.batch // mesh.shape[DATA] * cfg.seq_len
   act = cost_lib.nbytes((t, cfg.d_model), cost_lib.act_bytes(cfg))  # one gathered [T, D]
   rk = cost_lib.nbytes((t, cfg.top_k))                              # one [T, K] of routing
   ids = (2 if cfg.capacity_factor > 0 else 1) * rk                  # expert ids (+ raw, capacity)
-  ep = mesh.shape["expert"]
+  ep = mesh.shape[EXPERT]
   # weights: expert-split ones' grads over data; embed / unembed (gather_weight) and the router
   # (shard_map input) over (data, expert); XLA splits the norm scales' sum: expert, then data
-  weights = cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), tok,
-                                  grads=dict.fromkeys(model.NORMS, (("expert",), ("data",))))
+  weights = cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), TOKENS,
+                                  grads=dict.fromkeys(model.NORMS, ((EXPERT,), (DATA,))))
   term = functools.partial(cost_lib.term, mesh)
-  return (weights + cost_lib.stats_terms(cfg, mesh, tok)
+  return (weights + cost_lib.stats_terms(cfg, mesh, TOKENS)
           + term("all-gather", "fwd", "normed h x2, routing ids + weights",
-                 n_layers * (2 * act + ids + rk), "expert", cost_lib.RECOMPUTED)
-          + term("reduce-scatter", "fwd", "attn wo", n_layers * act / ep, "expert",
+                 n_layers * (2 * act + ids + rk), EXPERT, cost_lib.RECOMPUTED)
+          + term("reduce-scatter", "fwd", "attn wo", n_layers * act / ep, EXPERT,
                  cost_lib.BLOCK_ONLY)
-          + term("reduce-scatter", "fwd", "MoE + shared", n_layers * act / ep, "expert")
+          + term("reduce-scatter", "fwd", "MoE + shared", n_layers * act / ep, EXPERT)
           + term("all-gather", "bwd", "cotangents of the two reduce-scatters", n_layers * 2 * act,
-                 "expert")
+                 EXPERT)
           + term("reduce-scatter", "bwd", "cotangents of the gathered h x2 and weights",
-                 n_layers * (2 * act + rk) / ep, "expert"))
+                 n_layers * (2 * act + rk) / ep, EXPERT))

@@ -7,7 +7,7 @@ Mesh axes: (data, fsdp)   (data = plain replicas, e.g. across slices; fsdp = the
 | embed [V, D], unembed [D, V]            | D over fsdp: [V, D_f], [D_f, V]                  |
 | attn wq/wk/wv [D, H/KV, Dh], wo [H,Dh,D]| D over fsdp                                      |
 | router [D, E]                           | D over fsdp                                      |
-| norms [D], router bias [E]              | replicated (see common/layouts.py)               |
+| norms [D], router bias [E]              | replicated (see common/fsdp.py)                  |
 | experts wi_0/wi_1 [E, D, F], wo [E,F,D] | D over fsdp: [E, D_f, F], [E, F, D_f]            |
 | shared wi_0/wi_1 [D, Fs], wo [Fs, D]    | D over fsdp                                      |
 | optimizer state                         | like its parameter                               |
@@ -15,8 +15,9 @@ Mesh axes: (data, fsdp)   (data = plain replicas, e.g. across slices; fsdp = the
 | residual x [B, S, D]                    | (B_(data,fsdp), S, D)                            |
 | MoE                                     | all experts local, on each device's own tokens   |
 
-The MoE is dp.py's: a full-manual shard_map running the single-device MoE on local tokens, fed
-the all-gathered expert weights. Every weight matrix is all-gathered right before use with common.sharding.gather_weight. Its backward
+The MoE is common/fsdp.py's moe_all_local: a full-manual shard_map running the single-device MoE
+on each device's own tokens, fed the all-gathered expert weights. Every weight matrix is
+all-gathered right before use with common.sharding.gather_weight. Its backward
 is a real reduce-scatter, written as an explicit psum_scatter in a shard_map (XLA:CPU would
 otherwise emit a full all-reduce plus a slice), followed by an all-reduce over `data` of the
 1/f shard (gather_weight scatters first, so the data all-reduce moves 1/f of the weight).
@@ -50,47 +51,59 @@ state, plus the gathered copy of each weight held live through the backward.
 from jax.sharding import PartitionSpec as P
 
 from common import cost as cost_lib
-from common import layouts
+from common import fsdp
 from common import mesh as mesh_lib
 from common import model
+from common.options import NoOptions
+from strategies import BadInput, Case
 
 NAME = "fsdp"
 AXES = (mesh_lib.DATA, mesh_lib.FSDP)
 MAIN_AXIS = mesh_lib.FSDP
-BATCH = (mesh_lib.DATA, mesh_lib.FSDP)          # the axes tokens are split over (= grad axes)
+TOKENS = (mesh_lib.DATA, mesh_lib.FSDP)         # the axes tokens are split over (= grad axes)
+COMPARE_MESH = None
+Options = NoOptions
+TEST_CASES = [Case("tiny", "fsdp:8"), Case("tiny", "data:2,fsdp:4"),
+              Case("deepseek-test", "data:2,fsdp:4")]
+COST_CASES = TEST_CASES[:2]
+LAYOUTS = ("tiny", ("fsdp:8", "data:2,fsdp:4"))   # one model, two layouts: the same losses
+BAD_INPUT = [BadInput(dict(batch=6), "fsdp:8", Options(),
+                      "batch=6 is not divisible by mesh axis dataxfsdp=8"),
+             BadInput(dict(d_model=36), "fsdp:8", Options(),
+                      "d_model=36 is not divisible by mesh axis fsdp=8")]
 
 
-def check(cfg, mesh):
-  mesh_lib.require_divisible("batch", cfg.batch, mesh, BATCH)
-  layouts.check_fsdp(cfg, mesh, mesh_lib.FSDP)
+def check(cfg, mesh, opts):
+  mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)
+  fsdp.check(cfg, mesh, mesh_lib.FSDP)
 
 
 def param_specs(cfg, mesh):
   # role -> spec: every matrix on its D dim over fsdp (embed [V, D@f], attn wq [D@f, H, Dh], attn
   # wo [H, Dh, D@f], experts [E, D@f, F] / [E, F, D@f], ...); norms and router bias replicated
-  return model.param_specs(cfg, layouts.fsdp_table(mesh_lib.FSDP))
+  return model.param_specs(cfg, fsdp.table(mesh_lib.FSDP))
 
 
 def batch_spec(cfg, mesh):
-  return P(BATCH, None)                                             # [B, S] @ ((data, fsdp), None)
+  return P(TOKENS, None)                                            # [B, S] @ ((data, fsdp), None)
 
 
-def layout(cfg, mesh):
-  x_spec = P(BATCH, None, None)                                     # [B, S, D] @ ((data, fsdp),)
-  return model.Layout(x=x_spec, use=layouts.fsdp_use(BATCH, cfg),
-                      moe=layouts.moe_all_local(cfg, x_spec, BATCH))
+def layout(cfg, mesh, opts):
+  x_spec = P(TOKENS, None, None)                                    # [B, S, D] @ ((data, fsdp),)
+  return model.Layout(x=x_spec, use=fsdp.use(TOKENS, cfg),
+                      moe=fsdp.moe_all_local(cfg, x_spec, TOKENS))
 
 
-def activation_shardings(cfg, mesh):
-  b = cfg.batch // mesh_lib.axis_size(mesh, *BATCH)
+def activation_shardings(cfg, mesh, opts):
+  b = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS)
   return [("residual x [B, S, D]", f"[{cfg.batch}@(data,fsdp), {cfg.seq_len}, {cfg.d_model}]"),
           ("gathered weight (use)", "replicated, reduced over (data, fsdp)"),
           ("MoE tokens per device", f"{b * cfg.seq_len} x top_{cfg.top_k}")]
 
 
-def cost(cfg, mesh):
+def cost(cfg, mesh, opts):
   """Collective bytes per device per step (common/cost.py): every D-sharded weight gathered whole
-  before use (fsdp_use), norms used as stored; the router statistics."""
-  return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), BATCH,
-                                gathered=layouts.fsdp_gathered(BATCH))
-          + cost_lib.stats_terms(cfg, mesh, BATCH))
+  before use (fsdp.use), norms used as stored; the router statistics."""
+  return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), TOKENS,
+                                gathered=cost_lib.fsdp_gathered(TOKENS))
+          + cost_lib.stats_terms(cfg, mesh, TOKENS))

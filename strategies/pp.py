@@ -15,7 +15,8 @@ M = cfg.microbatches (--microbatches) microbatches per step; EP = |expert|.
 The whole model is one full-manual shard_map (`loss`). Stage 0 embeds microbatch t at time t;
 stage s runs its L/P layers (model.block, scanned) on what stage s-1 sent at t-1; every stage
 ppermutes its output to s+1 after each time step; the last stage keeps the M outputs and
-computes the head. Inside a stage the MoE is ep.py's moe_body: all_to_all over expert.
+computes the head. Inside a stage the MoE is ep.py's moe_body with its padded all-to-all over
+expert (pp takes no --opt=dispatch: the ragged exchange is ep's alone until a GPU run holds it).
 
 GPipe schedule (all forwards, then all backwards: autodiff of the time loop runs it reversed),
 P = 4, M = 4, F_m / B_m = forward / backward of microbatch m, . = bubble:
@@ -64,15 +65,16 @@ during warm-up and drain.
 """
 import functools
 
+import einops
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from common import cost as cost_lib
-from common import dispatch
+from common import dispatch, model, routing, sharding
 from common import mesh as mesh_lib
-from common import model, routing, sharding, train
-from strategies import ep
+from common.options import NoOptions
+from strategies import BadInput, Case, ep
 
 NAME = "pp"
 STAGE, DATA, EXPERT = mesh_lib.STAGE, mesh_lib.DATA, mesh_lib.EXPERT
@@ -81,13 +83,27 @@ MAIN_AXIS = STAGE
 COMPARE_MESH = "data:1,stage:2,expert:4"        # tiny has 2 layers: 2 stages, EP inside; more
                                                 # devices scale data
 TOKENS = (DATA, EXPERT)                         # the batch axes (replicated over stage)
+Options = NoOptions
+TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
+              Case("tiny", "stage:4,data:2", dict(n_layers=4, batch=16, microbatches=8)),
+              Case("deepseek-test", "stage:2,data:2,expert:2", dict(microbatches=2)),
+              Case("deepseek-test", "stage:4,expert:2",
+                   dict(n_layers=4, microbatches=4, capacity_factor=1.0))]
+COST_CASES = TEST_CASES[:3]
+BAD_INPUT = [
+    BadInput(dict(n_layers=3), "stage:2,expert:4", Options(),
+             "n_layers=3 is not divisible by mesh axis stage=2"),
+    BadInput(dict(microbatches=4), "stage:2,expert:4", Options(),
+             "batch=8 is not divisible by microbatches=4 x mesh axis dataxexpert=4"),
+    BadInput(dict(n_experts=6, top_k=2), "stage:2,expert:4", Options(),
+             "n_experts=6 is not divisible by mesh axis expert=4")]
 
 
-def check(cfg, mesh):
+def check(cfg, mesh, opts):
   mesh_lib.require_divisible("n_layers", cfg.n_layers, mesh, STAGE)
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)
-  train.check_microbatches(cfg, mesh, batch_spec(cfg, mesh))       # B % (M x data x expert)
+  mesh_lib.require_microbatches(cfg, mesh, batch_spec(cfg, mesh))  # B % (M x data x expert)
 
 
 def param_specs(cfg, mesh):
@@ -104,7 +120,7 @@ def bubble(cfg, mesh) -> float:
   return (p - 1) / (cfg.microbatches + p - 1)
 
 
-def layout(cfg, mesh):
+def layout(cfg, mesh, opts):
   return model.Layout(loss=functools.partial(loss, cfg=cfg, mesh=mesh))
 
 
@@ -126,7 +142,9 @@ def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
   m, all_axes = cfg.microbatches, (STAGE,) + TOKENS
   b, s = tokens.shape
   mb = b // m
-  split = lambda a: a.reshape(m, mb, s)                               # [M, b/M, S]
+  # microbatch i = this device's rows i*b/M .. (i+1)*b/M - 1 (contiguous; train.microbatches
+  # interleaves instead: the step's statistics are summed over all microbatches either way)
+  split = lambda a: einops.rearrange(a, "(m mb) s -> m mb s", m=m)   # [M, b/M, S]
   tok, tgt, pos = split(tokens), split(targets), split(positions)
   stage = jax.lax.axis_index(STAGE)
   first, last = stage == 0, stage == n_stage - 1
@@ -140,7 +158,7 @@ def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
   p = jax.tree.map(lambda a: sharding.to_varying(a, all_axes), p if f32_sum else cast(p))
   p = cast(p) if f32_sum else p
   lay = model.Layout(moe=functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
-                                           token_axes=TOKENS))
+                                           token_axes=TOKENS, transport=ep.a2a_exchange))
 
   def run_stage(x, pos_m):                                          # L/P layers of this stage
     body = model.remat(lambda h, lp: model.block(h, lp, pos_m, cfg, lay), cfg)
@@ -178,14 +196,14 @@ def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
                  "counts": stats["counts"]}
 
 
-def activation_shardings(cfg, mesh):
+def activation_shardings(cfg, mesh, opts):
   b = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS)
   return [("microbatch between stages", f"[{b // cfg.microbatches}, {cfg.seq_len}, "
            f"{cfg.d_model}] per device, {cfg.microbatches} microbatches"),
           ("bubble fraction", f"{bubble(cfg, mesh):.2f}")]
 
 
-def cost(cfg, mesh):
+def cost(cfg, mesh, opts):
   """Per-device collective bytes per step (common/cost.py; the docstring's schedule)."""
   p, ep_size = mesh.shape[STAGE], mesh.shape[EXPERT]
   steps, local_layers = cfg.microbatches + p - 1, cfg.n_layers // p

@@ -11,14 +11,18 @@ Cost: E x the FLOPs of a dropless MoE; fine for the tiny test models only.
   python run.py --strategy=reference --model=deepseek-test --steps=5 --metrics_file=m.jsonl
 """
 from common import model
+from common.options import NoOptions
 
 NAME = "reference"
 AXES: tuple[str, ...] = ()
 MAIN_AXIS = None
+COMPARE_MESH = None
+Options = NoOptions
+TEST_CASES, COST_CASES, BAD_INPUT = [], [], []   # the oracle itself: tests/test_reference.py
 
 
-def check(cfg, mesh):
-  del cfg, mesh
+def check(cfg, mesh, opts):
+  del cfg, mesh, opts
 
 
 def param_specs(cfg, mesh):
@@ -31,6 +35,6 @@ def batch_spec(cfg, mesh):
   return None
 
 
-def layout(cfg, mesh):
-  del mesh
+def layout(cfg, mesh, opts):
+  del mesh, opts
   return model.reference_layout(cfg)

@@ -8,7 +8,7 @@ Mesh axes: (fsdp, expert). EP = |expert|, n_f = |fsdp|, N = n_f*EP devices; F = 
 |------------------------------------------|---------------------------------------------------|
 | experts wi_0/wi_1 [E, D, F], wo [E, F, D]| (("expert", "fsdp"), None, None): E/N whole       |
 |                                          |   experts per device, expert-major                |
-| embed, unembed, router, attn, shared     | D over (fsdp, expert) (common/layouts.py),        |
+| embed, unembed, router, attn, shared     | D over (fsdp, expert) (common/fsdp.py),           |
 |                                          |   gathered before use, grads reduce-scattered     |
 | norms [D], router bias [E]               | replicated                                        |
 | tokens [B, S], residual x [B, S, D]      | (B_(fsdp,expert), S[, D])                         |
@@ -23,7 +23,7 @@ and runs Newton-Schulz batched over E (per layer). Here E is the only sharded di
 reshard is a no-op and the optimizer step on the experts issues no collective (plain fsdp shards
 D: Muon all-gathers every expert matrix whole).
 
-cfg.expert_fsdp_mode (--expert_fsdp_mode), T = B*S/N local tokens:
+Option `mode` (--opt=mode=gather|ep), T = B*S/N local tokens:
   "gather" (MaxText): all-gather the experts over fsdp at the MoE input -> [E@expert, D, F];
      fsdp is data parallelism for the MoE, tokens move over expert only (all_to_all, as ep.py);
      expert grads reduce-scatter back over fsdp. Per layer 3*E/EP*D*F*4 B gathered (fwd) and
@@ -55,7 +55,7 @@ model's (kind, axes) set equals it, and tests/test_shard_exp_on_fsdp.py holds bo
   reduce-scatter over fsdp: expert gradients
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
   all-reduce over (fsdp, expert): router statistics, loss sums, norm-scale grads, grad norm
-HLO contract, ep mode:
+HLO contract, mode=ep:
   all-gather over (fsdp, expert): non-expert weight matrices before use (and Muon's matrices)
   reduce-scatter over (fsdp, expert): their gradients
   all-to-all over (fsdp, expert): counts, dispatch and combine buffers, fwd and bwd
@@ -64,16 +64,18 @@ When to use: Muon (or any matrix-wise optimizer) on MoE weights with FSDP, E div
 Cost: like ep + fsdp; gather mode holds E/EP gathered experts per layer during the step.
 
   python run.py --strategy=shard_exp_on_fsdp --mesh=fsdp:2,expert:4 --optimizer=muon --steps=3
-  python run.py --strategy=shard_exp_on_fsdp --mesh=fsdp:2,expert:4 --expert_fsdp_mode=ep
+  python run.py --strategy=shard_exp_on_fsdp --mesh=fsdp:2,expert:4 --opt=mode=ep
 """
+import dataclasses
+
 from jax.sharding import PartitionSpec as P
 
 from common import cost as cost_lib
-from common import dispatch, layouts
+from common import dispatch, fsdp, model, optim, options
 from common import mesh as mesh_lib
-from common import model, optim
-from common.config import ConfigError
+from common.precision import cast_stored, precision
 from common.sharding import gather_weight
+from strategies import BadInput, Case
 from strategies.ep import buffer_type, moe_ep
 
 NAME = "shard_exp_on_fsdp"
@@ -86,23 +88,40 @@ EXPERT_WEIGHTS = ("wi_0", "wi_1", "wo")
 STORED = P((EXPERT, FSDP), None, None)          # [E@(expert,fsdp), ., .], expert-major
 
 
-def contract_variant(cfg):
-  """Which HLO contract block of the docstring this config compiles to."""
-  return "ep mode" if cfg.expert_fsdp_mode == "ep" else None
+@dataclasses.dataclass(frozen=True)
+class Options:
+  mode: str = options.choice("gather", ("gather", "ep"),
+                             "gather: experts all-gathered over fsdp, tokens exchanged over "
+                             "expert (MaxText); ep: fsdp x expert is one EP group")
 
 
-def check(cfg, mesh):
-  if cfg.expert_fsdp_mode not in ("gather", "ep"):
-    raise ConfigError(f"expert_fsdp_mode={cfg.expert_fsdp_mode!r} must be gather or ep")
+F8, F2E4 = "fsdp:8,expert:1", "fsdp:2,expert:4"
+TEST_CASES = [Case("tiny", F2E4), Case("deepseek-test", F8),
+              Case("deepseek-test", F2E4, dict(optimizer="muon")),
+              Case("tiny", F2E4, opts=Options(mode="ep"))]
+COST_CASES = TEST_CASES
+BAD_INPUT = [
+    BadInput(dict(n_experts=4, top_k=2), F2E4, Options(),
+             "n_experts=4 is not divisible by mesh axis expertxfsdp=8"),
+    BadInput(dict(n_experts=4, top_k=2), F8, Options(),
+             "n_experts=4 is not divisible by mesh axis expertxfsdp=8"),
+    BadInput(dict(batch=4), F2E4, Options(), "batch=4 is not divisible by mesh axis fsdpxexpert=8")]
+
+
+def contract_variant(opts):
+  """Which HLO contract block of the docstring this mode compiles to."""
+  return "mode=ep" if opts.mode == "ep" else None
+
+
+def check(cfg, mesh, opts):
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, (EXPERT, FSDP))
   mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)
-  layouts.check_fsdp(cfg, mesh, TOKENS)
-  dispatch.check_method(cfg.dispatch)
+  fsdp.check(cfg, mesh, TOKENS)
 
 
 def param_specs(cfg, mesh):
   # D over (fsdp, expert) for every matrix but the experts, stored whole on their E dim
-  return model.param_specs(cfg, {**layouts.fsdp_table(TOKENS), "expert_in": STORED,
+  return model.param_specs(cfg, {**fsdp.table(TOKENS), "expert_in": STORED,
                                  "expert_out": STORED})
 
 
@@ -110,7 +129,7 @@ def batch_spec(cfg, mesh):
   return P(TOKENS, None)                                            # [B, S] @ ((f, x), None)
 
 
-def moe_weights(p, cfg):
+def moe_weights(p, cfg, opts):
   """gather: experts [E@(e,f)] -> [E@e, D, F] (all-gather over fsdp, typed reduced over it:
   the expert grads are partial over fsdp's token shards and come back reduce-scattered).
   ep: experts as stored (mixed precision: cast on the shard). The router is gathered whole in
@@ -118,36 +137,35 @@ def moe_weights(p, cfg):
   out = {"router": gather_weight(p["router"], P(), TOKENS), "bias": p["bias"]}
   for n in EXPERT_WEIGHTS:
     role = model.MOE_ROLES[n]
-    out[n] = (gather_weight(p[n], P(EXPERT, None, None), (FSDP,), **layouts.precision(cfg, role))
-              if cfg.expert_fsdp_mode == "gather" else layouts.cast_stored(p[n], role, cfg, ()))
+    out[n] = (gather_weight(p[n], P(EXPERT, None, None), (FSDP,), **precision(cfg, role))
+              if opts.mode == "gather" else cast_stored(p[n], role, cfg, ()))
   return out
 
 
-def ep_axes(cfg):
-  return (EXPERT,) if cfg.expert_fsdp_mode == "gather" else (EXPERT, FSDP)
+def ep_axes(opts):
+  return (EXPERT,) if opts.mode == "gather" else (EXPERT, FSDP)
 
 
-def layout(cfg, mesh):
+def layout(cfg, mesh, opts):
   x_spec = P(TOKENS, None, None)                                    # [B, S, D] @ ((f, x),)
 
   def moe_fn(p, x, positions):                                      # ep.py's exchange
-    return moe_ep(moe_weights(p, cfg), x, positions, cfg, ep_axes=ep_axes(cfg))
-  return model.Layout(x=x_spec, use=layouts.fsdp_use(TOKENS, cfg), moe=moe_fn)
+    return moe_ep(moe_weights(p, cfg, opts), x, positions, cfg, ep_axes=ep_axes(opts))
+  return model.Layout(x=x_spec, use=fsdp.use(TOKENS, cfg), moe=moe_fn)
 
 
-def activation_shardings(cfg, mesh):
-  t = buffer_type(cfg, mesh, P(TOKENS, None, None), ep_axes(cfg))
+def activation_shardings(cfg, mesh, opts):
+  t = buffer_type(cfg, mesh, P(TOKENS, None, None), ep_axes(opts))
   return [("residual x [B, S, D]", f"[{cfg.batch}@(fsdp,expert), {cfg.seq_len}, {cfg.d_model}]"),
           ("experts in the MoE [E, D, F]",
-           "E@expert (gathered over fsdp)" if cfg.expert_fsdp_mode == "gather"
-           else "E@(expert,fsdp)"),
+           "E@expert (gathered over fsdp)" if opts.mode == "gather" else "E@(expert,fsdp)"),
           ("dispatch buffer", f"{t.shape} @ {t.sharding.spec}")]
 
 
-def cost(cfg, mesh):
+def cost(cfg, mesh, opts):
   """Per-device collective bytes per step (common/cost.py; the docstring's schedule)."""
-  gather = cfg.expert_fsdp_mode == "gather"
-  gathered = layouts.fsdp_gathered(TOKENS)                  # every matrix but the experts
+  gather = opts.mode == "gather"
+  gathered = cost_lib.fsdp_gathered(TOKENS)                 # every matrix but the experts
   for role in model.EXPERTS:                                # gather: E@(e,f) -> E@e, grads over f
     gathered[role] = (P(EXPERT, None, None), (FSDP,)) if gather else (STORED, ())
   terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), TOKENS, gathered)
@@ -157,7 +175,7 @@ def cost(cfg, mesh):
                if l.role in optim.MUON_ROLES and l.role not in model.EXPERTS)
     terms += cost_lib.term(mesh, "all-gather", "opt", "Muon matrices whole for Newton-Schulz",
                            muon, TOKENS)
-  ep = ep_axes(cfg)
+  ep = ep_axes(opts)
   n_ep = mesh_lib.axis_size(mesh, *ep)
   c = dispatch.send_rows(cfg, cfg.batch // mesh_lib.axis_size(mesh, *TOKENS), cfg.seq_len, n_ep)
   buf = n_ep * c * cfg.d_model * cost_lib.act_bytes(cfg)         # one [EP, C, D]

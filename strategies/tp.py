@@ -51,91 +51,111 @@ from jax.sharding import PartitionSpec as P
 
 from common import cost as cost_lib
 from common import mesh as mesh_lib
-from common import layouts, model, moe, sharding
+from common import model, moe, sharding
+from common.options import NoOptions
+from common.precision import moe_stored, stored_use
+from strategies import BadInput, Case
 
 NAME = "tp"
-AXES = (mesh_lib.DATA, mesh_lib.TENSOR)
-MAIN_AXIS = mesh_lib.TENSOR
+DATA, TENSOR = mesh_lib.DATA, mesh_lib.TENSOR
+AXES = (DATA, TENSOR)
+MAIN_AXIS = TENSOR
+TOKENS = (DATA, TENSOR)          # router statistics and the router's grads: every rank routes
 COMPARE_MESH = "data:4,tensor:2"   # the presets have 2 KV heads: TP = 2 for the comparison table
-T = mesh_lib.TENSOR
+Options = NoOptions
+_TINY8 = dict(n_heads=8, n_kv_heads=4)   # 8 / 4 heads: the same model on tensor:2 and tensor:4
+TEST_CASES = [Case("tiny", "tensor:2,data:4", _TINY8), Case("tiny", "data:2,tensor:4", _TINY8),
+              Case("deepseek-test", "tensor:2,data:4")]
+COST_CASES = TEST_CASES[:2]
+LAYOUTS = ("tiny", ("tensor:2,data:4", "data:2,tensor:4"), _TINY8)
+BAD_INPUT = [
+    BadInput(dict(n_heads=6, n_kv_heads=2), "data:2,tensor:4", Options(),
+             "n_heads=6 is not divisible by mesh axis tensor=4"),
+    BadInput(dict(n_heads=8, n_kv_heads=2), "data:2,tensor:4", Options(),
+             "n_kv_heads=2 is not divisible by mesh axis tensor=4"),
+    BadInput(dict(n_heads=8, n_kv_heads=4, d_ff=66), "data:2,tensor:4", Options(),
+             "d_ff=66 is not divisible by mesh axis tensor=4"),
+    BadInput(dict(n_heads=8, n_kv_heads=4, batch=3), "data:2,tensor:4", Options(),
+             "batch=3 is not divisible by mesh axis data=2")]
 
 
-def check(cfg, mesh):
-  mesh_lib.require_divisible("batch", cfg.batch, mesh, mesh_lib.DATA)
-  mesh_lib.require_divisible("n_heads", cfg.n_heads, mesh, T)
-  mesh_lib.require_divisible("n_kv_heads", cfg.n_kv_heads, mesh, T)
-  mesh_lib.require_divisible("d_ff", cfg.d_ff, mesh, T)
+def check(cfg, mesh, opts):
+  mesh_lib.require_divisible("batch", cfg.batch, mesh, DATA)
+  mesh_lib.require_divisible("n_heads", cfg.n_heads, mesh, TENSOR)
+  mesh_lib.require_divisible("n_kv_heads", cfg.n_kv_heads, mesh, TENSOR)
+  mesh_lib.require_divisible("d_ff", cfg.d_ff, mesh, TENSOR)
   if cfg.n_shared_experts:
-    mesh_lib.require_divisible("shared_d_ff", cfg.shared_d_ff, mesh, T)
+    mesh_lib.require_divisible("shared_d_ff", cfg.shared_d_ff, mesh, TENSOR)
 
 
 def param_specs(cfg, mesh):
   return model.param_specs(cfg, {
-      "attn_q": P(None, T, None), "attn_kv": P(None, T, None),   # [D, H_t|KV_t, Dh] column
-      "attn_o": P(T, None, None),                                 # [H_t, Dh, D] row
-      "expert_in": P(None, None, T), "expert_out": P(None, T, None),   # [E, D, F_t], [E, F_t, D]
-      "shared_in": P(None, T), "shared_out": P(T, None)})         # embed, norms, router: replicated
+      "attn_q": P(None, TENSOR, None), "attn_kv": P(None, TENSOR, None),  # [D, H_t|KV_t, Dh] column
+      "attn_o": P(TENSOR, None, None),                                      # [H_t, Dh, D] row
+      "expert_in": P(None, None, TENSOR),                                   # [E, D, F_t] column
+      "expert_out": P(None, TENSOR, None),                                  # [E, F_t, D] row
+      "shared_in": P(None, TENSOR), "shared_out": P(TENSOR, None)})  # embed, norms, router: replicated
 
 
 def batch_spec(cfg, mesh):
-  return P(mesh_lib.DATA, None)                                     # [B, S] @ (data, None)
+  return P(DATA, None)                                     # [B, S] @ (data, None)
 
 
-def layout(cfg, mesh):
-  x_spec = P(mesh_lib.DATA, None, None)                             # [B, S, D] @ (data,), rep. over t
+def layout(cfg, mesh, opts):
+  x_spec = P(DATA, None, None)                             # [B, S, D] @ (data,), rep. over t
   # normed h as attention and the MLP read it: the same values, typed reduced over t (its
   # cotangent is an unreduced partial per t rank, summed once in gather_in's backward)
-  h_spec = P(mesh_lib.DATA, None, None, reduced=frozenset({T}))
+  h_spec = P(DATA, None, None, reduced=frozenset({TENSOR}))
 
   def moe_fn(p, x, positions):
     def body(p, x, pos):                                            # x [b, S, D] local, same on all t
       b, s, d = x.shape
       # x comes in *reduced* over t (gather_in): varying from here on, so its cotangent leaves
       # unreduced and the layer's ONE psum over t happens in gather_in's backward
-      xv = jax.lax.pcast(x, T, to="varying")                      # [b, S, D]
+      xv = jax.lax.pcast(x, TENSOR, to="varying")                      # [b, S, D]
       r, keep, stats = moe.route_tokens(p, xv, pos, cfg)          # the same on every t rank
       xv = xv.reshape(b * s, d)                                     # [T, D]
       xs, gs, order = moe.permute(xv, r.experts, keep, cfg.n_experts)  # [T*K, D]
       ys = moe.swiglu_experts(xs, gs, p, cfg.gmm_backend)          # [T*K, D] {U_t}: F_t slice only
       y = moe.unpermute(ys, order, r.weights)                       # [T, D] {U_t}
       with jax.named_scope("moe_psum_tensor"):
-        y = jax.lax.psum(y, T)                                      # the one reduction per MoE
+        y = jax.lax.psum(y, TENSOR)                                      # the one reduction per MoE
       # every t rank routed the same tokens: count them once (t rank 0), sum over (d, t); the
       # aux-loss gradient then reaches the router through rank 0 only, and is summed over t
-      first = (jax.lax.axis_index(T) == 0).astype(jnp.float32)
-      tok = (mesh_lib.DATA, T)
-      stats = jax.tree.map(lambda v: jax.lax.psum(sharding.to_varying(v, tok) * first, tok), stats)
+      first = (jax.lax.axis_index(TENSOR) == 0).astype(jnp.float32)
+      stats = jax.tree.map(lambda v: jax.lax.psum(sharding.to_varying(v, TOKENS) * first, TOKENS),
+                           stats)
       return y.reshape(b, s, d).astype(x.dtype), stats
     # experts [E, D, F@t] / [E, F@t, D] as stored (bf16: cast, typed reduced over data)
-    p, specs = layouts.moe_stored(p, cfg, (mesh_lib.DATA,))
-    return jax.shard_map(body, in_specs=(specs, h_spec, P(mesh_lib.DATA, None)),
+    p, specs = moe_stored(p, cfg, (DATA,))
+    return jax.shard_map(body, in_specs=(specs, h_spec, P(DATA, None)),
                          out_specs=(x_spec, P()))(p, x, positions)  # y [B, S, D] @ (data,)
   # x_spec as out_sharding of the row-parallel matmuls (attention wo, shared wo) = the all-reduce
-  gather_in = lambda h: sharding.gather_weight(h, x_spec, (T,))     # [B, S, D] -> h_spec; bwd psum over t
-  return model.Layout(x=x_spec, use=layouts.stored_use(cfg, (mesh_lib.DATA,)), moe=moe_fn,
+  gather_in = lambda h: sharding.gather_weight(h, x_spec, (TENSOR,))     # [B, S, D] -> h_spec; bwd psum over t
+  return model.Layout(x=x_spec, use=stored_use(cfg, (DATA,)), moe=moe_fn,
                       gather_in=gather_in)
 
 
-def activation_shardings(cfg, mesh):
+def activation_shardings(cfg, mesh, opts):
   return [("residual x [B, S, D]", f"[{cfg.batch}@data, {cfg.seq_len}, {cfg.d_model}]"),
           ("q [B, S, H, Dh]", f"[{cfg.batch}@data, {cfg.seq_len}, {cfg.n_heads}@tensor, {cfg.head_dim}]"),
           ("expert hidden [T*K, F]", f"F={cfg.d_ff}@tensor inside the MoE shard_map")]
 
 
-def cost(cfg, mesh):
+def cost(cfg, mesh, opts):
   """Per-device collective bytes per step (common/cost.py; the docstring's schedule): weights
   used as stored, their grads over data (the router's over (data, tensor): every tensor rank
   routes, rank 0 counts); the activation all-reduces over tensor; router statistics."""
-  terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), (mesh_lib.DATA,),
-                                 grads={"router": (mesh_lib.DATA, T)})
-           + cost_lib.stats_terms(cfg, mesh, (mesh_lib.DATA, T)))
-  x = (cfg.batch // mesh_lib.axis_size(mesh, mesh_lib.DATA) * cfg.seq_len * cfg.d_model
+  terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), (DATA,),
+                                 grads={"router": TOKENS})
+           + cost_lib.stats_terms(cfg, mesh, TOKENS))
+  x = (cfg.batch // mesh_lib.axis_size(mesh, DATA) * cfg.seq_len * cfg.d_model
        * cost_lib.act_bytes(cfg))                                   # one [b, S, D] activation
   sh = 1 if cfg.n_shared_experts else 0
   return (terms
-          + cost_lib.term(mesh, "all-reduce", "fwd", "attention wo output", cfg.n_layers * x, T,
+          + cost_lib.term(mesh, "all-reduce", "fwd", "attention wo output", cfg.n_layers * x, TENSOR,
                           cost_lib.BLOCK_ONLY)
           + cost_lib.term(mesh, "all-reduce", "fwd", "MoE / shared wo outputs",
-                          cfg.n_layers * (1 + sh) * x, T)
+                          cfg.n_layers * (1 + sh) * x, TENSOR)
           + cost_lib.term(mesh, "all-reduce", "bwd", "d(normed h) of the attention and MLP blocks",
-                          cfg.n_layers * 2 * x, T))
+                          cfg.n_layers * 2 * x, TENSOR))

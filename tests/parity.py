@@ -10,7 +10,7 @@ import chex
 import jax
 import numpy as np
 
-from common import buffers, cost, hlo, layouts
+from common import buffers, contract, cost, hlo
 from common import mesh as mesh_lib
 from common import train
 import strategies
@@ -36,32 +36,38 @@ def make_mesh(name: str, mesh_spec: str | None):
   return mesh_lib.for_strategy(strategies.get(name), mesh_spec)
 
 
-def job(name: str, cfg, mesh_spec: str | None, *, init=None, poison: bool = False) -> train.Job:
+def job(name: str, cfg, mesh_spec: str | None, opts=None, *, init=None,
+        poison: bool = False) -> train.Job:
   """Compiled train step (with grads in the metrics), cached: HLO tests reuse parity's compile.
-  Every entry point here applies parity_config, so all share one compile per (name, cfg, mesh).
-  init: cfg -> numpy params (a module-level function); poison: trace with NaN in every padded
-  exchange buffer (common/buffers.py)."""
-  return _job(name, parity_config(cfg), mesh_spec, init, poison)
+  Every entry point here applies parity_config, so all share one compile per (name, cfg, mesh,
+  opts). opts: the strategy's Options (None = defaults); init: cfg -> numpy params (a
+  module-level function); poison: trace with NaN in every padded exchange buffer
+  (common/buffers.py)."""
+  return _job(name, parity_config(cfg), mesh_spec, _opts(name, opts), init, poison)
+
+
+def _opts(name, opts):
+  return strategies.get(name).Options() if opts is None else opts
 
 
 @functools.lru_cache(maxsize=None)
-def _job(name: str, cfg, mesh_spec: str | None, init=None, poison: bool = False) -> train.Job:
+def _job(name: str, cfg, mesh_spec: str | None, opts, init=None, poison: bool = False) -> train.Job:
   with (buffers.poisoned() if poison else contextlib.nullcontext()):
-    return train.build(strategies.get(name), cfg, make_mesh(name, mesh_spec), with_grads=True,
-                       init=init)
+    return train.build(strategies.get(name), cfg, make_mesh(name, mesh_spec), opts,
+                       with_grads=True, init=init)
 
 
-def run(name: str, cfg, mesh_spec: str | None, steps: int, *, init=None,
+def run(name: str, cfg, mesh_spec: str | None, steps: int, opts=None, *, init=None,
         poison: bool = False) -> list[dict]:
   """-> per step {loss, aux_loss, grad_norm, dropped, grads, params (after the step)} as numpy."""
-  return _run(name, parity_config(cfg), mesh_spec, steps, init, poison)
+  return _run(name, parity_config(cfg), mesh_spec, steps, _opts(name, opts), init, poison)
 
 
 @functools.lru_cache(maxsize=None)
-def _run(name: str, cfg, mesh_spec: str | None, steps: int, init=None,
+def _run(name: str, cfg, mesh_spec: str | None, steps: int, opts, init=None,
          poison: bool = False) -> list[dict]:
   out = []
-  for _, params, _, m, _ in train.steps(_job(name, cfg, mesh_spec, init, poison), steps):
+  for _, params, _, m, _ in train.steps(_job(name, cfg, mesh_spec, opts, init, poison), steps):
     rec = {k: m[k] for k in ("loss", "aux_loss", "ce_loss", "grad_norm", "dropped", "grads")}
     rec["params"] = _np(params)
     out.append(rec)
@@ -69,7 +75,8 @@ def _run(name: str, cfg, mesh_spec: str | None, steps: int, init=None,
 
 
 def reference(cfg, steps: int, *, init=None) -> list[dict]:
-  return run("reference", cfg.model_only(), None, steps, init=init)
+  """The single-device reference on the same model and run, computed the plainest way."""
+  return run("reference", cfg.plain(), None, steps, init=init)
 
 
 def assert_parity(got: list[dict], want: list[dict], rtol=RTOL, atol=ATOL) -> None:
@@ -144,30 +151,30 @@ def assert_parity_bf16(got: list[dict], want: list[dict], params0) -> None:
     before_g, before_w = g["params"], w["params"]
 
 
-def check_bf16(name: str, cfg, mesh_spec: str | None, steps: int = 2) -> list[dict]:
+def check_bf16(name: str, cfg, mesh_spec: str | None, steps: int = 2, opts=None) -> list[dict]:
   """`name` in bf16 (bf16_config(cfg)) against the bf16 reference."""
   from common import model
   cfg = bf16_config(cfg)
-  got = run(name, cfg, mesh_spec, steps)
+  got = run(name, cfg, mesh_spec, steps, opts)
   assert_parity_bf16(got, reference(cfg, steps), model.init_params(cfg))
   return got
 
 
-def check(name: str, cfg, mesh_spec: str, steps: int = 3, *, init=None, poison: bool = False,
-          **tol) -> list[dict]:
+def check(name: str, cfg, mesh_spec: str, steps: int = 3, opts=None, *, init=None,
+          poison: bool = False, **tol) -> list[dict]:
   """Run `name` on `mesh_spec` and assert parity with the reference. Returns the strategy's run."""
-  got = run(name, cfg, mesh_spec, steps, init=init, poison=poison)
+  got = run(name, cfg, mesh_spec, steps, opts, init=init, poison=poison)
   assert_parity(got, reference(cfg, steps, init=init), **tol)
   return got
 
 
-def assert_cost_model(name: str, cfg, mesh_spec: str, tol: float = 0.1) -> dict:
+def assert_cost_model(name: str, cfg, mesh_spec: str, opts=None, tol: float = 0.1) -> dict:
   """The strategy's analytic cost (common/cost.py) matches the compiled HLO per (collective kind,
   mesh axes), both ways: every key either side has, within `tol` of the compiled bytes.
   Returns {(kind, axes): {predicted, measured, ratio}}."""
-  j = job(name, cfg, mesh_spec)
+  j = job(name, cfg, mesh_spec, opts)
   got = hlo.collective_stats_by_axes(j.hlo, j.mesh)
-  table = cost.versus(cost.step_terms(strategies.get(name), j.cfg, j.mesh), got, by="axes")
+  table = cost.versus(cost.step_terms(strategies.get(name), j.cfg, j.mesh, j.opts), got, by="axes")
   bad = {k: v for k, v in table.items() if not 1 - tol <= v["ratio"] <= 1 + tol}
   assert not bad, (name, mesh_spec, bad)
   return table
@@ -197,21 +204,21 @@ def assert_layout_invariance(name: str, cfg, mesh_specs, steps: int = 3) -> None
   chex.assert_trees_all_equal(once, twice)
 
 
-def declared(name: str, cfg, mesh) -> set:
-  """The (kind, axes) set of the strategy's docstring contract for this config."""
+def declared(name: str, opts, mesh) -> set:
+  """The (kind, axes) set of the strategy's docstring contract for these options."""
   strat = strategies.get(name)
-  variant = strat.contract_variant(cfg) if hasattr(strat, "contract_variant") else None
-  return layouts.declared_collectives(strat.__doc__, mesh, variant)
+  variant = strat.contract_variant(opts) if hasattr(strat, "contract_variant") else None
+  return contract.declared_collectives(strat.__doc__, mesh, variant)
 
 
-def assert_contract(name: str, cfg, mesh_spec: str) -> train.Job:
+def assert_contract(name: str, cfg, mesh_spec: str, opts=None) -> train.Job:
   """Prose, model and program agree: the compiled step's collectives as (kind, mesh axes), the
   strategy's docstring "HLO contract" block and its cost model's terms are one set — each way.
   Returns the job."""
-  j = job(name, cfg, mesh_spec)
-  want = declared(name, j.cfg, j.mesh)
+  j = job(name, cfg, mesh_spec, opts)
+  want = declared(name, j.opts, j.mesh)
   got = set(hlo.collective_stats_by_axes(j.hlo, j.mesh))
   assert got == want, {"undeclared": got - want, "declared, not compiled": want - got}
-  model = set(cost.by_axes(cost.step_terms(strategies.get(name), j.cfg, j.mesh)))
+  model = set(cost.by_axes(cost.step_terms(strategies.get(name), j.cfg, j.mesh, j.opts)))
   assert model == want, {"not in the cost model": want - model, "not declared": model - want}
   return j

@@ -95,7 +95,7 @@ def test_plan_hand_worked():
   np.testing.assert_array_equal(plan.slot, [1, 0, 0, 2, 1, 2])
   np.testing.assert_array_equal(plan.pos, [1, 3, 0, 5, 4, 2])
   np.testing.assert_array_equal(plan.counts, [[1, 2], [2, 1]])
-  send = dispatch.pack(jnp.array(X2[0]), plan, 2, dispatch.capacity(3, 2, 2))
+  send = dispatch.pack(jnp.array(X2[0]), plan, 2, dispatch.rows_bound(3, 2, 2))
   np.testing.assert_array_equal(send[..., 0], [[11, 10, 12, 0, 0, 0], [10, 12, 11, 0, 0, 0]])
   np.testing.assert_array_equal(dispatch.segment_ids(plan.counts, 6),
                                 [[0, 1, 1, 2, 2, 2], [0, 0, 1, 2, 2, 2]])
@@ -149,7 +149,7 @@ def test_capacity_factor_bound_hand_worked():
   shard 0): the capacity rule keeps 2 copies each, and shard 0 receives exactly the bound."""
   cfg = get_config("tiny", n_experts=8, top_k=2, seq_len=8, capacity_factor=1.0)
   c = dispatch.send_rows(cfg, 1, 8, 4)
-  assert c == 4 and dispatch.capacity(8, 2, 2) == 16
+  assert c == 4 and dispatch.rows_bound(8, 2, 2) == 16
   experts = jnp.array([[0, 1]] * 8)
   keep = routing.capacity_keep(experts[None], jnp.arange(8)[None], 2, 8).reshape(8, 2)
   np.testing.assert_array_equal(keep, [[True, True]] * 2 + [[False, False]] * 6)
@@ -189,15 +189,15 @@ def test_worst_case_is_exact(monkeypatch, ep, n_experts, k):
   experts = np.broadcast_to(np.arange(k), (ep, t, k))
   keep = np.ones((ep, t, k), bool)
   rows, gs, y = exchange(monkeypatch, xs, experts, keep, n_experts)
-  c = dispatch.capacity(t, k, n_experts // ep)
+  c = dispatch.rows_bound(t, k, n_experts // ep)
   assert rows.shape == (ep, ep * c, 3)
   assert gs[0].sum() == ep * c                                           # shard 0's rows: full
   np.testing.assert_allclose(y, round_trip(xs, experts, keep), rtol=1e-6)
 
 
 def test_capacity_bound():
-  assert dispatch.capacity(10, 2, 1) == 10       # L=1: at most one copy per shard per token
-  assert dispatch.capacity(10, 4, 8) == 40       # L>=K: all K copies can go to one shard
+  assert dispatch.rows_bound(10, 2, 1) == 10       # L=1: at most one copy per shard per token
+  assert dispatch.rows_bound(10, 4, 8) == 40       # L>=K: all K copies can go to one shard
 
 
 def test_method_resolution():

@@ -127,5 +127,5 @@ def test_capacity_rule_hand_case():
 
 def test_capacity_value():
   cfg = get_config("tiny", capacity_factor=1.25)                    # S=32, K=2, E=8
-  assert routing.capacity(cfg, 32) == 10                           # ceil(1.25*32*2/8)
-  assert routing.capacity(get_config("tiny"), 32) == 0
+  assert routing.expert_slots(cfg, 32) == 10                           # ceil(1.25*32*2/8)
+  assert routing.expert_slots(get_config("tiny"), 32) == 0

@@ -1,0 +1,35 @@
+"""The docstring contract: a strategy's "HLO contract" block, parsed into (kind, mesh axes).
+
+  HLO contract (...):
+    all-gather over (data, fsdp): why
+    reduce-scatter over fsdp: why
+  HLO contract, <variant>:
+    ...
+
+tests/ hold the parsed set equal to the compiled program's collectives (common/hlo.py) and to
+the cost model's terms (common/cost.py): prose, model and program are one set.
+"""
+from __future__ import annotations
+
+import re
+
+_CONTRACT = re.compile(r"^\s*(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute"
+                       r"|ragged-all-to-all)\s+over\s+\(?([\w, ]+?)\)?\s*:", re.M)
+
+
+def declared_collectives(doc: str, mesh, variant: str | None = None) -> set:
+  """{(kind, frozenset(axes))} from a docstring's 'HLO contract' block
+  ('  all-gather over (data, fsdp): why'), size-1 axes dropped (no data moves over them).
+  A docstring may hold several blocks, one per variant: 'HLO contract' alone is the default,
+  'HLO contract, <variant>:' another (the strategy's contract_variant(opts) names it)."""
+  blocks = re.split(r"^HLO contract", doc, flags=re.M)[1:]
+  header = lambda b: b.split("\n", 1)[0]
+  pick = [b for b in blocks if (variant is None and not header(b).startswith(","))
+          or (variant is not None and header(b).startswith(f", {variant}"))]
+  assert len(pick) == 1, (variant, [header(b) for b in blocks])
+  out = set()
+  for kind, axes in _CONTRACT.findall(pick[0]):
+    live = frozenset(a.strip() for a in axes.split(",") if mesh.shape.get(a.strip(), 1) > 1)
+    if live:
+      out.add((kind, live))
+  return out

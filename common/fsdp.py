@@ -1,0 +1,59 @@
+"""FSDP pieces shared by the strategies that shard weights on their model dim D: the role ->
+PartitionSpec table, the gather-before-use `Layout.use`, and the all-experts-local MoE.
+
+FSDP dim per weight (the model dim D everywhere). Replicated: the router bias (the step updates
+it with global counts) and the norm scales [D] (tiny; JAX rejects an elementwise product of a
+sharded activation with a weight typed reduced, which is what gather_weight returns).
+  embed [V, D@f]   unembed [D@f, V]   router [D@f, E]
+  attn wq [D@f, H, Dh]  wk/wv [D@f, KV, Dh]   attn wo [H, Dh, D@f]
+  moe wi_0/wi_1 [E, D@f, F]       moe wo [E, F, D@f]   shared wi_0/wi_1 [D@f, Fs]  shared wo [Fs, D@f]
+"""
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from common import context, model, moe
+from common import mesh as mesh_lib
+from common.precision import precision
+from common.sharding import gather_weight
+
+
+def table(fsdp_axes) -> dict:
+  """role -> PartitionSpec: every matrix on its model dim D (common.model.D_DIM) over
+  `fsdp_axes` (str or tuple); norms and the router bias are left out, i.e. replicated."""
+  return {role: P(*(None,) * d, fsdp_axes) for role, d in model.D_DIM.items()}
+
+
+def check(cfg, mesh, fsdp_axes) -> None:
+  mesh_lib.require_divisible("d_model", cfg.d_model, mesh, fsdp_axes)
+
+
+def use(grad_axes, cfg):
+  """Layout.use: all-gather a D-sharded weight (backward: reduce-scatter over the gathered axes,
+  all-reduce over the other grad axes — see common.sharding.gather_weight); norms pass. Mixed
+  precision: the bf16 cast comes first, the all-gather moves bf16 (common.precision)."""
+  return lambda role, w: (gather_weight(w, P(), grad_axes, **precision(cfg, role))
+                          if role in model.D_DIM else w)
+
+
+def moe_all_local(cfg, x_spec: P, grad_axes, cp_axis: str | None = None):
+  """Layout.moe for strategies whose MoE needs no token exchange: gather every expert weight
+  (FSDP all-gather), then the single-device MoE on each device's own tokens in a full-manual
+  shard_map. x_spec: the [B, S, D] residual spec; grad_axes: every mesh axis tokens are split
+  over (router stats are psum'd over them); cp_axis: the axis splitting S (capacity rule needs
+  the whole sequence's expert ids, gathered over it)."""
+  pos_spec = P(*tuple(x_spec)[:2])
+  gather_seq = context.sequence_gatherer(cp_axis) if (cp_axis and cfg.capacity_factor > 0) else None
+
+  def moe_fn(p, x, positions):
+    # [E, D@f, F] -> [E, D, F] (typed reduced over grad_axes); the bias is already replicated
+    full = {k: (v if k == "bias" else gather_weight(v, P(), grad_axes,
+                                                    **precision(cfg, model.MOE_ROLES[k])))
+            for k, v in p.items()}
+    specs = {k: jax.typeof(v).sharding.spec for k, v in full.items()}
+    body = lambda p, x, pos: moe.moe_local(p, x, pos, cfg, token_axes=tuple(grad_axes),
+                                           gather_sequence=gather_seq)
+    return jax.shard_map(body, in_specs=(specs, x_spec, pos_spec),
+                         out_specs=(x_spec, P()))(full, x, positions)   # y [B, S, D] @ x_spec
+  return moe_fn
