@@ -33,7 +33,7 @@ flags.DEFINE_integer("microbatches", 1, "M microbatches per step, one optimizer 
 flags.DEFINE_string("mesh", None, "e.g. data:2,expert:4; omitted axes get size 1; "
                     "no flag = all devices on the strategy's main axis; 'search' (compare with "
                     "--compile_only --hbm_gb): per strategy, the mesh over its axes that fits "
-                    "(common/compare.py search)")
+                    "(compare.py search)")
 flags.DEFINE_integer("devices", 8, "simulated CPU devices per process (ignored on GPU/TPU hosts)")
 flags.DEFINE_string("remat", "none", "jax.checkpoint of each layer: none | block (recompute the "
                     "layer) | dots_saveable | dots_with_no_batch_dims_saveable (jax policies)")
@@ -95,7 +95,7 @@ def check_flags():
   jax.distributed arguments of a multi-process run (None: one process)."""
   import math
   import os
-  from common import distributed
+  from runtime import distributed
   dist = distributed.settings(F.coordinator_address, F.num_processes, F.process_id)
   if dist is not None and not F.strategy:
     raise UsageError("multi-process runs need --strategy (compare mode is single-process)")
@@ -167,7 +167,7 @@ def strategy_names() -> list[str]:
 def strategy_options(names: list[str]) -> dict:
   """{name: its Options} from --opt and the alias flags (one-line errors, before JAX starts)."""
   import strategies
-  from common import options
+  from layout import options
   pairs = options.split(F.opt)
   for flag, to_pair in ALIASES.items():
     value = getattr(F, flag)
@@ -205,14 +205,14 @@ def _setup_devices(n: int, dist) -> None:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(F.compilation_cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   if dist is not None:
-    from common import distributed
+    from runtime import distributed
     distributed.initialize(dist)
   if jax.default_backend() == "cpu" and jax.local_device_count() != n:
     raise UsageError(f"asked for {n} CPU devices, got {jax.local_device_count()}")
 
 
 def make_config():
-  from common.config import ConfigError, get_config
+  from modeling.config import ConfigError, get_config
   over = dict(optimizer=F.optimizer, capacity_factor=F.capacity_factor, seed=F.seed,
               gmm_backend=F.gmm, microbatches=F.microbatches,
               remat=F.remat, dtype=F.dtype, grad_reduce_dtype=F.grad_reduce_dtype)
@@ -220,9 +220,9 @@ def make_config():
                     ("adam_eps", "adam_eps")):
     if getattr(F, flag) is not None:
       over[key] = getattr(F, flag)
-  from common import gmm
+  from modeling import gmm
   if F.gmm == "mgpu":
-    import kernels.mgpu  # noqa: F401  (registers the Hopper kernel and wgrad with common.gmm)
+    import kernels.mgpu  # noqa: F401  (registers the Hopper kernel and wgrad with modeling.gmm)
   try:
     gmm.resolve_backend(F.gmm)
   except ValueError as e:
@@ -231,8 +231,10 @@ def make_config():
 
 
 def train_one(cfg, opts) -> None:
-  from common import hlo, mesh as mesh_lib, train
-  from common.sharding import describe
+  from measure import hlo
+  from layout import mesh as mesh_lib
+  from runtime import train
+  from parallel.sharding import describe
   import strategies
 
   import jax
@@ -242,7 +244,7 @@ def train_one(cfg, opts) -> None:
   mesh = mesh_lib.for_strategy(strat, F.mesh)
   start, state = 0, None
   if F.restore is not None:                   # checked and read before anything compiles
-    from common import checkpoint
+    from runtime import checkpoint
     start = checkpoint.check(F.checkpoint_dir, F.restore, cfg)
     state = checkpoint.restore(F.checkpoint_dir, start, cfg, strat, mesh)
   job = train.build(strat, cfg, mesh, opts, state=state)
@@ -269,7 +271,7 @@ def train_one(cfg, opts) -> None:
   tokens = cfg.batch * cfg.seq_len
   saver = None
   if F.checkpoint_dir:
-    from common import checkpoint
+    from runtime import checkpoint
     saver = checkpoint.Saver(F.checkpoint_dir, cfg, strategy=F.strategy, mesh=mesh_desc)
   params, opt_state = job.params, job.opt_state
   try:
@@ -319,14 +321,14 @@ def main(argv):
   if F.strategy:
     train_one(cfg, opts[F.strategy])
   else:
-    from common import compare
+    import compare
     compare.main(cfg, names=names, mesh_spec=F.mesh, steps=3 if F.steps is None else F.steps,
                  report_dir=F.report_dir, compile_only=F.compile_only, model_name=F.model,
                  hbm_gb=F.hbm_gb, opts=opts)
 
 
 def _run():
-  from common.config import ConfigError
+  from modeling.config import ConfigError
   try:
     app.run(main)
   except (ConfigError, UsageError, NonFinite) as e:

@@ -1,4 +1,4 @@
-"""Benchmark of the grouped-matmul backends in common/gmm.py (and torch._grouped_mm).
+"""Benchmark of the grouped-matmul backends in modeling/gmm.py (and torch._grouped_mm).
 
 Run from the repo root:  python bench/gmm.py [--shapes=mixtral,deepseek_skew] [--scale=1]
 
@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import gmm as gmm_lib
-from common import timing
+from modeling import gmm as gmm_lib
+from measure import timing
 from kernels import mgpu
 
 SHAPES = {  # name: (E, M, K, N)

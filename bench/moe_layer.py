@@ -2,11 +2,11 @@
 
 Run from the repo root:  python bench/moe_layer.py [--proxies=mixtral,deepseek] [--scale=1]
 
-The layer is the one the strategies run (common/moe.py), on T tokens of width D:
-  route      common.moe.route_tokens -> common.routing.route   (dropless: capacity_factor=0)
-  permute    common.moe.permute                                [T*k, D] sorted by expert
-  gmm x 3    common.moe.swiglu_experts                         silu(xs@wi_0) * (xs@wi_1) @ wo
-  unpermute  common.moe.unpermute                              weighted combine -> [T, D]
+The layer is the one the strategies run (modeling/moe.py), on T tokens of width D:
+  route      modeling.moe.route_tokens -> modeling.routing.route   (dropless: capacity_factor=0)
+  permute    modeling.moe.permute                                [T*k, D] sorted by expert
+  gmm x 3    modeling.moe.swiglu_experts                         silu(xs@wi_0) * (xs@wi_1) @ wo
+  unpermute  modeling.moe.unpermute                              weighted combine -> [T, D]
 Modes: "fwd" = y = layer(x); "fwd+bwd" = jax.value_and_grad of sum(y^2) (in f32) w.r.t. x and
 the router, wi_0, wi_1 and wo weights. Both are jitted and AOT-compiled before timing; the
 time is the best of --iters calls after one warmup call (robust on a shared machine).
@@ -20,8 +20,8 @@ Proxies (routed experts only, no shared experts, no attention):
 Params are built directly: router [D, E], wi_0 / wi_1 [E, D, F], wo [E, F, D], normal / sqrt(fan_in).
 --scale divides T, D and F (a CPU mode; CPU timings say nothing about GPU kernels).
 
-Backends (--backends; default: all of common.gmm.available_backends(), plus custom:mgpu and
-custom:mgpu:mgpu where common.gmm reports the Mosaic-GPU kernels that kernels/ registers):
+Backends (--backends; default: all of modeling.gmm.available_backends(), plus custom:mgpu and
+custom:mgpu:mgpu where modeling.gmm reports the Mosaic-GPU kernels that kernels/ registers):
   ragged_dot                 jax.lax.ragged_dot, autodiff by JAX
   padded                     capacity-padded einsum; capacity = largest group of THIS batch's
                              routing rounded up to 8 (dropless for this batch; a real run needs
@@ -33,7 +33,7 @@ custom:mgpu:mgpu where common.gmm reports the Mosaic-GPU kernels that kernels/ r
                              on the same weights and tokens; its forward is checked against the
                              JAX layer (ragged_dot) before timing, and a mismatch fails the row.
                              Peak memory: torch.cuda.max_memory_allocated (CUDA only).
-The other gmm options reach common.gmm.gmm through swiglu_experts' gmm_kwargs.
+The other gmm options reach modeling.gmm.gmm through swiglu_experts' gmm_kwargs.
 
 Peak memory is jax.devices()[0].memory_stats()["peak_bytes_in_use"] (GPU; "n/a" where the
 backend exposes no stats, e.g. CPU). That counter only grows, so on GPU (--isolate=auto) every
@@ -59,9 +59,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import gmm as gmm_lib
-from common import moe, timing
-from common.config import Config
+from modeling import gmm as gmm_lib
+from modeling import moe
+from measure import timing
+from modeling.config import Config
 from kernels import mgpu  # noqa: F401  (registers the "mgpu" kernel and wgrad)
 
 PROXIES = {  # name: (T, D, F, E, k, norm_topk_prob)

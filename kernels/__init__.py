@@ -1,7 +1,7 @@
-"""Accelerator grouped-matmul kernels for common/gmm.py, kept out of the core.
+"""Accelerator grouped-matmul kernels for modeling/gmm.py, kept out of the core.
 
-Each module imports common.gmm and registers its kernels with register_kernel / register_wgrad
-when imported; common.gmm never imports this package, so a kernel is used only where a caller
+Each module imports modeling.gmm and registers its kernels with register_kernel / register_wgrad
+when imported; modeling.gmm never imports this package, so a kernel is used only where a caller
 asked for it (run.py imports kernels.mgpu for --gmm=mgpu). Importing is cheap on any platform:
 GPU-only code is loaded on a kernel's first use.
   mgpu   Pallas Mosaic-GPU ragged_dot_mgpu / transposed_ragged_dot_mgpu (Hopper), the per-shape

@@ -1,4 +1,4 @@
-"""Hopper grouped-matmul kernels for common/gmm.py's "mgpu" backend (registered as "mgpu" when this
+"""Hopper grouped-matmul kernels for modeling/gmm.py's "mgpu" backend (registered as "mgpu" when this
 module is imported: run.py imports it for --gmm=mgpu, bench/ always).
 
   kernel "mgpu"  jax.experimental.pallas.ops.gpu.ragged_dot_mgpu: forward x @ w and dx = dy @ w^T
@@ -7,7 +7,7 @@ module is imported: run.py imports it for --gmm=mgpu, bench/ always).
 Hopper GPUs only, 16-bit dtypes; output rounded to the input dtype before the cast to
 preferred_element_type, tail rows masked to exact zeros (the kernels leave them unwritten).
 Elsewhere, for other dtypes or for shapes that the tiles do not divide, each falls back to
-common.gmm's ragged_dot kernel / ragged_dot_general wgrad.
+modeling.gmm's ragged_dot kernel / ragged_dot_general wgrad.
 
 Tiles per kernel call: mgpu_config, from the per-shape table TILES_FILE (kernels/mgpu_tiles.json)
 that `python bench/gmm.py --autotune` writes on a Hopper GPU (autotune below), else MGPU_CONFIG.
@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import gmm as gmm_lib
-from common import timing
+from modeling import gmm as gmm_lib
+from measure import timing
 
-# common.gmm's core kernel, wgrad and tail mask: the fallbacks and the autotuner's references.
+# modeling.gmm's core kernel, wgrad and tail mask: the fallbacks and the autotuner's references.
 _ragged_dot_kernel = gmm_lib.ragged_dot_kernel
 _wgrad_ragged = gmm_lib.wgrad_ragged
 _valid_rows = gmm_lib.valid_rows

@@ -4,17 +4,17 @@ Every strategy module exposes the same small functional interface:
   NAME: str, AXES: tuple of mesh axis names (mesh order), MAIN_AXIS: the axis that gets all
   devices when --mesh is omitted, and
   Options                     -> a frozen dataclass of the strategy's own knobs (--opt=k=v,...,
-                                 parsed by common/options.py), or common.options.NoOptions
-  check(cfg, mesh, opts)      -> None, raises common.config.ConfigError with a one-line message
-  param_specs(cfg, mesh)      -> pytree of PartitionSpec shaped like common.model params, written
-                                 as a role -> spec table (common.model.param_specs: one layer's
+                                 parsed by layout/options.py), or layout.options.NoOptions
+  check(cfg, mesh, opts)      -> None, raises modeling.config.ConfigError with a one-line message
+  param_specs(cfg, mesh)      -> pytree of PartitionSpec shaped like modeling.model params, written
+                                 as a role -> spec table (modeling.model.param_specs: one layer's
                                  array per role; the stacked [L] dim is unsharded, or split over
                                  pipeline stages)
   batch_spec(cfg, mesh)       -> PartitionSpec of tokens/targets/positions [B, S]
-  layout(cfg, mesh, opts)     -> common.model.Layout (shardings + the routed-MoE implementation)
+  layout(cfg, mesh, opts)     -> modeling.model.Layout (shardings + the routed-MoE implementation)
   prepare_batch(b, cfg, mesh) -> optional: reorder the global numpy batch (CP load balancing)
-  cost(cfg, mesh, opts)       -> list of common.cost.Term, each over named mesh axes: the
-                                 weight traffic from common.cost.weight_terms (stored vs used
+  cost(cfg, mesh, opts)       -> list of measure.cost.Term, each over named mesh axes: the
+                                 weight traffic from measure.cost.weight_terms (stored vs used
                                  specs by role) plus the strategy's own activation terms
   __doc__                     -> opens with the contract: mesh axes, sharding table, collectives
                                  per layer; its "HLO contract" block lists (kind over axes) lines
@@ -37,8 +37,8 @@ from __future__ import annotations
 import importlib
 from typing import NamedTuple
 
-from common import options
-from common.config import ConfigError
+from layout import options
+from modeling.config import ConfigError
 
 
 class Case(NamedTuple):
@@ -49,7 +49,7 @@ class Case(NamedTuple):
   opts: object = None            # the strategy's Options (None = the defaults)
 
   def config(self):
-    from common.config import get_config
+    from modeling.config import get_config
     return get_config(self.model, **self.overrides)
 
 

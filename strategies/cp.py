@@ -4,7 +4,7 @@ Mesh axes: (data, fsdp, context)
 
 | tensor                                  | sharding                                          |
 |-----------------------------------------|---------------------------------------------------|
-| every weight matrix                     | D over fsdp, as in fsdp.py (common/fsdp.py)       |
+| every weight matrix                     | D over fsdp, as in fsdp.py (layout/fsdp.py)       |
 | norms [D], router bias [E]              | replicated                                        |
 | tokens / targets / positions [B, S]     | (B_(data,fsdp), S_context), load-balanced order   |
 | residual x [B, S, D], q [B, S, H, Dh]   | (B_(data,fsdp), S_context, ..)                    |
@@ -12,7 +12,7 @@ Mesh axes: (data, fsdp, context)
 | MoE                                     | all experts local, on each device's own tokens    |
 
 Load balancing: the global sequence is cut into 2cp chunks and context rank i holds chunks i and
-2cp-1-i (prepare_batch reorders tokens, targets and positions together, common/context.py; the model masks
+2cp-1-i (prepare_batch reorders tokens, targets and positions together, layout/context.py; the model masks
 with the true positions), so every rank has the same causal work:
   S=8, cp=2: chunks [01][23][45][67] -> rank0 [0 1 6 7], rank1 [2 3 4 5]
 
@@ -50,10 +50,11 @@ with S*KV*Dh per layer (cheap with GQA), on top of FSDP's weight traffic.
 """
 from jax.sharding import PartitionSpec as P
 
-from common import context, fsdp, model
-from common import cost as cost_lib
-from common import mesh as mesh_lib
-from common.options import NoOptions
+from layout import context, fsdp
+from modeling import model
+from measure import cost as cost_lib
+from layout import mesh as mesh_lib
+from layout.options import NoOptions
 from strategies import BadInput, Case
 
 NAME = "cp"
@@ -108,7 +109,7 @@ def activation_shardings(cfg, mesh, opts):
 
 
 def cost(cfg, mesh, opts):
-  """Collective bytes per device per step (common/cost.py): fsdp's weight traffic over the grad
+  """Collective bytes per device per step (measure/cost.py): fsdp's weight traffic over the grad
   axes, the norm-scale grads summed over context first; K/V gathers; router statistics."""
   return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), TOKENS,
                                 gathered=cost_lib.fsdp_gathered(TOKENS),

@@ -27,11 +27,11 @@ full parameter + optimizer memory on every device.
 import jax
 from jax.sharding import PartitionSpec as P
 
-from common import cost as cost_lib
-from common import mesh as mesh_lib
-from common import model, moe
-from common.options import NoOptions
-from common.precision import moe_stored, stored_use
+from measure import cost as cost_lib
+from layout import mesh as mesh_lib
+from modeling import model, moe
+from layout.options import NoOptions
+from layout.precision import moe_stored, stored_use
 from strategies import BadInput, Case
 
 NAME = "dp"
@@ -77,7 +77,7 @@ def activation_shardings(cfg, mesh, opts):
 
 
 def cost(cfg, mesh, opts):
-  """Collective bytes per device per step (common/cost.py): every gradient over data, replicated
+  """Collective bytes per device per step (measure/cost.py): every gradient over data, replicated
   weights used as stored; the router statistics."""
   return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), (DATA,))
           + cost_lib.stats_terms(cfg, mesh, (DATA,)))

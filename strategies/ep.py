@@ -6,7 +6,7 @@ Mesh axes: (data, fsdp, expert)   (MaxText's default "EP as FSDP/DP": every axis
 |------------------------------------------|------------------------------------------------------|
 | tokens / positions [B, S]                | (B_(data,fsdp,expert), S)                            |
 | residual x [B, S, D]                     | (B_(data,fsdp,expert), S, D)                         |
-| non-expert matrices (embed, attn, router,| D over fsdp, as fsdp.py (common/layouts.py); gathered|
+| non-expert matrices (embed, attn, router,| D over fsdp, as fsdp.py (layout/fsdp.py); gathered  |
 |   shared expert, unembed)                |   before use, grads reduce-scattered                 |
 | norms [D], router bias [E]               | replicated                                           |
 | experts wi_0/wi_1 [E, D, F], wo [E, F, D]| [E_expert, D_fsdp, F], [E_expert, F, D_fsdp]: E over |
@@ -16,7 +16,7 @@ Mesh axes: (data, fsdp, expert)   (MaxText's default "EP as FSDP/DP": every axis
 |   and combine buffer                     |   on (data, fsdp) only, expert dim on expert (#4179) |
 
 MoE: moe_ep, one full-manual shard_map whose body (moe_body, below) routes the local tokens,
-plans where each of their K copies goes (common/dispatch.py) and hands them to a transport, the
+plans where each of their K copies goes (layout/dispatch.py) and hands them to a transport, the
 option `dispatch` (--opt=dispatch=...):
   a2a (default)  packs the copies by destination shard into send [EP, C, D]; "dispatch_a2a":
                  all_to_all over expert (rows and the counts [EP, e]); "expert_gmm": sort the
@@ -98,12 +98,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from common import buffers, dispatch, fsdp, model, moe, options
-from common import cost as cost_lib
-from common import mesh as mesh_lib
-from common.config import ConfigError
-from common.precision import precision
-from common.sharding import dim_axes, gather_weight
+from layout import buffers, dispatch, fsdp, options
+from modeling import model, moe
+from measure import cost as cost_lib
+from layout import mesh as mesh_lib
+from modeling.config import ConfigError
+from layout.precision import precision
+from parallel.sharding import dim_axes, gather_weight
 from strategies import BadInput, Case
 
 NAME = "ep"
@@ -332,7 +333,7 @@ def activation_shardings(cfg, mesh, opts):
 
 
 def cost(cfg, mesh, opts, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
-  """Per-device collective bytes per step (common/cost.py; the docstring's schedule). The weight
+  """Per-device collective bytes per step (measure/cost.py; the docstring's schedule). The weight
   traffic from moe_weights / fsdp.use; the exchange; router statistics. batch_axes: the axes
   splitting B (ep_as_cp: (data, fsdp); the rest of token_axes split S); grads: overrides of
   cost.weight_terms' gradient axes (ep_as_cp's norms)."""

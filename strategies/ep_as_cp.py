@@ -16,7 +16,7 @@ weight layout equals cp.py's and FSDP=2+CP=2 vs FSDP=2+EP-as-CP=2 compares like 
 
 Only between the two exchanges are tokens "sharded over expert as the experts' inputs": the
 MoE is ep.py's moe_ep (one shard_map, its all_to_all exchange) on the local b x S/EP tokens.
-Load balancing as cp.py (common/context.py): S cut into 2*EP chunks, rank i holds chunks i and
+Load balancing as cp.py (layout/context.py): S cut into 2*EP chunks, rank i holds chunks i and
 2EP-1-i. The capacity rule needs whole sequences: the expert ids and positions (ints) are
 all-gathered over expert (moe_ep's gather_sequence).
 Because S is split over expert, the global batch only needs to divide by data*fsdp: batch 2 on
@@ -54,10 +54,11 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
 """
 from jax.sharding import PartitionSpec as P
 
-from common import context, fsdp, model
-from common import cost as cost_lib
-from common import mesh as mesh_lib
-from common.options import NoOptions
+from layout import context, fsdp
+from modeling import model
+from measure import cost as cost_lib
+from layout import mesh as mesh_lib
+from layout.options import NoOptions
 from strategies import BadInput, Case, ep
 
 NAME = "ep_as_cp"

@@ -32,7 +32,7 @@ moves the same bytes as the one all-reduce of the replicated (Megatron) layout.
 Routed MoE per device (named scopes): route the T/EP local tokens -> "route_ag": all-gather
 their expert ids and combine weights [T, K] over expert (the tokens come gathered) -> "compact":
 a prefix sum over the T*K copy flags picks the copies routed to the e local experts into M rows;
-only those M are sorted (common/compact.py) -> "expert_gmm" on [M, D] -> weighted scatter-add
+only those M are sorted (layout/compact.py) -> "expert_gmm" on [M, D] -> weighted scatter-add
 into a partial [T, D] {U_expert} -> "combine_rs" (+ shared expert): reduce-scatter over expert.
 The prefix sum is O(T*K) int work; the sort, the row gathers, the gmm and the scatter-add are
 O(M), where MaxText #3600 sorts and permutes all T*K gathered copies. M = T*min(K, e) (worst
@@ -84,12 +84,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from common import buffers, compact, model, moe, options, routing
-from common import cost as cost_lib
-from common import mesh as mesh_lib
-from common.config import ConfigError
-from common.precision import cast_stored, moe_stored, precision
-from common.sharding import gather_weight, reduce_scatter
+from layout import buffers, compact, options
+from modeling import model, moe, routing
+from measure import cost as cost_lib
+from layout import mesh as mesh_lib
+from modeling.config import ConfigError
+from layout.precision import cast_stored, moe_stored, precision
+from parallel.sharding import gather_weight, reduce_scatter
 from strategies import BadInput, Case
 
 NAME = "ep_tp"
@@ -233,7 +234,7 @@ def activation_shardings(cfg, mesh, opts):
 
 
 def cost(cfg, mesh, opts):
-  """Per-device collective bytes per step (common/cost.py; the docstring's schedule)."""
+  """Per-device collective bytes per step (measure/cost.py; the docstring's schedule)."""
   n_layers = cfg.n_layers
   t = cfg.batch // mesh.shape[DATA] * cfg.seq_len
   act = cost_lib.nbytes((t, cfg.d_model), cost_lib.act_bytes(cfg))  # one gathered [T, D]

@@ -7,7 +7,7 @@ Mesh axes: (data, fsdp)   (data = plain replicas, e.g. across slices; fsdp = the
 | embed [V, D], unembed [D, V]            | D over fsdp: [V, D_f], [D_f, V]                  |
 | attn wq/wk/wv [D, H/KV, Dh], wo [H,Dh,D]| D over fsdp                                      |
 | router [D, E]                           | D over fsdp                                      |
-| norms [D], router bias [E]              | replicated (see common/fsdp.py)                  |
+| norms [D], router bias [E]              | replicated (see layout/fsdp.py)                  |
 | experts wi_0/wi_1 [E, D, F], wo [E,F,D] | D over fsdp: [E, D_f, F], [E, F, D_f]            |
 | shared wi_0/wi_1 [D, Fs], wo [Fs, D]    | D over fsdp                                      |
 | optimizer state                         | like its parameter                               |
@@ -15,9 +15,9 @@ Mesh axes: (data, fsdp)   (data = plain replicas, e.g. across slices; fsdp = the
 | residual x [B, S, D]                    | (B_(data,fsdp), S, D)                            |
 | MoE                                     | all experts local, on each device's own tokens   |
 
-The MoE is common/fsdp.py's moe_all_local: a full-manual shard_map running the single-device MoE
+The MoE is layout/fsdp.py's moe_all_local: a full-manual shard_map running the single-device MoE
 on each device's own tokens, fed the all-gathered expert weights. Every weight matrix is
-all-gathered right before use with common.sharding.gather_weight. Its backward
+all-gathered right before use with parallel.sharding.gather_weight. Its backward
 is a real reduce-scatter, written as an explicit psum_scatter in a shard_map (XLA:CPU would
 otherwise emit a full all-reduce plus a slice), followed by an all-reduce over `data` of the
 1/f shard (gather_weight scatters first, so the data all-reduce moves 1/f of the weight).
@@ -31,7 +31,7 @@ Collectives per layer (fsdp = f, data = d):
             5. all-reduce over d of that 1/f shard (gather_weight scatters first)
             6. all-reduce over (d, f) of the norm-scale gradients
   once per step: embed / unembed like a layer's weights; loss sums; the grad norm (one scalar
-            all-reduced over every axis, common.train.global_norm).
+            all-reduced over every axis, runtime.train.global_norm).
 No all-to-all: tokens never leave their device.
 
 HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_fsdp.py enforces both ways,
@@ -50,11 +50,11 @@ state, plus the gathered copy of each weight held live through the backward.
 """
 from jax.sharding import PartitionSpec as P
 
-from common import cost as cost_lib
-from common import fsdp
-from common import mesh as mesh_lib
-from common import model
-from common.options import NoOptions
+from measure import cost as cost_lib
+from layout import fsdp
+from layout import mesh as mesh_lib
+from modeling import model
+from layout.options import NoOptions
 from strategies import BadInput, Case
 
 NAME = "fsdp"
@@ -102,7 +102,7 @@ def activation_shardings(cfg, mesh, opts):
 
 
 def cost(cfg, mesh, opts):
-  """Collective bytes per device per step (common/cost.py): every D-sharded weight gathered whole
+  """Collective bytes per device per step (measure/cost.py): every D-sharded weight gathered whole
   before use (fsdp.use), norms used as stored; the router statistics."""
   return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), TOKENS,
                                 gathered=cost_lib.fsdp_gathered(TOKENS))

@@ -70,10 +70,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from common import cost as cost_lib
-from common import dispatch, model, routing, sharding
-from common import mesh as mesh_lib
-from common.options import NoOptions
+from measure import cost as cost_lib
+from layout import dispatch
+from modeling import model, routing
+from parallel import sharding
+from layout import mesh as mesh_lib
+from layout.options import NoOptions
 from strategies import BadInput, Case, ep
 
 NAME = "pp"
@@ -204,7 +206,7 @@ def activation_shardings(cfg, mesh, opts):
 
 
 def cost(cfg, mesh, opts):
-  """Per-device collective bytes per step (common/cost.py; the docstring's schedule)."""
+  """Per-device collective bytes per step (measure/cost.py; the docstring's schedule)."""
   p, ep_size = mesh.shape[STAGE], mesh.shape[EXPERT]
   steps, local_layers = cfg.microbatches + p - 1, cfg.n_layers // p
   mb = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS) // cfg.microbatches

@@ -8,7 +8,7 @@ Mesh axes: (fsdp, expert). EP = |expert|, n_f = |fsdp|, N = n_f*EP devices; F = 
 |------------------------------------------|---------------------------------------------------|
 | experts wi_0/wi_1 [E, D, F], wo [E, F, D]| (("expert", "fsdp"), None, None): E/N whole       |
 |                                          |   experts per device, expert-major                |
-| embed, unembed, router, attn, shared     | D over (fsdp, expert) (common/fsdp.py),           |
+| embed, unembed, router, attn, shared     | D over (fsdp, expert) (layout/fsdp.py),           |
 |                                          |   gathered before use, grads reduce-scattered     |
 | norms [D], router bias [E]               | replicated                                        |
 | tokens [B, S], residual x [B, S, D]      | (B_(fsdp,expert), S[, D])                         |
@@ -18,7 +18,7 @@ Mesh axes: (fsdp, expert). EP = |expert|, n_f = |fsdp|, N = n_f*EP devices; F = 
 Expert-major storage: device (f, x) holds experts block x*n_f + f, so gathering over fsdp leaves
 device x with the contiguous block x its EP shard owns:
   E=8, n_f=2, EP=2: (f0,x0) e0-1, (f1,x0) e2-3, (f0,x1) e4-5, (f1,x1) e6-7 -> over fsdp: x0 e0-3
-Muon (common/optim.py) reshards a stacked expert leaf [L, E, D, F] to P(None, spec[1], None, None)
+Muon (modeling/optim.py) reshards a stacked expert leaf [L, E, D, F] to P(None, spec[1], None, None)
 and runs Newton-Schulz batched over E (per layer). Here E is the only sharded dim, so that
 reshard is a no-op and the optimizer step on the experts issues no collective (plain fsdp shards
 D: Muon all-gathers every expert matrix whole).
@@ -70,11 +70,12 @@ import dataclasses
 
 from jax.sharding import PartitionSpec as P
 
-from common import cost as cost_lib
-from common import dispatch, fsdp, model, optim, options
-from common import mesh as mesh_lib
-from common.precision import cast_stored, precision
-from common.sharding import gather_weight
+from measure import cost as cost_lib
+from layout import dispatch, fsdp, options
+from modeling import model, optim
+from layout import mesh as mesh_lib
+from layout.precision import cast_stored, precision
+from parallel.sharding import gather_weight
 from strategies import BadInput, Case
 from strategies.ep import buffer_type, moe_ep
 
@@ -163,7 +164,7 @@ def activation_shardings(cfg, mesh, opts):
 
 
 def cost(cfg, mesh, opts):
-  """Per-device collective bytes per step (common/cost.py; the docstring's schedule)."""
+  """Per-device collective bytes per step (measure/cost.py; the docstring's schedule)."""
   gather = opts.mode == "gather"
   gathered = cost_lib.fsdp_gathered(TOKENS)                 # every matrix but the experts
   for role in model.EXPERTS:                                # gather: E@(e,f) -> E@e, grads over f

@@ -25,7 +25,7 @@ Collectives per layer (t = tensor, d = data; x bytes = B_d*S*D*4, all on the cri
                tokens; t rank 0's count, the others add zeros: exact for any t)
   backward: 5. ONE all-reduce over t per block input (2 x x bytes per layer): the normed h that
                attention (q, k, v) and the MLP (router, MoE, shared expert) read is typed
-               *reduced* over t (Megatron's "f": gather_in = common.sharding.gather_weight), so
+               *reduced* over t (Megatron's "f": gather_in = parallel.sharding.gather_weight), so
                every column-parallel dx stays an unreduced partial until that one sum, instead
                of one all-reduce for q/k/v, one for the MoE dx, one for d(combine weights)
                and two for the shared expert
@@ -49,11 +49,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from common import cost as cost_lib
-from common import mesh as mesh_lib
-from common import model, moe, sharding
-from common.options import NoOptions
-from common.precision import moe_stored, stored_use
+from measure import cost as cost_lib
+from layout import mesh as mesh_lib
+from modeling import model, moe
+from parallel import sharding
+from layout.options import NoOptions
+from layout.precision import moe_stored, stored_use
 from strategies import BadInput, Case
 
 NAME = "tp"
@@ -143,7 +144,7 @@ def activation_shardings(cfg, mesh, opts):
 
 
 def cost(cfg, mesh, opts):
-  """Per-device collective bytes per step (common/cost.py; the docstring's schedule): weights
+  """Per-device collective bytes per step (measure/cost.py; the docstring's schedule): weights
   used as stored, their grads over data (the router's over (data, tensor): every tensor rank
   routes, rank 0 counts); the activation all-reduces over tensor; router statistics."""
   terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), (DATA,),

@@ -10,9 +10,10 @@ import chex
 import jax
 import numpy as np
 
-from common import buffers, contract, cost, hlo
-from common import mesh as mesh_lib
-from common import train
+from layout import buffers
+from measure import contract, cost, hlo
+from layout import mesh as mesh_lib
+from runtime import train
 import strategies
 
 RTOL, ATOL = 1e-5, 1e-6          # fp32; a strategy that needs looser says why next to its test
@@ -42,7 +43,7 @@ def job(name: str, cfg, mesh_spec: str | None, opts=None, *, init=None,
   Every entry point here applies parity_config, so all share one compile per (name, cfg, mesh,
   opts). opts: the strategy's Options (None = defaults); init: cfg -> numpy params (a
   module-level function); poison: trace with NaN in every padded exchange buffer
-  (common/buffers.py)."""
+  (layout/buffers.py)."""
   return _job(name, parity_config(cfg), mesh_spec, _opts(name, opts), init, poison)
 
 
@@ -153,7 +154,7 @@ def assert_parity_bf16(got: list[dict], want: list[dict], params0) -> None:
 
 def check_bf16(name: str, cfg, mesh_spec: str | None, steps: int = 2, opts=None) -> list[dict]:
   """`name` in bf16 (bf16_config(cfg)) against the bf16 reference."""
-  from common import model
+  from modeling import model
   cfg = bf16_config(cfg)
   got = run(name, cfg, mesh_spec, steps, opts)
   assert_parity_bf16(got, reference(cfg, steps), model.init_params(cfg))
@@ -169,7 +170,7 @@ def check(name: str, cfg, mesh_spec: str, steps: int = 3, opts=None, *, init=Non
 
 
 def assert_cost_model(name: str, cfg, mesh_spec: str, opts=None, tol: float = 0.1) -> dict:
-  """The strategy's analytic cost (common/cost.py) matches the compiled HLO per (collective kind,
+  """The strategy's analytic cost (measure/cost.py) matches the compiled HLO per (collective kind,
   mesh axes), both ways: every key either side has, within `tol` of the compiled bytes.
   Returns {(kind, axes): {predicted, measured, ratio}}."""
   j = job(name, cfg, mesh_spec, opts)

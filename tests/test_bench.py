@@ -69,7 +69,7 @@ def test_moe_layer_bench_torch_row():
 
 
 def test_moe_layer_bench_kernel_names():
-  """Kernels named in --backends are checked through common.gmm's registry, which the kernels
+  """Kernels named in --backends are checked through modeling.gmm's registry, which the kernels
   package fills: custom:mgpu:mgpu runs anywhere (as ragged_dot off Hopper, said in the note),
   an unknown kernel is a usage error."""
   out = _run("moe_layer.py", "--proxies=mixtral", "--backends=custom:mgpu:mgpu", "--iters=1",

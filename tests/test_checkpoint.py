@@ -10,8 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from common import checkpoint, config, train
-from common import mesh as mesh_lib
+from runtime import checkpoint, train
+from modeling import config
+from layout import mesh as mesh_lib
 import strategies
 from tests import parity
 from tests.conftest import subprocess_env
@@ -153,7 +154,8 @@ def test_run_py_bad_restore_exits_2_with_one_line(saved, tmp_path):
 _KILLED_SAVE = """
 import os, pathlib, sys
 import jax.numpy as jnp
-from common import checkpoint, config
+from runtime import checkpoint
+from modeling import config
 cfg, d = config.get_config("tiny"), sys.argv[1]
 s = checkpoint.Saver(d, cfg)
 s.save(1, {"w": jnp.ones((4, 4))}, {"m": jnp.zeros(4)})

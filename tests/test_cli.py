@@ -152,7 +152,7 @@ def test_compare_all_skipped_rows_are_aligned():
 
 
 def test_compare_marks_a_non_finite_row():
-  from common import compare
+  import compare
   ok = {"strategy": "dp", "mesh": "data:8", "losses": [1.0, 0.9], "max_dloss": 0.0,
         "parity": "PASS", "collectives": {k: {"count": 0, "bytes": 0} for k in compare.KINDS},
         "param_bytes": 1, "opt_bytes": 1, "memory": {"temp_bytes": 1}, "step_s": 0.1,

@@ -2,8 +2,8 @@
 import json
 import os
 
-from common import compare
-from common.config import get_config
+import compare
+from modeling.config import get_config
 
 
 def test_compare_dp_and_tp_writes_report(tmp_path):

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 import strategies
-from common import hlo, layouts
-from common import mesh as mesh_lib
-from common.config import ConfigError, get_config
+from measure import hlo
+from common import layouts
+from layout import mesh as mesh_lib
+from modeling.config import ConfigError, get_config
 from tests import parity
 
 NAME = "cp"

@@ -1,4 +1,4 @@
-"""common/dispatch.py's index helpers, hand-worked (send plans, buffers, ragged offsets, the
+"""layout/dispatch.py's index helpers, hand-worked (send plans, buffers, ragged offsets, the
 buffer bound), and the exchange bodies that use them (strategies/ep.py's moe_body and, for
 --dispatch_batch_on_expert, local_moe_body; ep_ragged.py's moe_body through a dense emulation
 of ragged_all_to_all, since XLA:CPU cannot run the real op) with routing and experts replaced by
@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from common import buffers, dispatch, moe, routing
-from common import mesh as mesh_lib
-from common.config import ConfigError, get_config
+from layout import buffers, dispatch
+from modeling import moe, routing
+from layout import mesh as mesh_lib
+from modeling.config import ConfigError, get_config
 import strategies
 from strategies import ep_ragged
 
@@ -161,7 +162,7 @@ def test_capacity_factor_bound_hand_worked():
 
 @pytest.mark.parametrize("body", [A2A, "ragged"])
 def test_round_trip_never_reads_padding(monkeypatch, body):
-  """Every padded buffer starts as NaN (common/buffers.py): the padding is really there (NaN in
+  """Every padded buffer starts as NaN (layout/buffers.py): the padding is really there (NaN in
   the rows the experts get), and no padding row reaches a token (ragged: unsent copies masked)."""
   with buffers.poisoned():
     rows, _, y = exchange(monkeypatch, X3, E3, K3, 6, body)
@@ -212,7 +213,7 @@ def test_method_resolution():
 
 @functools.lru_cache(maxsize=None)
 def _moe_case():
-  from common import model
+  from modeling import model
   cfg = get_config("tiny", batch=8, seq_len=8, n_layers=1)
   p = model.layer_params(model.init_params(cfg), 0)["moe"]
   x = np.random.default_rng(0).standard_normal((8, 8, cfg.d_model)).astype(np.float32)

@@ -2,8 +2,8 @@
 mesh axis (data:8 on 8 devices); the other strategies cover multi-axis layouts."""
 import pytest
 
-from common import hlo
-from common.config import get_config
+from measure import hlo
+from modeling.config import get_config
 import strategies
 from tests import parity
 
@@ -28,7 +28,7 @@ def test_cost_model_within_10_percent(model, batch):
 
 
 def test_batch_not_divisible():
-  from common import mesh as mesh_lib
-  from common.config import ConfigError
+  from layout import mesh as mesh_lib
+  from modeling.config import ConfigError
   with pytest.raises(ConfigError, match=r"^batch=12 is not divisible by mesh axis data=8$"):
     strategies.get("dp").check(get_config("tiny", batch=12), mesh_lib.make_mesh({"data": 8}))

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from common import cost, dispatch, hlo
-from common.config import ConfigError, get_config
+from measure import cost, hlo
+from layout import dispatch
+from modeling.config import ConfigError, get_config
 import strategies
 from tests import parity
 

@@ -7,8 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from common import data, hlo, layouts
-from common.config import ConfigError, get_config
+from runtime import data
+from measure import hlo
+from common import layouts
+from modeling.config import ConfigError, get_config
 import strategies
 from tests import parity
 

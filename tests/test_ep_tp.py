@@ -10,9 +10,11 @@ import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from common import compact, hlo, model, routing
-from common.config import ConfigError, get_config
-from common.sharding import put
+from layout import compact
+from measure import hlo
+from modeling import model, routing
+from modeling.config import ConfigError, get_config
+from parallel.sharding import put
 import strategies
 from tests import parity
 
@@ -30,7 +32,7 @@ def test_parity(model_name, over, mesh):
 
 
 def test_compact_hand_worked():
-  # common/compact.py docstring: experts [[0,2],[3,1],[2,0]], local experts {2, 3}, M = 4
+  # layout/compact.py docstring: experts [[0,2],[3,1],[2,0]], local experts {2, 3}, M = 4
   c = compact.compact(jnp.array([[0, 2], [3, 1], [2, 0]]), jnp.ones((3, 2), bool), 2, 2, 4)
   np.testing.assert_array_equal(c.copy, [1, 4, 2, 6])           # pad row = T*K = 6, sorted last
   np.testing.assert_array_equal(c.valid, [True, True, True, False])

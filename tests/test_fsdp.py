@@ -5,9 +5,10 @@ import pytest
 
 from tests import parity
 import strategies
-from common import hlo, model
-from common.config import ConfigError, get_config
-from common import mesh as mesh_lib
+from measure import hlo
+from modeling import model
+from modeling.config import ConfigError, get_config
+from layout import mesh as mesh_lib
 
 NAME = "fsdp"
 TINY = get_config("tiny")

@@ -1,4 +1,4 @@
-"""Tests for common/gmm.py (every backend vs a numpy loop reference, the kernel registry) and
+"""Tests for modeling/gmm.py (every backend vs a numpy loop reference, the kernel registry) and
 kernels/mgpu.py (the Hopper glue and tile autotuner, with stand-in kernels on CPU)."""
 
 import functools
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common import gmm as gmm_lib
+from modeling import gmm as gmm_lib
 from kernels import mgpu as mgpu_lib
 
 M, K, N, E = 24, 8, 6, 4
@@ -109,7 +109,7 @@ def test_backend_names():
 
 
 def test_kernel_registry(monkeypatch):
-  """common.gmm's kernel table: a registered kernel that runs natively here becomes the "custom"
+  """modeling.gmm's kernel table: a registered kernel that runs natively here becomes the "custom"
   default and turns "auto" into "custom"; an unavailable one is still usable by name."""
   calls = []
 
@@ -136,7 +136,7 @@ def test_kernel_registry(monkeypatch):
 
 
 def test_kernels_package_loads_lazily():
-  """Importing common.gmm imports no accelerator code; the first kernel lookup imports the
+  """Importing modeling.gmm imports no accelerator code; the first kernel lookup imports the
   `kernels` package (which registers "mgpu"), and on CPU that imports no Pallas GPU module."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   code = ("import sys; from common import gmm\n"
@@ -208,7 +208,7 @@ def test_custom_backend_inside_strategy_matches_reference():
   psum'd over it. Regression: the bwd returned a varying dw for an invariant w, and tracing
   failed with a manual-axis type error (dp, fsdp, cp, ep_tp hit the same case; one compile here
   keeps the suite fast)."""
-  from common.config import get_config
+  from modeling.config import get_config
   from tests import parity
   parity.check("tp", get_config("tiny", gmm_backend="custom"), "data:4,tensor:2")
 
@@ -312,6 +312,6 @@ def test_autotune_table_reaches_the_kernels(monkeypatch, tmp_path):
 def test_scan_backend_parity_in_a_strategy():
   """--gmm=scan (the compile-only memory backend) inside a sharded step: the reference's
   losses, gradients and updates (its weights arrive typed reduced in fsdp's shard_map)."""
-  from common.config import get_config
+  from modeling.config import get_config
   from tests import parity
   parity.check("fsdp", get_config("tiny", gmm_backend="scan"), "data:2,fsdp:4", steps=2)

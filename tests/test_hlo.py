@@ -1,11 +1,11 @@
-"""Tests for common.hlo on real compiled programs (8 simulated CPU devices)."""
+"""Tests for measure.hlo on real compiled programs (8 simulated CPU devices)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from common import hlo
+from measure import hlo
 
 ROWS = P(("data", "expert"), None)  # [32, 8] global -> [4, 8] = 128 B per device
 

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common import model, train
-from common.config import get_config
+from modeling import model
+from runtime import train
+from modeling.config import get_config
 from tests import parity
 
 # (strategy, model, overrides, mesh): B % (M x batch axes) == 0 in each
@@ -28,7 +29,7 @@ def test_local_aux_loss_differs():
   cfg = get_config("tiny", aux_loss_coef=1.0)
   lay = model.reference_layout(cfg)
   params = jax.tree.map(jnp.asarray, model.init_params(cfg))
-  from common import data
+  from runtime import data
   batch = {k: jnp.asarray(v) for k, v in data.batch(0, cfg.batch, cfg.seq_len, cfg.vocab,
                                                        cfg.seed).items()}
   aux = jax.jit(lambda b: model.loss_fn(params, b, cfg, lay)[1]["aux_loss"])

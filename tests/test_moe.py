@@ -3,8 +3,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import moe, model
-from common.config import get_config
+from modeling import moe, model
+from modeling.config import get_config
 
 
 def test_permute_hand_case():

@@ -15,8 +15,9 @@ import jax
 import numpy as np
 import pytest
 
-from common import checkpoint, config, train
-from common import mesh as mesh_lib
+from runtime import checkpoint, train
+from modeling import config
+from layout import mesh as mesh_lib
 import strategies
 from tests import parity
 from tests.conftest import subprocess_env
@@ -134,7 +135,7 @@ def test_fsdp_two_processes_restore_and_match_one_process_and_reference(tmp_path
 
 
 def test_settings_from_flags_and_environment(monkeypatch):
-  from common import distributed
+  from runtime import distributed
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     monkeypatch.delenv(k, raising=False)
   monkeypatch.setattr(distributed, "_cluster_detected", lambda: False)

@@ -1,4 +1,4 @@
-"""Tests for common.optim: AdamW vs numpy, Newton-Schulz vs numpy, Muon views, momentum and
+"""Tests for modeling.optim: AdamW vs numpy, Newton-Schulz vs numpy, Muon views, momentum and
 sharding."""
 
 import chex
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from common import hlo, model, optim
-from common.config import Config
+from measure import hlo
+from modeling import model, optim
+from modeling.config import Config
 
 V, D, H, KV, DH, E, F, L = 8, 4, 2, 1, 3, 2, 6, 2
 FS = F                                       # one shared expert: Fs = F

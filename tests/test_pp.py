@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common import data, model
-from common.config import ConfigError, get_config
+from runtime import data
+from modeling import model
+from modeling.config import ConfigError, get_config
 import strategies
 from tests import parity
 

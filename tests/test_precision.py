@@ -6,8 +6,8 @@ move half the float32 bytes in the HLO, weight gradients are summed in float32 u
 import numpy as np
 import pytest
 
-from common import hlo
-from common.config import get_config
+from measure import hlo
+from modeling.config import get_config
 from tests import parity
 
 # (strategy, mesh): each strategy's comparison-table mesh (run.py --compare)

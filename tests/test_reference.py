@@ -2,7 +2,7 @@
 import chex
 import numpy as np
 
-from common.config import get_config
+from modeling.config import get_config
 from tests import parity
 
 

@@ -3,8 +3,8 @@ reference is unchanged (ep, fsdp, ep_as_cp, ep_tp, pp), XLA's temp bytes (compil
 and each strategy's cost model counts the collectives the recompute issues again."""
 import pytest
 
-from common import cost
-from common.config import ConfigError, get_config
+from measure import cost
+from modeling.config import ConfigError, get_config
 import strategies
 from tests import parity
 
@@ -33,7 +33,7 @@ def test_remat_lowers_temp_bytes():
 
 
 # Every strategy's cost model counts the collectives its recompute issues again
-# (common/cost.py step_terms): per (kind, axes), both ways, within 10% (measured: within 1%).
+# (measure/cost.py step_terms): per (kind, axes), both ways, within 10% (measured: within 1%).
 REMAT_MESHES = [("dp", None, "block"), ("fsdp", "data:2,fsdp:4", "block"),
                 ("tp", "data:4,tensor:2", "block"), ("tp", "data:4,tensor:2", "dots_saveable"),
                 ("ep", "data:2,expert:4", "block"), ("cp", "data:2,context:4", "block"),
@@ -59,7 +59,7 @@ def test_cost_model_counts_the_recompute(name, mesh, remat):
 
 
 def test_ep_tp_rejects_dots_policies():
-  from common import mesh as mesh_lib
+  from layout import mesh as mesh_lib
   s = strategies.get("ep_tp")
   with pytest.raises(ConfigError, match="use --remat=block"):
     s.check(get_config("tiny", remat="dots_saveable"), mesh_lib.for_strategy(s, "data:4,expert:2"))

@@ -6,15 +6,15 @@
   weight decay on their post-step parameters must still equal the reference's (a strategy that
   skipped them, "no gradient", would leave them undecayed).
 * Uninitialised buffers. jax >= 0.11 leaves `jnp.empty` uninitialised on GPU/TPU; these runs fill
-  every padded dispatch / combine / compaction buffer with NaN (common/buffers.py) and still hold
+  every padded dispatch / combine / compaction buffer with NaN (layout/buffers.py) and still hold
   full parity: no padding row is read into a result. test_dispatch.py does the same for the
   ragged exchange, and shows the NaN really is in the buffers.
 """
 import numpy as np
 import pytest
 
-from common import model
-from common.config import get_config
+from modeling import model
+from modeling.config import get_config
 from tests import parity
 
 DEAD = [0, 1, 2, 3]                      # deepseek-test: E 16 in 4 groups; top-4 of 2 groups

@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common import routing
-from common.config import get_config
+from modeling import routing
+from modeling.config import get_config
 
 
 def _np_softmax(z):

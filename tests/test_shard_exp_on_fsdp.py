@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 
-from common import hlo, model, optim
-from common.config import ConfigError, get_config
+from measure import hlo
+from modeling import model, optim
+from modeling.config import ConfigError, get_config
 import strategies
 from tests import parity
 

@@ -3,9 +3,9 @@ contract of strategies/tp.py, its cost model, layout invariance and one-line con
 import pytest
 
 import strategies
-from common import hlo
-from common import mesh as mesh_lib
-from common.config import ConfigError, get_config
+from measure import hlo
+from layout import mesh as mesh_lib
+from modeling.config import ConfigError, get_config
 from tests import parity
 
 NAME = "tp"

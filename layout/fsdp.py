@@ -13,14 +13,15 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from common import context, model, moe
-from common import mesh as mesh_lib
-from common.precision import precision
-from common.sharding import gather_weight
+from layout import context
+from modeling import model, moe
+from layout import mesh as mesh_lib
+from layout.precision import precision
+from parallel.sharding import gather_weight
 
 
 def table(fsdp_axes) -> dict:
-  """role -> PartitionSpec: every matrix on its model dim D (common.model.D_DIM) over
+  """role -> PartitionSpec: every matrix on its model dim D (modeling.model.D_DIM) over
   `fsdp_axes` (str or tuple); norms and the router bias are left out, i.e. replicated."""
   return {role: P(*(None,) * d, fsdp_axes) for role, d in model.D_DIM.items()}
 
@@ -31,8 +32,8 @@ def check(cfg, mesh, fsdp_axes) -> None:
 
 def use(grad_axes, cfg):
   """Layout.use: all-gather a D-sharded weight (backward: reduce-scatter over the gathered axes,
-  all-reduce over the other grad axes — see common.sharding.gather_weight); norms pass. Mixed
-  precision: the bf16 cast comes first, the all-gather moves bf16 (common.precision)."""
+  all-reduce over the other grad axes — see parallel.sharding.gather_weight); norms pass. Mixed
+  precision: the bf16 cast comes first, the all-gather moves bf16 (layout.precision)."""
   return lambda role, w: (gather_weight(w, P(), grad_axes, **precision(cfg, role))
                           if role in model.D_DIM else w)
 

@@ -35,7 +35,7 @@ import einops
 import jax
 import jax.numpy as jnp
 
-from common.config import Config
+from modeling.config import Config
 
 
 class Routing(NamedTuple):

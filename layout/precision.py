@@ -1,7 +1,7 @@
 """Mixed precision at the point of use (--dtype=bfloat16): which weights are cast, and how a
 weight used as stored is cast so that its gradient is summed in float32.
 
-The float32 master stays in the param tree; common.sharding.gather_weight casts the stored shard
+The float32 master stays in the param tree; parallel.sharding.gather_weight casts the stored shard
 to cfg.dtype before any gather (the all-gather moves bf16) and sums the gradient in
 cfg.grad_reduce_dtype (float32 unless asked). model.KEEP_F32 roles (norms, router, bias) and
 float32 runs are never cast: their programs are the same as without mixed precision.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import jax
 
-from common import model
-from common.sharding import gather_weight, spec_axes
+from modeling import model
+from parallel.sharding import gather_weight, spec_axes
 
 
 def precision(cfg, role: str) -> dict:

@@ -3,7 +3,7 @@
 Each token v has 4 successors (fixed from the seed) with probabilities 0.6/0.2/0.1/0.1, so the
 best achievable next-token CE is ~1.09 nats and a model visibly learns. Batch `step` is a pure
 function of (seed, step, batch, seq_len, vocab): every strategy and process count sees the same
-global batch. Strategies that reorder the sequence (CP load balancing, common/context.py) do it
+global batch. Strategies that reorder the sequence (CP load balancing, layout/context.py) do it
 on top of this.
 """
 from __future__ import annotations

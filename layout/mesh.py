@@ -6,7 +6,7 @@ import math
 import jax
 from jax.sharding import AxisType
 
-from common.config import ConfigError
+from modeling.config import ConfigError
 
 # Mesh axis names used anywhere in the suite.
 DATA, FSDP, TENSOR, EXPERT, CONTEXT, STAGE = "data", "fsdp", "tensor", "expert", "context", "stage"

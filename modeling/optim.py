@@ -1,6 +1,6 @@
 """AdamW and Muon over the model's parameter pytree, built from optax.
 
-Leaf roles (common.model.ROLES, declared once with each parameter; see `muon_dims`):
+Leaf roles (modeling.model.ROLES, declared once with each parameter; see `muon_dims`):
 
 * "bias" (aux-loss-free routing bias) is frozen: its optimizer update is
   exactly zero and it gets no weight decay. The train step updates it itself.
@@ -64,8 +64,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
-from common import model
-from common.sharding import entry_axes
+from modeling import model
+from parallel.sharding import entry_axes
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -79,7 +79,7 @@ class Optimizer(NamedTuple):
 
 
 # ----------------------------------------------------------------------------
-# What each role gets (roles: common.model.ROLES, one per leaf).
+# What each role gets (roles: modeling.model.ROLES, one per leaf).
 
 # Muon's matrix view of one layer's array: (reduction = fan-in axes, output axes); the
 # others (E of the experts, and the stacked layer dim) are batch axes.
@@ -207,7 +207,7 @@ def scale_by_fan_ratio(roles) -> optax.GradientTransformation:
 def make_optimizer(name: str, roles, lr: float, weight_decay: float = 0.0, b1=0.9, b2=0.95,
                    eps=1e-8, muon_momentum=0.95, ns_steps=5, nesterov=True) -> Optimizer:
     """Build "adamw" or "muon" as a pure (init, update) pair for params shaped like `roles`
-    (common.model.param_roles: a role string per leaf).
+    (modeling.model.param_roles: a role string per leaf).
 
     ``update`` returns the new params (not the deltas) and the new state; it
     is jittable and deterministic. See the module docstring for the roles.

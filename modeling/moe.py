@@ -13,9 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from common import gmm as gmm_lib
-from common import routing
-from common.config import Config
+from modeling import gmm as gmm_lib
+from modeling import routing
+from modeling.config import Config
 
 
 def permute(x: jax.Array, experts: jax.Array, keep: jax.Array, n_experts: int):
@@ -39,7 +39,7 @@ def unpermute(ys: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
 def swiglu_experts(xs: jax.Array, group_sizes: jax.Array, p: dict, backend: str,
                    **gmm_kwargs) -> jax.Array:
   """xs [M, D] sorted by group -> [M, D]; p holds wi_0/wi_1 [e, D, F], wo [e, F, D].
-  gmm_kwargs (capacity, kernel, wgrad) go to every common.gmm.gmm call (the benchmarks)."""
+  gmm_kwargs (capacity, kernel, wgrad) go to every modeling.gmm.gmm call (the benchmarks)."""
   mm = lambda a, w: gmm_lib.gmm(a, w.astype(a.dtype), group_sizes, backend=backend, **gmm_kwargs)
   h0, h1 = mm(xs, p["wi_0"]), mm(xs, p["wi_1"])                       # [M, F]
   return mm(jax.nn.silu(h0) * h1, p["wo"])                            # [M, D]

@@ -2,7 +2,7 @@
 
 Each strategy's `cost(cfg, mesh)` returns a list of `Term`s built from the helpers below; this
 module never branches on a strategy name. A Term's `bytes` is the per-device RESULT size of the
-collective summed over the whole train step — the same quantity common.hlo reports, so model and
+collective summed over the whole train step — the same quantity measure.hlo reports, so model and
 compiled program compare directly:
   all-gather -> gathered size, reduce-scatter -> scattered size, all-reduce -> full size,
   all-to-all -> the local buffer, collective-permute -> the buffer.
@@ -28,8 +28,8 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
-from common import hlo
-from common.sharding import entry_axes, spec_axes, spec_shards
+from measure import hlo
+from parallel.sharding import entry_axes, spec_axes, spec_shards
 
 F32 = 4
 
@@ -94,7 +94,7 @@ def weight_bytes(cfg, role: str) -> tuple[int, int]:
   """(a weight's bytes per element when gathered, its gradient's when summed) for a role:
   mixed precision gathers cfg.dtype (cast on the shard first) and sums grad_reduce_dtype;
   model.KEEP_F32 roles (norms, router, bias) and float32 runs move float32 both ways."""
-  from common import model
+  from modeling import model
   if not cfg.mixed or role in model.KEEP_F32:
     return F32, F32
   return _ITEMSIZE[cfg.dtype], _ITEMSIZE[cfg.grad_reduce_dtype]
@@ -108,7 +108,7 @@ def totals(terms: list[Term]) -> dict[str, float]:
 
 
 def by_axes(terms: list[Term]) -> dict[tuple[str, frozenset], float]:
-  """{(kind, frozenset(axes)): bytes}: the key common.hlo.collective_stats_by_axes uses."""
+  """{(kind, frozenset(axes)): bytes}: the key measure.hlo.collective_stats_by_axes uses."""
   out: dict = {}
   for t in terms:
     key = (t.kind, frozenset(t.axes))
@@ -138,8 +138,8 @@ def param_memory(param_shapes, specs, mesh, optimizer: str) -> dict[str, float]:
   device, everything whole).
 
   AdamW keeps 2 f32 moments per param; Muon keeps 1 momentum for its matrices and AdamW's 2
-  moments for the rest (the roles in common.optim.MUON_ROLES)."""
-  from common import optim
+  moments for the rest (the roles in modeling.optim.MUON_ROLES)."""
+  from modeling import optim
   flat = jax.tree.leaves(param_shapes, is_leaf=lambda l: hasattr(l, "role"))
   flat_specs = ([None] * len(flat) if mesh is None else
                 jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
@@ -159,7 +159,7 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None) -> list
   role, stored spec (`specs`, the strategy's param_specs) and how the step uses it:
 
     gathered[role] = (used_spec, g): the weight is all-gathered to used_spec before use
-      (common.sharding.gather_weight(w, used_spec, g)): per dim stored on axes it is not used
+      (parallel.sharding.gather_weight(w, used_spec, g)): per dim stored on axes it is not used
       on, an all-gather over them (fwd; the minor dim first, each op's bytes the size it gathers
       to); its gradient comes back reduce-scattered over them (bwd; the major dim first, as
       gather_weight's backward runs) and is all-reduced over the rest of g (the stored size).
@@ -167,9 +167,9 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None) -> list
       is not split over, all-reduced at the stored size. grads[role] overrides `grad_axes` for a
       role; a tuple of axis tuples is reduced one group after the other (XLA splits the sum of
       a norm scale that meets a batch- and sequence-sharded activation: sequence axes first).
-  Plus the gradient norm: one scalar all-reduced over every mesh axis (common.train.global_norm).
+  Plus the gradient norm: one scalar all-reduced over every mesh axis (runtime.train.global_norm).
   The router bias gets no gradient (stop_gradient), hence no traffic."""
-  from common import model
+  from modeling import model
   gathered, grads = gathered or {}, grads or {}
   leaves = model.param_leaves(cfg)
   flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
@@ -204,16 +204,16 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None) -> list
 
 
 def fsdp_gathered(grad_axes) -> dict:
-  """weight_terms' `gathered` for common.fsdp.use: every D-sharded role gathered whole, its
+  """weight_terms' `gathered` for layout.fsdp.use: every D-sharded role gathered whole, its
   gradient a partial sum over grad_axes."""
-  from common import model
+  from modeling import model
   return {role: (P(), _tuple(grad_axes)) for role in model.D_DIM}
 
 
 def cp_norm_grads(cp_axis: str, batch_axes) -> dict:
   """weight_terms' `grads` for the norm scales under CP: XLA sums their gradient over the
   sequence axis first, then over the batch axes."""
-  from common import model
+  from modeling import model
   return {role: ((cp_axis,), _tuple(batch_axes)) for role in model.NORMS}
 
 

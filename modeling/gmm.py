@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import sharding
+from parallel import sharding
 
 BACKENDS = ("ragged_dot", "padded", "custom", "scan")
 

@@ -15,11 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import data as data_lib
-from common import hlo, model, optim, routing, sharding
-from common import mesh as mesh_lib
-from common.config import ConfigError
-from common.sharding import put
+from runtime import data as data_lib
+from measure import hlo
+from modeling import model, optim, routing
+from parallel import sharding
+from layout import mesh as mesh_lib
+from modeling.config import ConfigError
+from parallel.sharding import put
 
 
 class Job(NamedTuple):
@@ -34,7 +36,7 @@ class Job(NamedTuple):
   compile_s: float
   batch: Callable           # step index -> placed batch dict
   hlo: str                  # the HLO whose collectives are counted: compiled.as_text(), or on
-                            # XLA:CPU with bf16 the module before it upcasts them (common/hlo.py)
+                            # XLA:CPU with bf16 the module before it upcasts them (measure/hlo.py)
 
 
 def global_norm(tree) -> jax.Array:
@@ -120,7 +122,7 @@ def build(strategy, cfg, mesh, opts=None, *, with_grads: bool = False, compile_o
   """strategy: a module from strategies/ (see strategies/__init__.py for the contract); opts:
   its Options (None = the defaults). init: cfg -> numpy params (default model.init_params);
   state: (params, opt_state) already placed in this strategy's shardings (a restored
-  checkpoint, common/checkpoint.py)."""
+  checkpoint, runtime/checkpoint.py)."""
   opts = strategy.Options() if opts is None else opts
   ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
   with ctx:
@@ -169,7 +171,7 @@ _DUMP_LOCK = threading.Lock()     # compare compiles strategies in threads; the 
 
 
 def _compile(lowered, mixed: bool):
-  """-> (compiled, the HLO text to count collectives in: see common/hlo.py WIRE_PASS). The
+  """-> (compiled, the HLO text to count collectives in: see measure/hlo.py WIRE_PASS). The
   dump needs a real compile: the persistent compilation cache is off for it (its key ignores
   the dump flags, and jax memoises "cache on", hence reset_cache both ways)."""
   if not hlo.wire_dump_needed(mixed):

@@ -18,7 +18,7 @@ REMAT_POLICIES = ("none",                # everything the autodiff saves (no jax
 
 # --dtype: compute dtype (activations, weights at use, exchanges); params and optimizer state
 # stay float32 (the master copy). --grad_reduce_dtype: the dtype weight gradients are summed
-# across devices in (float32 unless asked: see common/sharding.py gather_weight)
+# across devices in (float32 unless asked: see parallel/sharding.py gather_weight)
 DTYPES = ("float32", "bfloat16")
 
 
@@ -71,12 +71,12 @@ class Config:
   adam_eps: float = _run(1e-8)
   optimizer: str = _run("adamw")
   seed: int = _run(0)
-  dtype: str = _run("float32")           # compute dtype: DTYPES (mixed precision: common/model.py)
+  dtype: str = _run("float32")           # compute dtype: DTYPES (mixed precision: modeling/model.py)
   grad_reduce_dtype: str = _run("float32")   # weight-gradient reductions under dtype=bfloat16
   # how the step computes (the same math for every value)
   gmm_backend: str = _plain("ragged_dot")
   microbatches: int = _plain(1)          # M microbatches per step, one optimizer update: gradient
-                                         # accumulation (common/train.py); pp: the pipeline's microbatches
+                                         # accumulation (runtime/train.py); pp: the pipeline's microbatches
   remat: str = _plain("none")            # jax.checkpoint of each layer's block: see REMAT_POLICIES
 
   @property

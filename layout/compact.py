@@ -34,7 +34,7 @@ def buffer_rows(tokens: int, top_k: int, n_local: int, fraction: float = 0.0, se
   """Static buffer size M: worst case T*min(K, e), or ceil(fraction * worst) if fraction > 0.
   With the capacity rule (slots = C_e per sequence and expert, `seqs` sequences among the T
   tokens) at most seqs*e*C_e copies are kept for e local experts: M is at most that, with no
-  extra drop (common/dispatch.rows_bound, the same bound)."""
+  extra drop (layout/dispatch.rows_bound, the same bound)."""
   worst = tokens * min(top_k, n_local)
   if slots > 0:
     worst = min(worst, seqs * n_local * slots)

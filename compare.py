@@ -2,7 +2,7 @@
 
 Per strategy: final loss, max |dloss| vs the single-device reference (PASS/FAIL at the parity
 tolerance), collectives per device per step from the compiled HLO (count and bytes by kind), the
-cost model's prediction (common/cost.py via the strategy's `cost`) and measured/predicted, the
+cost model's prediction (measure/cost.py via the strategy's `cost`) and measured/predicted, the
 all-to-all bytes over the routed minimum (`routed_bytes`: how much an EP exchange pads), params
 + optimizer-state bytes per device, XLA's argument/temp bytes, step time (CPU-simulated devices
 are marked) and the dropped-assignment fraction. Writes table.json / table.csv / loss.png /
@@ -19,11 +19,12 @@ import time
 import jax
 import numpy as np
 
-from common import cost, hlo
-from common import mesh as mesh_lib
-from common import model, train
-from common.config import ConfigError
-from common.report import KINDS, render, write_report
+from measure import cost, hlo
+from layout import mesh as mesh_lib
+from modeling import model
+from runtime import train
+from modeling.config import ConfigError
+from report import KINDS, render, write_report
 import strategies
 
 LOSS_TOL = 1e-5          # |dloss| <= LOSS_TOL * (1 + |loss|) counts as PASS (fp32 parity)

@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from common import mesh as mesh_lib
-from common.config import ConfigError
+from layout import mesh as mesh_lib
+from modeling.config import ConfigError
 
 
 def check(cfg, mesh, cp_axis: str) -> None:

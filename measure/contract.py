@@ -6,8 +6,8 @@
   HLO contract, <variant>:
     ...
 
-tests/ hold the parsed set equal to the compiled program's collectives (common/hlo.py) and to
-the cost model's terms (common/cost.py): prose, model and program are one set.
+tests/ hold the parsed set equal to the compiled program's collectives (measure/hlo.py) and to
+the cost model's terms (measure/cost.py): prose, model and program are one set.
 """
 from __future__ import annotations
 

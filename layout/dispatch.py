@@ -31,7 +31,8 @@ import einops
 import jax
 import jax.numpy as jnp
 
-from common import buffers, routing
+from layout import buffers
+from modeling import routing
 
 def rows_bound(t_local: int, top_k: int, n_local: int, seqs: int = 0, slots: int = 0) -> int:
   """C, the rows one device sends to one EP shard of n_local experts, at most.

@@ -3,7 +3,7 @@
 A step directory holds two items: `state` = {params, opt_state} (orbax StandardSave: every
 process writes its own shards, nothing is gathered) and `meta` (JSON: step, optimizer, the
 model config, each param's shape). The router-bias state lives in params (layers.moe.bias);
-the data position is the step: batch i is a pure function of i (common/data.py), so training
+the data position is the step: batch i is a pure function of i (runtime/data.py), so training
 resumes at batch `step`. Params have one pytree for every strategy, so a restore passes
 ShapeDtypeStructs carrying the *new* strategy's NamedShardings and orbax reshards while reading.
 The optimizer state differs between adamw and muon: a restore must use the saved optimizer.
@@ -22,8 +22,8 @@ import threading
 
 import jax
 
-from common import model, optim
-from common.config import Config, ConfigError
+from modeling import model, optim
+from modeling.config import Config, ConfigError
 
 
 def _closed_loop(exc) -> bool:
@@ -124,7 +124,7 @@ def check(directory: str, step: str | int, cfg: Config) -> int:
     raise CheckpointError(f"{where} holds {meta['optimizer']} state: restore it with "
                           f"--optimizer={meta['optimizer']}, not {cfg.optimizer}")
   want = _meta(cfg, n)
-  for k in want["model"]:                  # the model's fields (common/config.py); run settings
+  for k in want["model"]:                  # the model's fields (modeling/config.py); run settings
     if meta["model"].get(k) != want["model"][k]:   # and strategy options may change
       raise CheckpointError(f"{where} is from another model config: {k}={meta['model'].get(k)} "
                             f"there, {want['model'][k]} here")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from common.config import ConfigError
+from modeling.config import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Multi-process runs on JAX's own runtime (jax.distributed).
 
-Every process runs the same program: it builds the same global batch (common/data.py is
-deterministic), feeds only its addressable shards (common/sharding.put) and sees the global
+Every process runs the same program: it builds the same global batch (runtime/data.py is
+deterministic), feeds only its addressable shards (parallel/sharding.put) and sees the global
 mesh. `initialize` must run before anything touches JAX devices. On CPU the processes talk
 through gloo (jax_cpu_collectives_implementation); each contributes its own local devices.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 
-from common.config import ConfigError
+from modeling.config import ConfigError
 
 _ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 

@@ -37,10 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from common import moe as moe_lib
-from common import routing
-from common import sharding
-from common.config import Config
+from modeling import moe as moe_lib
+from modeling import routing
+from parallel import sharding
+from modeling.config import Config
 
 
 def _identity_use(role: str, w):
@@ -184,7 +184,7 @@ def abstract_params(cfg: Config, specs, mesh) -> dict:
 # ----------------------------------------------------------------------------- precision
 # Mixed precision (--dtype=bfloat16): params and optimizer state are float32 masters; every
 # weight but these is used in the compute dtype, and the activations follow (the embedding
-# lookup sets it). Router logits, softmax / sigmoid, top-k (common/routing.py), RMSNorm's
+# lookup sets it). Router logits, softmax / sigmoid, top-k (modeling/routing.py), RMSNorm's
 # statistics, attention scores and the losses are computed in float32 whatever the dtype.
 KEEP_F32 = NORMS + ("router", "bias")
 
@@ -290,7 +290,7 @@ def forward(params, batch, cfg: Config, lay: Layout):
 def loss_fn(params, batch, cfg: Config, lay: Layout, counts=None, n_tokens=None):
   """-> (loss, metrics). Mean next-token CE over all tokens + aux_coef*aux + z_coef*z.
 
-  One microbatch of a step (common.train, gradient accumulation): counts [L, E] are the WHOLE
+  One microbatch of a step (runtime.train, gradient accumulation): counts [L, E] are the WHOLE
   step's router counts (f of the aux loss, pass 1) and n_tokens the step's tokens; CE, P and z
   are this microbatch's sums over n_tokens, so the microbatch losses sum to the step's loss."""
   logits, stats = forward(params, batch, cfg, lay)
