@@ -177,7 +177,7 @@ def strategy_options(names: list[str]) -> dict:
         raise UsageError(f"--{flag} and --opt={pair[0]}=... disagree")
       pairs[pair[0]] = pair[1]
   if pairs.get("dispatch") == "auto":
-    pairs["dispatch"] = "a2a"                  # the old default: now the checked a2a everywhere
+    pairs["dispatch"] = "a2a"                  # old commands' default: the checked a2a
   return strategies.parse_options(names, ",".join(f"{k}={v}" for k, v in pairs.items()))
 
 

@@ -5,7 +5,8 @@ per-device HLO after partitioning, where the collectives the partitioner and
 ``shard_map`` inserted are visible. (``lowered.as_text()`` is StableHLO with
 sharding annotations only and contains no partitioner collectives.)
 
-Facts this parser relies on (measured with jax 0.10.2, XLA:CPU, 8 devices):
+Facts this parser relies on (XLA:CPU, 8 devices; held by tests/test_hlo.py on every jax the CI
+runs):
 
 * An op line reads ``[ROOT] %name = <shape> <opcode>(operands), attrs...``.
   Names are arbitrary (``%psum_invariant.7 = ... all-reduce(``), so we match
@@ -49,17 +50,17 @@ from typing import NamedTuple
 import numpy as np
 
 COLLECTIVE_KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce",
-                    "collective-permute", "ragged-all-to-all")
+          "collective-permute", "ragged-all-to-all")
 
 Groups = tuple[tuple[int, ...], ...]
 
 
 class CollectiveOp(NamedTuple):
-    """One collective instruction of the compiled program."""
-    kind: str     # one of COLLECTIVE_KINDS
-    bytes: int    # per-device result bytes of one execution
-    groups: Groups  # device-id groups (source/target pairs for a permute)
-    count: int    # executions per program run (loop trip counts multiplied)
+  """One collective instruction of the compiled program."""
+  kind: str     # one of COLLECTIVE_KINDS
+  bytes: int    # per-device result bytes of one execution
+  groups: Groups  # device-id groups (source/target pairs for a permute)
+  count: int    # executions per program run (loop trip counts multiplied)
 
 
 # ----------------------------------------------------------------------------
@@ -67,14 +68,14 @@ class CollectiveOp(NamedTuple):
 
 _OPCODES = "|".join(sorted(COLLECTIVE_KINDS, key=len, reverse=True))
 _OP_LINE = re.compile(
-    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*"
-    r"(?P<shape>\(.*?\)|[a-z][a-z0-9]*\[[^\]]*\](?:\{[^}]*\})?)\s+"
-    r"(?P<kind>" + _OPCODES + r")(?P<suffix>-start|-done)?\((?P<args>[^)]*)\)")
+  r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*"
+  r"(?P<shape>\(.*?\)|[a-z][a-z0-9]*\[[^\]]*\](?:\{[^}]*\})?)\s+"
+  r"(?P<kind>" + _OPCODES + r")(?P<suffix>-start|-done)?\((?P<args>[^)]*)\)")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
 _COMP_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _CALLEE = re.compile(
-    r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)"
-    r"=%?([\w.\-]+)")
+  r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)"
+  r"=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _COND = re.compile(r"\bcondition=%?([\w.\-]+)")
@@ -84,327 +85,327 @@ _REPLICA_COUNT = re.compile(r"\breplica_count=(\d+)")
 
 
 def _dtype_bits(dtype: str) -> int | None:
-    """Bit width of an HLO element type (None for token/opaque)."""
-    if dtype == "pred":
-        return 8
-    if dtype in ("c64", "c128"):
-        return int(dtype[1:])
-    m = re.match(r"^(?:bf|f|s|u|tf)(\d+)", dtype)
-    return int(m.group(1)) if m else None
+  """Bit width of an HLO element type (None for token/opaque)."""
+  if dtype == "pred":
+    return 8
+  if dtype in ("c64", "c128"):
+    return int(dtype[1:])
+  m = re.match(r"^(?:bf|f|s|u|tf)(\d+)", dtype)
+  return int(m.group(1)) if m else None
 
 
 def shape_bytes(shape: str) -> int:
-    """Total bytes of every array in an HLO shape string (tuples summed)."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape):
-        bits = _dtype_bits(dtype)
-        if bits is None:
-            continue
-        n = math.prod(int(d.strip().lstrip("<=")) for d in dims.split(",") if d.strip())
-        total += (n * bits + 7) // 8
-    return total
+  """Total bytes of every array in an HLO shape string (tuples summed)."""
+  total = 0
+  for dtype, dims in _ARRAY.findall(shape):
+    bits = _dtype_bits(dtype)
+    if bits is None:
+      continue
+    n = math.prod(int(d.strip().lstrip("<=")) for d in dims.split(",") if d.strip())
+    total += (n * bits + 7) // 8
+  return total
 
 
 def _ints(s: str) -> list[int]:
-    return [int(v) for v in re.findall(r"-?\d+", s)]
+  return [int(v) for v in re.findall(r"-?\d+", s)]
 
 
 def _iota(reshape: list[int], perm: list[int] | None) -> np.ndarray:
-    """Flat device ids of an iota list ``[reshape]T(perm)``."""
-    ids = np.arange(math.prod(reshape)).reshape(reshape)
-    return (ids.transpose(perm) if perm else ids).reshape(-1)
+  """Flat device ids of an iota list ``[reshape]T(perm)``."""
+  ids = np.arange(math.prod(reshape)).reshape(reshape)
+  return (ids.transpose(perm) if perm else ids).reshape(-1)
 
 
 def _parse_device_ids(text: str) -> np.ndarray:
-    """``[dims]T(perm)`` iota, ``[dims]i0,i1,..`` or ``i0,i1,..`` device ids."""
-    m = re.fullmatch(r"\s*\[([\d,\s]*)\](?:T\(([\d,\s]*)\))?(.*)", text)
-    if m is None:
-        return np.asarray(_ints(text))
-    if m.group(3).strip():
-        return np.asarray(_ints(m.group(3)))
-    return _iota(_ints(m.group(1)), _ints(m.group(2)) if m.group(2) else None)
+  """``[dims]T(perm)`` iota, ``[dims]i0,i1,..`` or ``i0,i1,..`` device ids."""
+  m = re.fullmatch(r"\s*\[([\d,\s]*)\](?:T\(([\d,\s]*)\))?(.*)", text)
+  if m is None:
+    return np.asarray(_ints(text))
+  if m.group(3).strip():
+    return np.asarray(_ints(m.group(3)))
+  return _iota(_ints(m.group(1)), _ints(m.group(2)) if m.group(2) else None)
 
 
 def _explicit_groups(body: str, num_devices: int | None) -> Groups:
-    groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,\s]*)\}", body))
-    if not groups and num_devices:  # `{}` means one group of every device
-        groups = (tuple(range(num_devices)),)
-    return groups
+  groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,\s]*)\}", body))
+  if not groups and num_devices:  # `{}` means one group of every device
+    groups = (tuple(range(num_devices)),)
+  return groups
 
 
 def _iota_groups(n_groups: int, size: int, reshape: str, perm: str | None) -> Groups:
-    ids = _iota(_ints(reshape), _ints(perm) if perm else None).reshape(n_groups, size)
-    return tuple(tuple(int(v) for v in row) for row in ids)
+  ids = _iota(_ints(reshape), _ints(perm) if perm else None).reshape(n_groups, size)
+  return tuple(tuple(int(v) for v in row) for row in ids)
 
 
 def _mesh_groups(mesh_axes: str, device_ids: str | None, group_axes: str) -> Groups:
-    """Decode ``mesh[...] , device_ids=(...) {axes}`` replica groups."""
-    axes = re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", mesh_axes)
-    names = [a for a, _ in axes]
-    sizes = [int(s) for _, s in axes]
-    n = math.prod(sizes)
-    ids = np.arange(n) if device_ids is None else _parse_device_ids(device_ids)
-    # Referenced (sub-)axes: (axis index, pre_size, size); full axis = (i, 1, N).
-    refs = []
-    for item in filter(None, (t.strip() for t in group_axes.split(","))):
-        m = re.fullmatch(r"'?([\w.\-]+?)'?(?::\((\d+)\)(\d+))?", item)
-        i = names.index(m.group(1))
-        refs.append((i, int(m.group(2)), int(m.group(3))) if m.group(2) else (i, 1, sizes[i]))
-    # Split every mesh axis at the sub-axis boundaries (major to minor).
-    cuts = [sorted({1, sizes[i]} | {c for j, p, s in refs if j == i for c in (p, p * s)})
-            for i in range(len(sizes))]
-    split_dims, offsets = [], []
-    for cs in cuts:
-        offsets.append(len(split_dims))
-        split_dims += [b // a for a, b in zip(cs, cs[1:])]
-    grouped = [offsets[i] + k
-               for i, p, s in refs
-               for k in range(cuts[i].index(p), cuts[i].index(p * s))]
-    rest = [d for d in range(len(split_dims)) if d not in grouped]
-    size = math.prod(split_dims[d] for d in grouped)
-    table = ids.reshape(split_dims).transpose(rest + grouped).reshape(-1, size)
-    return tuple(tuple(int(v) for v in row) for row in table)
+  """Decode ``mesh[...] , device_ids=(...) {axes}`` replica groups."""
+  axes = re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", mesh_axes)
+  names = [a for a, _ in axes]
+  sizes = [int(s) for _, s in axes]
+  n = math.prod(sizes)
+  ids = np.arange(n) if device_ids is None else _parse_device_ids(device_ids)
+  # Referenced (sub-)axes: (axis index, pre_size, size); full axis = (i, 1, N).
+  refs = []
+  for item in filter(None, (t.strip() for t in group_axes.split(","))):
+    m = re.fullmatch(r"'?([\w.\-]+?)'?(?::\((\d+)\)(\d+))?", item)
+    i = names.index(m.group(1))
+    refs.append((i, int(m.group(2)), int(m.group(3))) if m.group(2) else (i, 1, sizes[i]))
+  # Split every mesh axis at the sub-axis boundaries (major to minor).
+  cuts = [sorted({1, sizes[i]} | {c for j, p, s in refs if j == i for c in (p, p * s)})
+      for i in range(len(sizes))]
+  split_dims, offsets = [], []
+  for cs in cuts:
+    offsets.append(len(split_dims))
+    split_dims += [b // a for a, b in zip(cs, cs[1:])]
+  grouped = [offsets[i] + k
+       for i, p, s in refs
+       for k in range(cuts[i].index(p), cuts[i].index(p * s))]
+  rest = [d for d in range(len(split_dims)) if d not in grouped]
+  size = math.prod(split_dims[d] for d in grouped)
+  table = ids.reshape(split_dims).transpose(rest + grouped).reshape(-1, size)
+  return tuple(tuple(int(v) for v in row) for row in table)
 
 
 def parse_replica_groups(line: str, num_devices: int | None = None) -> Groups:
-    """Device groups of one HLO collective line, in any of the three formats.
+  """Device groups of one HLO collective line, in any of the three formats.
 
-    ``collective-permute`` lines give their ``source_target_pairs``.
-    Returns ``()`` when the line has neither attribute.
-    """
-    m = re.search(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}", line)
-    if m:
-        return _explicit_groups(m.group(1), None)
-    m = re.search(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}", line)
-    if m:
-        return _explicit_groups(m.group(1), num_devices)
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,\s]*)\](?:T\(([\d,\s]*)\))?", line)
-    if m:
-        return _iota_groups(int(m.group(1)), int(m.group(2)), m.group(3), m.group(4))
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]"
-                  r"(?:\s*,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", line)
-    if m:
-        return _mesh_groups(m.group(1), m.group(2), m.group(3))
-    return ()
+  ``collective-permute`` lines give their ``source_target_pairs``.
+  Returns ``()`` when the line has neither attribute.
+  """
+  m = re.search(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}", line)
+  if m:
+    return _explicit_groups(m.group(1), None)
+  m = re.search(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}", line)
+  if m:
+    return _explicit_groups(m.group(1), num_devices)
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,\s]*)\](?:T\(([\d,\s]*)\))?", line)
+  if m:
+    return _iota_groups(int(m.group(1)), int(m.group(2)), m.group(3), m.group(4))
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]"
+         r"(?:\s*,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", line)
+  if m:
+    return _mesh_groups(m.group(1), m.group(2), m.group(3))
+  return ()
 
 
 # ----------------------------------------------------------------------------
 # Program-level parsing.
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
-    """Split HLO text into {computation name: instruction lines}, entry name."""
-    comps, entry, current = {}, None, None
-    for line in hlo_text.splitlines():
-        if line and not line[0].isspace():
-            m = _COMP_HEADER.match(line)
-            if m:
-                current = m.group(1)
-                comps[current] = []
-                if line.startswith("ENTRY"):
-                    entry = current
-            elif line.startswith("}"):
-                current = None
-            continue
-        if current is not None:
-            comps[current].append(line)
-    return comps, entry
+  """Split HLO text into {computation name: instruction lines}, entry name."""
+  comps, entry, current = {}, None, None
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace():
+      m = _COMP_HEADER.match(line)
+      if m:
+        current = m.group(1)
+        comps[current] = []
+        if line.startswith("ENTRY"):
+          entry = current
+      elif line.startswith("}"):
+        current = None
+      continue
+    if current is not None:
+      comps[current].append(line)
+  return comps, entry
 
 
 def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
-    """A while's trips: XLA's known_trip_count annotation, or (a module dumped before the pass
-    that annotates it) a scan's condition `i < N`: one s32 constant N and a compare LT."""
-    trip = _TRIP.search(line)
-    if trip:
-        return int(trip.group(1))
-    cond = _COND.search(line)
-    body = comps.get(cond.group(1), []) if cond else []
-    consts = [int(c) for l in body for c in _S32_CONST.findall(l)]
-    if len(consts) == 1 and any("compare(" in l and "direction=LT" in l for l in body):
-        return consts[0]
-    return 1
+  """A while's trips: XLA's known_trip_count annotation, or (a module dumped before the pass
+  that annotates it) a scan's condition `i < N`: one s32 constant N and a compare LT."""
+  trip = _TRIP.search(line)
+  if trip:
+    return int(trip.group(1))
+  cond = _COND.search(line)
+  body = comps.get(cond.group(1), []) if cond else []
+  consts = [int(c) for l in body for c in _S32_CONST.findall(l)]
+  if len(consts) == 1 and any("compare(" in l and "direction=LT" in l for l in body):
+    return consts[0]
+  return 1
 
 
 def _execution_counts(comps: dict[str, list[str]], entry: str | None) -> dict[str, int]:
-    """How often each computation runs per program run (while bodies x trips)."""
-    callers = defaultdict(list)  # callee -> [(caller, multiplier)]
-    for name, lines in comps.items():
-        for line in lines:
-            if re.search(r"-done\(", line):  # an async pair is called once
-                continue
-            mult = _trip_count(line, comps) if " while(" in line else 1
-            callees = _CALLEE.findall(line)
-            for b in _BRANCHES.findall(line):
-                callees += [c.strip().lstrip("%") for c in b.split(",") if c.strip()]
-            for callee in callees:
-                callers[callee].append((name, mult))
+  """How often each computation runs per program run (while bodies x trips)."""
+  callers = defaultdict(list)  # callee -> [(caller, multiplier)]
+  for name, lines in comps.items():
+    for line in lines:
+      if re.search(r"-done\(", line):  # an async pair is called once
+        continue
+      mult = _trip_count(line, comps) if " while(" in line else 1
+      callees = _CALLEE.findall(line)
+      for b in _BRANCHES.findall(line):
+        callees += [c.strip().lstrip("%") for c in b.split(",") if c.strip()]
+      for callee in callees:
+        callers[callee].append((name, mult))
 
-    memo: dict[str, int] = {}
+  memo: dict[str, int] = {}
 
-    def count(name: str, stack: frozenset = frozenset()) -> int:
-        if name in memo:
-            return memo[name]
-        if name == entry or not callers.get(name) or name in stack:
-            n = 1  # entry, or a computation we cannot place: assume once
-        else:
-            n = sum(count(c, stack | {name}) * k for c, k in callers[name])
-        memo[name] = n
-        return n
+  def count(name: str, stack: frozenset = frozenset()) -> int:
+    if name in memo:
+      return memo[name]
+    if name == entry or not callers.get(name) or name in stack:
+      n = 1  # entry, or a computation we cannot place: assume once
+    else:
+      n = sum(count(c, stack | {name}) * k for c, k in callers[name])
+    memo[name] = n
+    return n
 
-    return {name: count(name) for name in comps}
+  return {name: count(name) for name in comps}
 
 
 def _num_devices(hlo_text: str) -> int | None:
-    parts = _NUM_PARTITIONS.search(hlo_text)
-    reps = _REPLICA_COUNT.search(hlo_text)
-    n = (int(parts.group(1)) if parts else 1) * (int(reps.group(1)) if reps else 1)
-    return n if (parts or reps) else None
+  parts = _NUM_PARTITIONS.search(hlo_text)
+  reps = _REPLICA_COUNT.search(hlo_text)
+  n = (int(parts.group(1)) if parts else 1) * (int(reps.group(1)) if reps else 1)
+  return n if (parts or reps) else None
 
 
 def collective_ops(hlo_text: str) -> list[CollectiveOp]:
-    """Every collective of a compiled HLO module, in text order.
+  """Every collective of a compiled HLO module, in text order.
 
-    Trivial collectives (all groups of size 1) are included; see module doc.
-    """
-    comps, entry = _computations(hlo_text)
-    if not comps:  # a bare snippet: treat all lines as one computation
-        comps, entry = {"snippet": hlo_text.splitlines()}, "snippet"
-    counts = _execution_counts(comps, entry)
-    n_dev = _num_devices(hlo_text)
-    ops, started = [], {}
-    for name, lines in comps.items():
-        for line in lines:
-            m = _OP_LINE.match(line)
-            if not m:
-                continue
-            kind, suffix = m.group("kind"), m.group("suffix")
-            if suffix == "-start":  # wait for the done to know the result bytes
-                started[m.group("name")] = parse_replica_groups(line, n_dev)
-                continue
-            if suffix == "-done":
-                operand = m.group("args").split(",")[0].strip().split()[-1].lstrip("%")
-                groups = started.pop(operand, ())
-            else:
-                groups = parse_replica_groups(line, n_dev)
-            ops.append(CollectiveOp(kind, shape_bytes(m.group("shape")), groups,
-                                    counts[name]))
-    return ops
+  Trivial collectives (all groups of size 1) are included; see module doc.
+  """
+  comps, entry = _computations(hlo_text)
+  if not comps:  # a bare snippet: treat all lines as one computation
+    comps, entry = {"snippet": hlo_text.splitlines()}, "snippet"
+  counts = _execution_counts(comps, entry)
+  n_dev = _num_devices(hlo_text)
+  ops, started = [], {}
+  for name, lines in comps.items():
+    for line in lines:
+      m = _OP_LINE.match(line)
+      if not m:
+        continue
+      kind, suffix = m.group("kind"), m.group("suffix")
+      if suffix == "-start":  # wait for the done to know the result bytes
+        started[m.group("name")] = parse_replica_groups(line, n_dev)
+        continue
+      if suffix == "-done":
+        operand = m.group("args").split(",")[0].strip().split()[-1].lstrip("%")
+        groups = started.pop(operand, ())
+      else:
+        groups = parse_replica_groups(line, n_dev)
+      ops.append(CollectiveOp(kind, shape_bytes(m.group("shape")), groups,
+                  counts[name]))
+  return ops
 
 
 def is_trivial(op: CollectiveOp) -> bool:
-    """True when no data moves: every group has one device (or self-sends only)."""
-    if op.kind == "collective-permute":
-        return all(p[0] == p[-1] for p in op.groups)
-    return bool(op.groups) and all(len(g) <= 1 for g in op.groups)
+  """True when no data moves: every group has one device (or self-sends only)."""
+  if op.kind == "collective-permute":
+    return all(p[0] == p[-1] for p in op.groups)
+  return bool(op.groups) and all(len(g) <= 1 for g in op.groups)
 
 
 # ----------------------------------------------------------------------------
 # Mapping groups to mesh axes.
 
 def _device_coords(mesh) -> dict[int, tuple[int, ...]]:
-    devices = np.asarray(mesh.devices)
-    ids = np.vectorize(lambda d: d if isinstance(d, (int, np.integer)) else d.id)(devices)
-    return {int(i): tuple(int(c) for c in idx) for idx, i in np.ndenumerate(ids)}
+  devices = np.asarray(mesh.devices)
+  ids = np.vectorize(lambda d: d if isinstance(d, (int, np.integer)) else d.id)(devices)
+  return {int(i): tuple(int(c) for c in idx) for idx, i in np.ndenumerate(ids)}
 
 
 def op_axes(op: CollectiveOp, mesh) -> frozenset[str]:
-    """Mesh axis names a collective's groups span.
+  """Mesh axis names a collective's groups span.
 
-    The axes are those along which group members differ; each group must be
-    exactly the devices varying along them (for a permute: each pair must
-    differ only along them). Trivial ops give ``frozenset()``; groups that do
-    not match any axis subset give ``frozenset({"?"})``.
-    """
-    if is_trivial(op):
-        return frozenset()
-    coords = _device_coords(mesh)
-    names = tuple(mesh.axis_names)
-    try:
-        members = [[coords[d] for d in g] for g in op.groups]
-    except KeyError:
+  The axes are those along which group members differ; each group must be
+  exactly the devices varying along them (for a permute: each pair must
+  differ only along them). Trivial ops give ``frozenset()``; groups that do
+  not match any axis subset give ``frozenset({"?"})``.
+  """
+  if is_trivial(op):
+    return frozenset()
+  coords = _device_coords(mesh)
+  names = tuple(mesh.axis_names)
+  try:
+    members = [[coords[d] for d in g] for g in op.groups]
+  except KeyError:
+    return frozenset({"?"})
+  if not members:
+    return frozenset({"?"})
+  varying = {a for g in members for a in range(len(names))
+       if len({c[a] for c in g}) > 1}
+  if op.kind != "collective-permute":
+    want = math.prod(mesh.devices.shape[a] for a in varying)
+    for g in members:
+      fixed = {a: g[0][a] for a in range(len(names)) if a not in varying}
+      ok = (len(g) == want and len(set(g)) == want
+         and all(c[a] == v for c in g for a, v in fixed.items()))
+      if not ok:
         return frozenset({"?"})
-    if not members:
-        return frozenset({"?"})
-    varying = {a for g in members for a in range(len(names))
-               if len({c[a] for c in g}) > 1}
-    if op.kind != "collective-permute":
-        want = math.prod(mesh.devices.shape[a] for a in varying)
-        for g in members:
-            fixed = {a: g[0][a] for a in range(len(names)) if a not in varying}
-            ok = (len(g) == want and len(set(g)) == want
-                  and all(c[a] == v for c in g for a, v in fixed.items()))
-            if not ok:
-                return frozenset({"?"})
-    return frozenset(names[a] for a in varying)
+  return frozenset(names[a] for a in varying)
 
 
 # ----------------------------------------------------------------------------
 # Summaries.
 
 def _zero() -> dict[str, int]:
-    return {"count": 0, "bytes": 0}
+  return {"count": 0, "bytes": 0}
 
 
 def collective_stats(hlo_text: str, mesh=None) -> dict[str, dict[str, int]]:
-    """{kind: {"count", "bytes"}} summed over executions; trivial ops skipped.
+  """{kind: {"count", "bytes"}} summed over executions; trivial ops skipped.
 
-    ``bytes`` is per device: sum of count * result bytes. Every kind of
-    COLLECTIVE_KINDS is present. ``mesh`` is accepted for symmetry and unused.
-    """
-    del mesh
-    return _by_kind(collective_ops(hlo_text))
+  ``bytes`` is per device: sum of count * result bytes. Every kind of
+  COLLECTIVE_KINDS is present. ``mesh`` is accepted for symmetry and unused.
+  """
+  del mesh
+  return _by_kind(collective_ops(hlo_text))
 
 
 def _stats(ops, key, stats) -> dict:
-    """Sum count and count * bytes of the non-trivial ops into stats[key(op)]."""
-    for op in ops:
-        if not is_trivial(op):
-            entry = stats[key(op)]
-            entry["count"] += op.count
-            entry["bytes"] += op.count * op.bytes
-    return stats
+  """Sum count and count * bytes of the non-trivial ops into stats[key(op)]."""
+  for op in ops:
+    if not is_trivial(op):
+      entry = stats[key(op)]
+      entry["count"] += op.count
+      entry["bytes"] += op.count * op.bytes
+  return stats
 
 
 def collective_stats_by_axes(hlo_text: str, mesh) -> dict[tuple[str, frozenset], dict[str, int]]:
-    """{(kind, mesh axes): {"count", "bytes"}}; only keys that occur."""
-    return _by_axes(collective_ops(hlo_text), mesh)
+  """{(kind, mesh axes): {"count", "bytes"}}; only keys that occur."""
+  return _by_axes(collective_ops(hlo_text), mesh)
 
 
 def _by_kind(ops) -> dict:
-    return _stats(ops, lambda op: op.kind, {k: _zero() for k in COLLECTIVE_KINDS})
+  return _stats(ops, lambda op: op.kind, {k: _zero() for k in COLLECTIVE_KINDS})
 
 
 def _by_axes(ops, mesh) -> dict:
-    return dict(_stats(ops, lambda op: (op.kind, op_axes(op, mesh)), defaultdict(_zero)))
+  return dict(_stats(ops, lambda op: (op.kind, op_axes(op, mesh)), defaultdict(_zero)))
 
 
 def compiled_stats(compiled, mesh=None, text: str | None = None) -> dict:
-    """FLOPs (per device), memory and collective stats of a compiled program.
+  """FLOPs (per device), memory and collective stats of a compiled program.
 
-    Returns ``{"flops": float, "memory": {argument_bytes, output_bytes,
-    temp_bytes, alias_bytes}, "collectives": collective_stats(...)}`` and, with
-    a mesh, ``"collectives_by_axes"``. Get the text itself from
-    ``compiled.as_text()``; `text` overrides it for the collectives (a train Job's ``hlo``:
-    bf16 collectives on XLA:CPU, see WIRE_PASS).
-    """
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
-        cost = cost[0] if cost else {}
-    mem = compiled.memory_analysis()
-    field = lambda name: int(getattr(mem, name, 0) or 0)
-    ops = collective_ops(text or compiled.as_text())   # parsed once for both views
-    out = {
-        "flops": float((cost or {}).get("flops", 0.0)),
-        "memory": {
-            "argument_bytes": field("argument_size_in_bytes"),
-            "output_bytes": field("output_size_in_bytes"),
-            "temp_bytes": field("temp_size_in_bytes"),
-            "alias_bytes": field("alias_size_in_bytes"),
-        },
-        "collectives": _by_kind(ops),
-    }
-    if mesh is not None:
-        out["collectives_by_axes"] = _by_axes(ops, mesh)
-    return out
+  Returns ``{"flops": float, "memory": {argument_bytes, output_bytes,
+  temp_bytes, alias_bytes}, "collectives": collective_stats(...)}`` and, with
+  a mesh, ``"collectives_by_axes"``. Get the text itself from
+  ``compiled.as_text()``; `text` overrides it for the collectives (a train Job's ``hlo``:
+  bf16 collectives on XLA:CPU, see WIRE_PASS).
+  """
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+    cost = cost[0] if cost else {}
+  mem = compiled.memory_analysis()
+  field = lambda name: int(getattr(mem, name, 0) or 0)
+  ops = collective_ops(text or compiled.as_text())   # parsed once for both views
+  out = {
+    "flops": float((cost or {}).get("flops", 0.0)),
+    "memory": {
+      "argument_bytes": field("argument_size_in_bytes"),
+      "output_bytes": field("output_size_in_bytes"),
+      "temp_bytes": field("temp_size_in_bytes"),
+      "alias_bytes": field("alias_size_in_bytes"),
+    },
+    "collectives": _by_kind(ops),
+  }
+  if mesh is not None:
+    out["collectives_by_axes"] = _by_axes(ops, mesh)
+  return out
 
 
 # ----------------------------------------------------------------------------- dtypes on the wire
@@ -419,20 +420,20 @@ WIRE_PASS = "all-reduce-promotion"
 
 
 def wire_dump_needed(mixed: bool) -> bool:
-    """A bf16 program on XLA:CPU: its collectives are read from the WIRE_PASS dump."""
-    import jax
-    return mixed and jax.default_backend() == "cpu"
+  """A bf16 program on XLA:CPU: its collectives are read from the WIRE_PASS dump."""
+  import jax
+  return mixed and jax.default_backend() == "cpu"
 
 
 def wire_dump_options(dump_dir: str) -> dict:
-    """compiler_options that dump the module before WIRE_PASS into dump_dir."""
-    return {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": WIRE_PASS}
+  """compiler_options that dump the module before WIRE_PASS into dump_dir."""
+  return {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": WIRE_PASS}
 
 
 def read_wire_dump(dump_dir: str) -> str | None:
-    """The dumped module before WIRE_PASS (the last one, if several jits were compiled)."""
-    files = sorted(glob.glob(os.path.join(dump_dir, f"*.before_{WIRE_PASS}.txt")))
-    if not files:
-        return None
-    with open(files[-1]) as f:
-        return f.read()
+  """The dumped module before WIRE_PASS (the last one, if several jits were compiled)."""
+  files = sorted(glob.glob(os.path.join(dump_dir, f"*.before_{WIRE_PASS}.txt")))
+  if not files:
+    return None
+  with open(files[-1]) as f:
+    return f.read()

@@ -35,8 +35,8 @@ def spec_shards(spec, mesh) -> int:
 
 
 def varying_axes(a) -> frozenset:
-  """Manual mesh axes `a` varies over inside a shard_map (jax 0.10: manual_axis_type.varying;
-  older and some newer releases: .vma)."""
+  """Manual mesh axes `a` varies over inside a shard_map (manual_axis_type.varying where the
+  type has it, else .vma)."""
   t = jax.typeof(a)
   mat = getattr(t, "manual_axis_type", None)
   return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))

@@ -4,7 +4,6 @@ steps. Shared by run.py and the tests."""
 from __future__ import annotations
 
 import contextlib
-import math
 import tempfile
 import threading
 import time
@@ -20,7 +19,6 @@ from measure import hlo
 from modeling import model, optim, routing
 from parallel import sharding
 from layout import mesh as mesh_lib
-from modeling.config import ConfigError
 from parallel.sharding import put
 
 

@@ -65,27 +65,14 @@ NAMES = ["reference", "dp", "fsdp", "tp", "ep", "cp", "ep_as_cp", "shard_exp_on_
 
 
 def available() -> list[str]:
-  """Registered names whose module exists in this checkout."""
-  out = []
-  for n in NAMES:
-    try:
-      importlib.import_module(f"strategies.{n}")
-      out.append(n)
-    except ModuleNotFoundError as e:
-      if e.name != f"strategies.{n}":
-        raise
-  return out
+  """Every registered strategy, in table order."""
+  return list(NAMES)
 
 
 def get(name: str):
   if name not in NAMES:
-    raise ConfigError(f"unknown strategy {name!r}; choose from {', '.join(available())}")
-  try:
-    return importlib.import_module(f"strategies.{name}")
-  except ModuleNotFoundError as e:
-    if e.name == f"strategies.{name}":
-      raise ConfigError(f"strategy {name!r} is not implemented in this checkout") from None
-    raise
+    raise ConfigError(f"unknown strategy {name!r}; choose from {', '.join(NAMES)}")
+  return importlib.import_module(f"strategies.{name}")
 
 
 def parse_options(names: list[str], text: str | None) -> dict:
@@ -93,7 +80,7 @@ def parse_options(names: list[str], text: str | None) -> dict:
   one of its options. Several (compare mode): each key must belong to at least one of them and
   goes to those that have it."""
   pairs = options.split(text)
-  classes = {n: get(n).Options for n in NAMES if n in available()}
+  classes = {n: get(n).Options for n in NAMES}
   if len(names) == 1:
     others = {n: c for n, c in classes.items() if n != names[0]}
     return {names[0]: options.parse(names[0], classes[names[0]], pairs, others)}

@@ -24,7 +24,7 @@ the norms, the router and the CE run on 1/EP of the tokens (no redundant routing
 activations take 1/EP memory. Before attention and before the MoE the normed h is all-gathered
 over expert (sequence dim); each row-parallel output (attn wo; the MoE combine plus the shared
 expert, summed first: they share one) is typed unreduced over expert and reduce-scattered back.
-The seed shards D of these activations instead; the bytes are the same (an all-gather and a
+MaxText #3600 shards D of these activations instead; the bytes are the same (an all-gather and a
 reduce-scatter of [T, D] per block), but D-sharding needs an all-reduce of the norm statistics
 and a sharded router contraction, while sequence sharding keeps both local. AG + RS of [T, D]
 moves the same bytes as the one all-reduce of the replicated (Megatron) layout.

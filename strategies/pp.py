@@ -90,7 +90,9 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               Case("tiny", "stage:4,data:2", dict(n_layers=4, batch=16, microbatches=8)),
               Case("deepseek-test", "stage:2,data:2,expert:2", dict(microbatches=2)),
               Case("deepseek-test", "stage:4,expert:2",
-                   dict(n_layers=4, microbatches=4, capacity_factor=1.0))]
+                   dict(n_layers=4, microbatches=4, capacity_factor=1.0)),
+              # Muon's Newton-Schulz maps over each stage's own layers (modeling/optim.py)
+              Case("tiny", "stage:2,expert:4", dict(optimizer="muon"))]
 COST_CASES = TEST_CASES[:3]
 BAD_INPUT = [
     BadInput(dict(n_layers=3), "stage:2,expert:4", Options(),

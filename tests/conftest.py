@@ -33,3 +33,21 @@ def pytest_configure(config):
   del config
   if jax.default_backend() == "cpu":
     assert jax.device_count() == 8, f"expected 8 simulated CPU devices, got {jax.device_count()}"
+
+
+import pytest  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  """xdist groups (`--dist loadgroup`): one per test file, so a file's tests share their compiled
+  steps in one worker, except tests/test_strategies.py, which groups per strategy: the table's
+  rows spread over the workers while each strategy's parity, contract and cost tests share one
+  compile."""
+  del config
+  for item in items:
+    group = item.module.__name__.rsplit(".", 1)[-1]
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if group == "test_strategies" and "name" in params:
+      group = f"{group}-{params['name']}"
+    item.add_marker(pytest.mark.xdist_group(group))

@@ -24,7 +24,10 @@ def _run(*args, timeout=300):
     (["--strategy=dp", "--mesh=data:8", "--batch=12"], "batch=12 is not divisible by mesh axis data=8"),
     (["--strategy=dp", "--mesh=expert:8"], "mesh axis 'expert' is not used by strategy 'dp'"),
     (["--strategy=dp", "--mesh=data:x"], "bad mesh entry 'data:x'"),
-    (["--strategy=dp", "--capacity_factor=-1"], "--capacity_factor=-1.0 must be >= 0"),
+    (["--strategy=dp", "--capacity_factor=-1"], "--capacity_factor=-1.0 must be a finite number >= 0"),
+    (["--strategy=dp", "--capacity_factor=inf"], "--capacity_factor=inf must be a finite number >= 0"),
+    (["--strategy=dp", "--capacity_factor=nan"], "--capacity_factor=nan must be a finite number >= 0"),
+    (["--strategy=dp", "--devices=100000"], "--devices=100000 must be in [1, 4096]"),
     (["--strategy=dp", "--gmm=fast"], "fast"),
     (["--strategy=dp", "--model=gpt5"], "unknown model 'gpt5'"),
     (["--strategy=tp", "--mesh=data:2,tensor:4"], "n_kv_heads=2 is not divisible by mesh axis tensor=4"),
@@ -32,9 +35,27 @@ def _run(*args, timeout=300):
      "seq_len=36 is not divisible by 2*context=8"),
     (["--strategy=ep", "--mesh=expert:8", "--batch=4"],
      "batch=4 is not divisible by mesh axis dataxfsdpxexpert=8"),
-    (["--strategy=ep", "--mesh=expert:8", "--dispatch=ragged"], "dispatch='ragged' needs ragged_all_to_all"),
+    (["--strategy=ep", "--mesh=expert:8", "--opt=dispatch=ragged"],
+     "dispatch=ragged needs ragged_all_to_all"),
+    (["--strategy=ep", "--mesh=expert:8", "--dispatch=ragged"],          # the old flag, an alias
+     "dispatch=ragged needs ragged_all_to_all"),
     (["--strategy=ep_as_cp", "--mesh=expert:8", "--context_sharding=data"],
-     "context_sharding='data' must be 'expert' for ep_as_cp"),
+     "--context_sharding=data: cp plays context parallelism on `context`"),
+    # strategy options: a key of another strategy, an unknown key, a bad value, a malformed pair
+    (["--strategy=tp", "--opt=dispatch=a2a"],
+     "strategy 'tp' has no option 'dispatch' (it is an option of ep); its options: none"),
+    (["--strategy=tp", "--dispatch=a2a"],
+     "strategy 'tp' has no option 'dispatch' (it is an option of ep); its options: none"),
+    (["--strategy=pp", "--opt=dispatch=ragged"], "strategy 'pp' has no option 'dispatch'"),
+    (["--strategy=ep", "--opt=speed=fast"], "strategy 'ep' has no option 'speed'; its options: dispatch"),
+    (["--strategy=ep", "--opt=dispatch=fast"], "ep option dispatch='fast': choose from a2a, ragged, none"),
+    (["--strategy=ep_tp", "--opt=capacity=1.5"], "ep_tp option capacity=1.5: must be a finite number in [0, 1]"),
+    (["--strategy=ep_tp", "--ep_tp_capacity=x"], "ep_tp option capacity='x': expected a number"),
+    (["--strategy=shard_exp_on_fsdp", "--opt=mode=both"],
+     "shard_exp_on_fsdp option mode='both': choose from gather, ep"),
+    (["--strategy=ep", "--opt=dispatch"], "bad --opt entry 'dispatch': expected key=value"),
+    (["--compare=dp,tp", "--opt=mode=ep"],
+     "--opt key 'mode' belongs to none of the compared strategies (an option of shard_exp_on_fsdp)"),
     (["--strategy=ep_tp", "--mesh=data:2,expert:4"], "n_kv_heads=2 is not divisible by mesh axis expert=4"),
     (["--strategy=shard_exp_on_fsdp", "--mesh=fsdp:2,expert:4", "--batch=4"],
      "batch=4 is not divisible by mesh axis fsdpxexpert=8"),
@@ -44,7 +65,7 @@ def _run(*args, timeout=300):
     (["--strategy=ep", "--dtype=float16"], "unknown dtype 'float16'; choose from float32, bfloat16"),
     (["--strategy=ep", "--dtype=bfloat16", "--grad_reduce_dtype=fp8"],
      "unknown grad_reduce_dtype 'fp8'"),
-    (["--strategy=dp", "--devices=0"], "--devices=0 must be >= 1"),
+    (["--strategy=dp", "--devices=0"], "--devices=0 must be in [1, 4096]"),
     (["--strategy=dp", "--steps=-1"], "--steps=-1 must be >= 0"),
     (["--steps=0"], "--steps=0 in compare mode: use --compile_only"),
     (["--strategy=dp", "--layers=0"], "--layers=0 must be >= 1"),
@@ -152,17 +173,45 @@ def test_compare_all_skipped_rows_are_aligned():
 
 
 def test_compare_marks_a_non_finite_row():
-  import compare
+  import report
   ok = {"strategy": "dp", "mesh": "data:8", "losses": [1.0, 0.9], "max_dloss": 0.0,
-        "parity": "PASS", "collectives": {k: {"count": 0, "bytes": 0} for k in compare.KINDS},
+        "parity": "PASS", "collectives": {k: {"count": 0, "bytes": 0} for k in report.KINDS},
         "param_bytes": 1, "opt_bytes": 1, "memory": {"temp_bytes": 1}, "step_s": 0.1,
         "dropped_frac": 0.0}
   bad = dict(ok, strategy="ep", losses=[1.0, float("nan")], nonfinite_step=1, parity="NON-FINITE")
   bad.pop("max_dloss")
   skipped = {"strategy": "shard_exp_on_fsdp", "mesh": "fsdp:16,expert:4",
              "error": "n_experts=8 is not divisible by mesh axis expertxfsdp=64"}
-  table = compare.render([ok, bad, skipped], compile_only=False, simulated=True)
+  table = report.render([ok, bad, skipped], compile_only=False, simulated=True)
   rows = table.splitlines()
   assert "nan" not in table and "NON-FINITE at step 1" in rows[3], table
   assert {tuple(i for i, c in enumerate(l) if c == "|") for l in rows if l.startswith("| ")} == \
       {tuple(i for i, c in enumerate(rows[0]) if c == "|")}, table
+
+
+def test_compare_row_that_fails_to_build_is_its_error(monkeypatch):
+  """A strategy whose step fails to trace becomes its row's one-line error; the others run."""
+  import compare
+  import strategies
+  from modeling.config import get_config
+  dp = strategies.get("dp")
+
+  def broken(cfg, mesh, opts):
+    raise ValueError("0th dimension of all xs should be replicated\nmore detail")
+  monkeypatch.setattr(dp, "layout", broken)
+  rows = compare.main(get_config("tiny"), names=["dp", "fsdp"], mesh_spec=None, steps=1,
+                      report_dir=None, compile_only=True, model_name="tiny")
+  by = {r["strategy"]: r for r in rows}
+  assert by["dp"]["error"] == ("failed: ValueError: 0th dimension of all xs should be replicated")
+  assert "error" not in by["fsdp"] and by["fsdp"]["collectives"]["all-gather"]["count"] > 0
+
+
+def test_old_option_flags_are_aliases():
+  """--dispatch_batch_on_expert is --opt=dispatch=none: the same compiled collectives."""
+  a = _run("--strategy=ep", "--mesh=data:2,expert:4", "--steps=0", "--hlo_stats",
+           "--dispatch_batch_on_expert")
+  b = _run("--strategy=ep", "--mesh=data:2,expert:4", "--steps=0", "--hlo_stats",
+           "--opt=dispatch=none")
+  assert a.returncode == b.returncode == 0, a.stderr + b.stderr
+  stats = lambda out: [l.split("compiled")[0] for l in out.splitlines() if "count" in l]
+  assert stats(a.stdout) == stats(b.stdout) and "all-to-all" not in a.stdout, a.stdout

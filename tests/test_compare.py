@@ -3,11 +3,12 @@ import json
 import os
 
 import compare
+import report
 from modeling.config import get_config
 
 
 def test_compare_dp_and_tp_writes_report(tmp_path):
-  rows = compare.main(get_config("tiny"), names="dp,tp", mesh_spec=None, steps=2,
+  rows = compare.main(get_config("tiny"), names=["dp", "tp"], mesh_spec=None, steps=2,
                       report_dir=str(tmp_path), compile_only=False, model_name="tiny")
   by = {r["strategy"]: r for r in rows}
   assert list(by) == ["reference", "dp", "tp"]                  # the reference is always run
@@ -31,5 +32,5 @@ def test_fit_column():
   assert row["total_bytes"] == 4 * 2**30 and row["fits"]
   compare.fit(row, 3.99)
   assert not row["fits"]
-  table = compare.render([row], compile_only=True, simulated=True, hbm_gb=3.99)
+  table = report.render([row], compile_only=True, simulated=True, hbm_gb=3.99)
   assert "| total/dev | fits 3.99G |" in table and "| 4.0G      | NO         |" in table

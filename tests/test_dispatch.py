@@ -1,6 +1,6 @@
 """layout/dispatch.py's index helpers, hand-worked (send plans, buffers, ragged offsets, the
-buffer bound), and the exchange bodies that use them (strategies/ep.py's moe_body and, for
---dispatch_batch_on_expert, local_moe_body; ep_ragged.py's moe_body through a dense emulation
+buffer bound), and the exchange that uses them (strategies/ep.py's moe_body with each
+transport: a2a_exchange; local_exchange, dispatch=none; ragged_exchange through a dense emulation
 of ragged_all_to_all, since XLA:CPU cannot run the real op) with routing and experts replaced by
 stand-ins: the rows each expert receives on 2 and 3 shards, the round trip of every kept copy,
 worst-case exactness, padding never read; then the whole EP MoE against moe_local."""
@@ -17,7 +17,6 @@ from modeling import moe, routing
 from layout import mesh as mesh_lib
 from modeling.config import ConfigError, get_config
 import strategies
-from strategies import ep_ragged
 
 EP = strategies.get("ep")
 A2A = "a2a"
@@ -39,9 +38,9 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
   return output
 
 
-BODIES = {A2A: EP.moe_body, "ragged": functools.partial(ep_ragged.moe_body,
-                                                       ragged_fn=emulated_ragged_all_to_all),
-          "local": EP.local_moe_body}
+TRANSPORTS = {A2A: EP.a2a_exchange,
+              "ragged": functools.partial(EP.ragged_exchange, ragged_fn=emulated_ragged_all_to_all),
+              "local": EP.local_exchange}
 
 
 def exchange(monkeypatch, xs, experts, keep, n_experts, body=A2A):
@@ -66,8 +65,8 @@ def exchange(monkeypatch, xs, experts, keep, n_experts, body=A2A):
   monkeypatch.setattr(moe, "swiglu_experts", experts_fn)
 
   def run(x, e, kp):                                           # x [1, T, D]: b = 1, s = T
-    y, _ = BODIES[body]({"experts": e[0], "keep": kp[0]}, x, None, cfg=cfg, ep_axes=("expert",),
-                        ep=ep, token_axes=("expert",))
+    y, _ = EP.moe_body({"experts": e[0], "keep": kp[0]}, x, None, cfg=cfg, ep_axes=("expert",),
+                       ep=ep, token_axes=("expert",), transport=TRANSPORTS[body])
     return seen["rows"][None], seen["gs"][None], y
 
   mesh = mesh_lib.make_mesh({"expert": ep})
@@ -171,7 +170,7 @@ def test_round_trip_never_reads_padding(monkeypatch, body):
 
 
 def test_no_exchange_keeps_rows_local(monkeypatch):
-  """--dispatch_batch_on_expert (local_moe_body): the send buffer stays put and every device's
+  """dispatch=none (local_exchange): the send buffer stays put and every device's
   own rows go through all E experts (E = padding)."""
   rows, gs, y = exchange(monkeypatch, X2, E2, K2, 4, "local")
   np.testing.assert_array_equal(rows[0, :, 0], [11, 10, 12, 10, 12, 11] + [0] * 6)
@@ -201,14 +200,14 @@ def test_capacity_bound():
   assert dispatch.rows_bound(10, 4, 8) == 40       # L>=K: all K copies can go to one shard
 
 
-def test_method_resolution():
-  assert dispatch.resolve_method("auto", "cpu") == "a2a"
-  assert dispatch.resolve_method("auto", "gpu") == "ragged"
-  assert dispatch.resolve_method("auto", "tpu") == "ragged"
-  dispatch.check_method("ragged", "gpu")
-  with pytest.raises(ConfigError, match=r"^dispatch='ragged' needs ragged_all_to_all"):
-    dispatch.check_method("ragged", "cpu")
-  assert EP.exchange_body(A2A) is EP.moe_body and EP.exchange_body("ragged") is ep_ragged.moe_body
+def test_transport_choice():
+  """The default is the a2a transport, checked on CPU; ragged is opt-in and refused on CPU."""
+  assert EP.Options().dispatch == A2A
+  assert EP.TRANSPORTS == {A2A: EP.a2a_exchange, "ragged": EP.ragged_exchange,
+                           "none": EP.local_exchange}
+  EP.check_transport("ragged", "gpu")
+  with pytest.raises(ConfigError, match=r"^dispatch=ragged needs ragged_all_to_all"):
+    EP.check_transport("ragged", "cpu")
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,7 +220,7 @@ def _moe_case():
   return cfg, p, x, pos
 
 
-def _moe_ep(body, mesh=None, ep_axes=("expert",)):
+def _moe_ep(transport, mesh=None, ep_axes=("expert",)):
   """Jitted ep.moe_ep on a mesh with tokens over every axis and experts over ep_axes."""
   cfg, p, x, pos = _moe_case()
   mesh = mesh or mesh_lib.make_mesh({"data": 2, "expert": 4})
@@ -229,7 +228,7 @@ def _moe_ep(body, mesh=None, ep_axes=("expert",)):
   e_entry = ep_axes[0] if len(ep_axes) == 1 else ep_axes
   with jax.set_mesh(mesh):
     pp = {k: jax.device_put(v, P(e_entry, None, None) if v.ndim == 3 else P()) for k, v in p.items()}
-    f = jax.jit(lambda p, x, pos: EP.moe_ep(p, x, pos, cfg, ep_axes=ep_axes, body=body))
+    f = jax.jit(lambda p, x, pos: EP.moe_ep(p, x, pos, cfg, ep_axes=ep_axes, transport=transport))
     args = (pp, jax.device_put(x, P(tok, None, None)), jax.device_put(pos, P(tok, None)))
     return f, args
 
@@ -244,7 +243,7 @@ def test_moe_ep_matches_moe_local(body, mesh, ep_axes):
   may span several mesh axes (shard index = their linear index in ep_axes order)."""
   cfg, p, x, pos = _moe_case()
   want, want_stats = moe.moe_local(p, jnp.asarray(x), jnp.asarray(pos), cfg)
-  f, args = _moe_ep(BODIES[body], mesh_lib.make_mesh(mesh) if mesh else None, ep_axes)
+  f, args = _moe_ep(TRANSPORTS[body], mesh_lib.make_mesh(mesh) if mesh else None, ep_axes)
   y, stats = f(*args)
   np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(stats["counts"]), np.asarray(want_stats["counts"]))
@@ -252,13 +251,13 @@ def test_moe_ep_matches_moe_local(body, mesh, ep_axes):
 
 def test_ragged_lowers_to_ragged_all_to_all():
   """The real op lowers on CPU (XLA:CPU cannot compile/run it; GPU/TPU only)."""
-  f, args = _moe_ep(ep_ragged.moe_body)
+  f, args = _moe_ep(EP.ragged_exchange)
   assert f.lower(*args).as_text().count("ragged_all_to_all") == 2       # dispatch + combine
 
 
 @pytest.mark.skipif(jax.default_backend() == "cpu",
                     reason="ragged_all_to_all is not implemented by XLA:CPU (GPU/TPU only)")
 def test_ragged_runs_on_accelerator():
-  f, args = _moe_ep(ep_ragged.moe_body)
-  g, _ = _moe_ep(EP.moe_body)
+  f, args = _moe_ep(EP.ragged_exchange)
+  g, _ = _moe_ep(EP.a2a_exchange)
   np.testing.assert_allclose(np.asarray(f(*args)[0]), np.asarray(g(*args)[0]), rtol=1e-5, atol=1e-5)

@@ -1,7 +1,6 @@
-"""ep_tp: parity (tiny on data:2,expert:4, deepseek-test on data:4,expert:2 and, batch 1 x seq 8,
-the inference-like case, on expert:8: 1 token per device), the compaction (hand-worked, sort
-size = the buffer bound, overflow = dropped), the collective contract (all-gather +
-reduce-scatter over expert, no all-to-all, no activation all-reduce), the cost model, bad input."""
+"""ep_tp beyond the shared table (tests/test_strategies.py): the compaction (hand-worked, sort
+size = the buffer bound, overflow = dropped) and the AG-RS exchange's op counts (all-gather +
+reduce-scatter over expert, no all-to-all, no activation all-reduce)."""
 
 import jax
 import jax.numpy as jnp
@@ -13,22 +12,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from layout import compact
 from measure import hlo
 from modeling import model, routing
-from modeling.config import ConfigError, get_config
+from modeling.config import get_config
 from parallel.sharding import put
 import strategies
 from tests import parity
 
 EP_TP = strategies.get("ep_tp")
-SMALL = dict(n_heads=8, n_kv_heads=8, batch=1, seq_len=8)   # 8 tokens; heads divisible by EP=8
-CASES = [("tiny", dict(n_kv_heads=4), "data:2,expert:4"),
-         ("deepseek-test", {}, "data:4,expert:2"),
-         ("deepseek-test", SMALL, "expert:8")]
-IDS = ["tiny-d2e4", "deepseek-d4e2", "deepseek-b1s8-e8"]
-
-
-@pytest.mark.parametrize("model_name,over,mesh", CASES, ids=IDS)
-def test_parity(model_name, over, mesh):
-  parity.check("ep_tp", get_config(model_name, **over), mesh)
+SMALL = EP_TP.SMALL
+IDS = ["tiny-d2e4", "deepseek-d4e2", "deepseek-b1s8-e8"]          # EP_TP.TEST_CASES
 
 
 def test_compact_hand_worked():
@@ -74,9 +65,9 @@ def _moe_inputs(cfg, mesh, seed=1):
           jax.device_put(pos, NamedSharding(mesh, P("data", None))))
 
 
-def _moe_block(cfg, mesh):
+def _moe_block(cfg, mesh, opts):
   """The MoE as model.forward runs it: gather_in -> moe -> scatter_out (no shared expert)."""
-  lay = EP_TP.layout(cfg, mesh)
+  lay = EP_TP.layout(cfg, mesh, opts)
 
   def f(p, x, pos):
     y, st = lay.moe(p, lay.gather_in(x), pos)
@@ -84,18 +75,18 @@ def _moe_block(cfg, mesh):
   return f
 
 
-@pytest.mark.parametrize("model_name,over,mesh,rows", [
-    ("tiny", dict(n_kv_heads=4, ep_tp_capacity=0.5), "data:2,expert:4", 128),   # T*K = 256
-    ("tiny", SMALL, "expert:8", 8),                                             # T*K = 16
-    ("deepseek-test", SMALL, "expert:8", 16)])                                  # T*K = 32
-def test_sort_is_sized_by_routed_bound(model_name, over, mesh, rows):
+@pytest.mark.parametrize("model_name,over,capacity,mesh,rows", [
+    ("tiny", dict(n_kv_heads=4), 0.5, "data:2,expert:4", 128),   # T*K = 256
+    ("tiny", SMALL, 0.0, "expert:8", 8),                          # T*K = 16
+    ("deepseek-test", SMALL, 0.0, "expert:8", 16)])               # T*K = 32
+def test_sort_is_sized_by_routed_bound(model_name, over, capacity, mesh, rows):
   """The only sort in the MoE runs on the M-row buffer, not on the T*K gathered copies."""
-  cfg = get_config(model_name, **over)
+  cfg, opts = get_config(model_name, **over), EP_TP.Options(capacity=capacity)
   mesh = parity.make_mesh("ep_tp", mesh)
-  assert EP_TP.buffer_rows(cfg, mesh) == rows
+  assert EP_TP.buffer_rows(cfg, mesh, opts) == rows
   with jax.set_mesh(mesh):
     p, x, pos = _moe_inputs(cfg, mesh)
-    jaxpr = jax.make_jaxpr(_moe_block(cfg, mesh))(p, x, pos)
+    jaxpr = jax.make_jaxpr(_moe_block(cfg, mesh, opts))(p, x, pos)
   tokens = cfg.batch // mesh.shape["data"] * cfg.seq_len
   assert _sort_shapes(jaxpr.jaxpr) == [(rows,)]
   assert rows < tokens * cfg.top_k
@@ -104,14 +95,14 @@ def test_sort_is_sized_by_routed_bound(model_name, over, mesh, rows):
 def test_overflow_is_dropped_and_counted():
   """M = 0.25 of the worst case (= the balanced load): the copies past slot M on each device are
   dropped (earliest tokens win), counted in `dropped`, and y is the oracle without them."""
-  cfg = get_config("tiny", n_kv_heads=4, ep_tp_capacity=0.25)
+  cfg, opts = get_config("tiny", n_kv_heads=4), EP_TP.Options(capacity=0.25)
   mesh = parity.make_mesh("ep_tp", "data:2,expert:4")
   with jax.set_mesh(mesh):
     p, x, pos = _moe_inputs(cfg, mesh)
-    y, st = jax.jit(_moe_block(cfg, mesh))(p, x, pos)
+    y, st = jax.jit(_moe_block(cfg, mesh, opts))(p, x, pos)
   assert jax.typeof(y).sharding.spec == EP_TP.X_SPEC
   p = jax.tree.map(np.asarray, p)
-  dp, ep, rows = mesh.shape["data"], mesh.shape["expert"], EP_TP.buffer_rows(cfg, mesh)
+  dp, ep, rows = mesh.shape["data"], mesh.shape["expert"], EP_TP.buffer_rows(cfg, mesh, opts)
   n_local, k = cfg.n_experts // ep, cfg.top_k
   want, overflow = [], 0
   for xd in np.split(np.asarray(x), dp):                       # one data shard: T tokens
@@ -137,13 +128,13 @@ def test_overflow_is_dropped_and_counted():
 
 
 @pytest.mark.parametrize("case", [0, 1, 2], ids=IDS)
-def test_collective_contract(case):
-  """Exactly the docstring's HLO contract: the AG-RS exchange over expert, no all-to-all; what
-  all-reduces over expert alone is the norm-scale grads [D] and scalars (with data > 1)."""
-  model_name, over, mesh = CASES[case]
-  cfg = get_config(model_name, **over)
-  job = parity.assert_contract("ep_tp", cfg, mesh)
-  got = hlo.collective_stats_by_axes(job.compiled.as_text(), job.mesh)
+def test_ag_rs_counts_per_layer(case):
+  """The AG-RS exchange over expert, no all-to-all; what all-reduces over expert alone is the
+  norm-scale grads [D] and scalars (with data > 1)."""
+  c = EP_TP.TEST_CASES[case]
+  cfg = c.config()
+  job = parity.job("ep_tp", cfg, c.mesh)
+  got = hlo.collective_stats_by_axes(job.hlo, job.mesh)
   expert = frozenset({"expert"})
   assert {("all-gather", expert), ("reduce-scatter", expert)} <= set(got)
   assert not any(kind == "all-to-all" for kind, _ in got)
@@ -159,25 +150,3 @@ def test_collective_contract(case):
     specs = jax.tree.leaves(EP_TP.param_specs(cfg, job.mesh), is_leaf=lambda l: isinstance(l, P))
     replicated = sum(4 * np.prod(l.shape) for l, s in zip(shapes, specs) if not any(s))
     assert got[("all-reduce", expert)]["bytes"] <= replicated + 1024
-
-
-@pytest.mark.parametrize("case", [0, 1, 2], ids=IDS)
-def test_cost_model_within_10_percent(case):
-  model_name, over, mesh = CASES[case]
-  table = parity.assert_cost_model("ep_tp", get_config(model_name, **over), mesh)
-  assert {kind for kind, _ in table} == {"all-gather", "reduce-scatter", "all-reduce"}
-
-
-@pytest.mark.parametrize("over,mesh,message", [
-    ({}, "data:2,expert:4", "n_kv_heads=2 is not divisible by mesh axis expert=4"),
-    (dict(n_heads=8, n_kv_heads=8, n_experts=4), "expert:8",
-     "n_experts=4 is not divisible by mesh axis expert=8"),
-    (dict(n_kv_heads=4, batch=3), "data:2,expert:4",
-     "batch=3 is not divisible by mesh axis data=2"),
-    (dict(n_heads=8, n_kv_heads=8, seq_len=12), "expert:8",
-     "seq_len=12 is not divisible by mesh axis expert=8"),
-    (dict(n_kv_heads=4, ep_tp_capacity=1.5), "data:2,expert:4", "ep_tp_capacity=1.5 must be in"),
-])
-def test_bad_input(over, mesh, message):
-  with pytest.raises(ConfigError, match=message):
-    EP_TP.check(get_config("tiny", **over), parity.make_mesh("ep_tp", mesh))

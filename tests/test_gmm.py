@@ -95,8 +95,7 @@ def test_custom_dtypes():
 def test_backend_names():
   assert gmm_lib.available_backends() == ["ragged_dot", "padded", "custom", "scan"]
   assert gmm_lib.resolve_backend("padded") == "padded"
-  expected = "custom" if "mgpu" in gmm_lib.available_kernels() else "ragged_dot"
-  assert gmm_lib.resolve_backend("auto") == expected
+  assert gmm_lib.resolve_backend("auto") == "ragged_dot"           # the checked default, always
   with pytest.raises(ValueError, match="unknown gmm backend"):
     gmm_lib.resolve_backend("cutlass")
   assert gmm_lib.resolve_wgrad("auto") in gmm_lib.available_wgrads()
@@ -109,23 +108,23 @@ def test_backend_names():
 
 
 def test_kernel_registry(monkeypatch):
-  """modeling.gmm's kernel table: a registered kernel that runs natively here becomes the "custom"
-  default and turns "auto" into "custom"; an unavailable one is still usable by name."""
+  """modeling.gmm's kernel table: a registered kernel is used by name only ("auto" stays
+  ragged_dot, whatever is registered); an unavailable one is still usable by name."""
   calls = []
 
   def toy(lhs, rhs, group_sizes, *, out_dtype, transpose_rhs=False):
     calls.append(transpose_rhs)
-    return gmm_lib._ragged_dot_kernel(lhs, rhs, group_sizes, out_dtype=out_dtype,
-                                      transpose_rhs=transpose_rhs)
+    return gmm_lib.ragged_dot_kernel(lhs, rhs, group_sizes, out_dtype=out_dtype,
+                                     transpose_rhs=transpose_rhs)
 
   assert "mgpu" in gmm_lib._KERNELS and "mgpu" in gmm_lib._WGRADS  # registered by kernels/
   monkeypatch.setitem(gmm_lib._KERNELS, "toy", (toy, lambda: True))
-  assert gmm_lib.available_kernels()[-1] == gmm_lib.resolve_kernel("auto") == "toy"
-  assert gmm_lib.resolve_backend("auto") == "custom"
+  assert gmm_lib.available_kernels()[-1] == "toy"
+  assert gmm_lib.resolve_kernel("auto") == "ragged_dot" and gmm_lib.resolve_backend("auto") == "ragged_dot"
   x, w, ct = _data()
   gs = jnp.asarray(GROUP_SIZES[0])
   with jax.default_matmul_precision("highest"):
-    y, vjp = jax.vjp(lambda x, w: gmm_lib.gmm(x, w, gs), x, w)
+    y, vjp = jax.vjp(lambda x, w: gmm_lib.gmm(x, w, gs, backend="custom", kernel="toy"), x, w)
     dx, dw = vjp(ct)
   assert calls == [False, True]                               # forward, then dx
   for got, want in zip((y, dx, dw), _reference(x, w, GROUP_SIZES[0], ct)):
@@ -135,21 +134,26 @@ def test_kernel_registry(monkeypatch):
   assert gmm_lib.resolve_kernel("auto") != "toy"
 
 
-def test_kernels_package_loads_lazily():
-  """Importing modeling.gmm imports no accelerator code; the first kernel lookup imports the
-  `kernels` package (which registers "mgpu"), and on CPU that imports no Pallas GPU module."""
+def test_kernels_are_opt_in():
+  """modeling.gmm never imports the `kernels` package: "mgpu" is registered only when a caller
+  imports kernels.mgpu (run.py for --gmm=mgpu), and on CPU that imports no Pallas GPU module."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  code = ("import sys; from common import gmm\n"
-          "assert 'kernels' not in sys.modules\n"
+  code = ("import sys; from modeling import gmm\n"
           "print(gmm.available_kernels(), sorted(gmm._KERNELS), sorted(gmm._WGRADS))\n"
-          "assert 'kernels.mgpu' in sys.modules\n"
+          "assert 'kernels' not in sys.modules\n"
+          "try:\n  gmm.resolve_backend('mgpu')\nexcept ValueError as e:\n  print(e)\n"
+          "import kernels.mgpu\n"
+          "print(gmm.available_kernels(), sorted(gmm._KERNELS), gmm.resolve_backend('mgpu'))\n"
           "assert not [m for m in sys.modules if 'pallas.ops.gpu' in m]\n")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
                        text=True, timeout=120, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
-  assert out.stdout.split("\n")[0] == (
-      "['ragged_dot'] ['mgpu', 'ragged_dot'] ['mgpu', 'ragged_dot_general', 'segment']"), out.stdout
+  assert out.stdout.split("\n")[:3] == [
+      "['ragged_dot'] ['ragged_dot'] ['ragged_dot_general', 'segment']",
+      "gmm backend 'mgpu' needs kernels/mgpu.py: import kernels.mgpu first (run.py does for "
+      "--gmm=mgpu)",
+      "['ragged_dot'] ['mgpu', 'ragged_dot'] mgpu"], out.stdout
 
 
 def test_mgpu_plumbing_traces(monkeypatch):
@@ -198,7 +202,7 @@ def test_mgpu_kernel_matches_ragged_dot():
       np.testing.assert_allclose(g, r, rtol=2e-2, atol=2e-1)
     np.testing.assert_array_equal(got[0][440:], 0)
     np.testing.assert_array_equal(got[1][440:], 0)
-  assert gmm_lib.resolve_backend("auto") == "custom"
+  assert gmm_lib.resolve_backend("mgpu") == "mgpu"
 
 
 def test_custom_backend_inside_strategy_matches_reference():
@@ -246,7 +250,7 @@ def test_mgpu_glue_numerics_with_fake_kernels(monkeypatch):
   runs on CPU with the Hopper kernels replaced by _FakeMgpu, against the ragged_dot backend."""
   monkeypatch.setattr(mgpu_lib, "_mgpu_module", lambda *a, **k: _FakeMgpu)
   assert gmm_lib.available_kernels() == ["ragged_dot", "mgpu"]
-  assert gmm_lib.resolve_backend("auto") == "custom"
+  assert gmm_lib.resolve_backend("auto") == "ragged_dot"            # mgpu is opt-in
   m, k, n = 256, 128, 256
   gs = jnp.asarray([60, 0, 100, 50], jnp.int32)          # sum 210 < 256: a 46-row tail
   rng = np.random.default_rng(0)
@@ -261,7 +265,7 @@ def test_mgpu_glue_numerics_with_fake_kernels(monkeypatch):
 
   want = run(backend="ragged_dot")
   for wgrad in ("mgpu", "ragged_dot_general"):
-    got = run(backend="auto", wgrad=wgrad)
+    got = run(backend="custom", kernel="mgpu", wgrad=wgrad)
     for g, r, name in zip(got, want, ("y", "dx", "dw")):
       np.testing.assert_allclose(g, r, rtol=2e-2, atol=5e-2, err_msg=f"{wgrad} {name}")
     np.testing.assert_array_equal(got[0][210:], 0)
@@ -302,7 +306,7 @@ def test_autotune_table_reaches_the_kernels(monkeypatch, tmp_path):
   gs = jnp.asarray([64, 64, 64, 64], jnp.int32)
   x = jnp.ones((m, k), jnp.bfloat16)
   w = jnp.ones((e, k, n), jnp.bfloat16)
-  jax.grad(lambda x, w: jnp.sum(gmm_lib.gmm(x, w, gs, backend="auto", wgrad="mgpu")),
+  jax.grad(lambda x, w: jnp.sum(gmm_lib.gmm(x, w, gs, backend="mgpu")),
            argnums=(0, 1))(x, w)
   dx_cfg = table[dx]
   assert sorted(seen) == sorted([("fwd", 64, 32), ("dx", dx_cfg["block_n"], dx_cfg["block_k"]),

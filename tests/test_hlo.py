@@ -12,146 +12,146 @@ ROWS = P(("data", "expert"), None)  # [32, 8] global -> [4, 8] = 128 B per devic
 
 @pytest.fixture(scope="module")
 def mesh():
-    return jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Explicit,) * 2)
+  return jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Explicit,) * 2)
 
 
 def _shard_map_hlo(mesh, body, shape=(32, 8)):
-    """Compiled per-device HLO of a full-manual shard_map over rows."""
-    with jax.set_mesh(mesh):
-        x = jax.device_put(jnp.ones(shape, jnp.float32), ROWS)
-        f = jax.jit(jax.shard_map(body, in_specs=ROWS, out_specs=ROWS))
-        return f.lower(x).compile().as_text()
+  """Compiled per-device HLO of a full-manual shard_map over rows."""
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.ones(shape, jnp.float32), ROWS)
+    f = jax.jit(jax.shard_map(body, in_specs=ROWS, out_specs=ROWS))
+    return f.lower(x).compile().as_text()
 
 
 def _nontrivial(text):
-    return [op for op in hlo.collective_ops(text) if not hlo.is_trivial(op)]
+  return [op for op in hlo.collective_ops(text) if not hlo.is_trivial(op)]
 
 
 @pytest.mark.parametrize("body, kind, nbytes, axes", [
-    (lambda v: jax.lax.all_gather(v, "expert", tiled=True), "all-gather", 512, {"expert"}),
-    (lambda v: jax.lax.psum(v, "data"), "all-reduce", 128, {"data"}),
-    (lambda v: jax.lax.psum(v, ("data", "expert")), "all-reduce", 128, {"data", "expert"}),
-    (lambda v: jax.lax.psum_scatter(v, "expert", tiled=True), "reduce-scatter", 32, {"expert"}),
-    (lambda v: jax.lax.all_to_all(v, "expert", 0, 0, tiled=True), "all-to-all", 128, {"expert"}),
-    (lambda v: jax.lax.ppermute(v, "data", [(0, 1), (1, 0)]), "collective-permute", 128, {"data"}),
+  (lambda v: jax.lax.all_gather(v, "expert", tiled=True), "all-gather", 512, {"expert"}),
+  (lambda v: jax.lax.psum(v, "data"), "all-reduce", 128, {"data"}),
+  (lambda v: jax.lax.psum(v, ("data", "expert")), "all-reduce", 128, {"data", "expert"}),
+  (lambda v: jax.lax.psum_scatter(v, "expert", tiled=True), "reduce-scatter", 32, {"expert"}),
+  (lambda v: jax.lax.all_to_all(v, "expert", 0, 0, tiled=True), "all-to-all", 128, {"expert"}),
+  (lambda v: jax.lax.ppermute(v, "data", [(0, 1), (1, 0)]), "collective-permute", 128, {"data"}),
 ], ids=["all_gather", "psum", "psum_2axes", "psum_scatter", "all_to_all", "ppermute"])
 def test_shard_map_collective(mesh, body, kind, nbytes, axes):
-    text = _shard_map_hlo(mesh, body)
-    (op,) = _nontrivial(text)
-    assert (op.kind, op.bytes, op.count) == (kind, nbytes, 1)
-    assert hlo.op_axes(op, mesh) == frozenset(axes)
-    stats = hlo.collective_stats(text)
-    assert set(stats) == set(hlo.COLLECTIVE_KINDS)
-    assert stats[kind] == {"count": 1, "bytes": nbytes}
-    assert sum(s["count"] for s in stats.values()) == 1
-    assert hlo.collective_stats_by_axes(text, mesh) == {
-        (kind, frozenset(axes)): {"count": 1, "bytes": nbytes}}
+  text = _shard_map_hlo(mesh, body)
+  (op,) = _nontrivial(text)
+  assert (op.kind, op.bytes, op.count) == (kind, nbytes, 1)
+  assert hlo.op_axes(op, mesh) == frozenset(axes)
+  stats = hlo.collective_stats(text)
+  assert set(stats) == set(hlo.COLLECTIVE_KINDS)
+  assert stats[kind] == {"count": 1, "bytes": nbytes}
+  assert sum(s["count"] for s in stats.values()) == 1
+  assert hlo.collective_stats_by_axes(text, mesh) == {
+    (kind, frozenset(axes)): {"count": 1, "bytes": nbytes}}
 
 
 def _gather_first(v):
-    return jax.lax.all_gather(v, "expert", tiled=True)[: v.shape[0]] * 0.5
+  return jax.lax.all_gather(v, "expert", tiled=True)[: v.shape[0]] * 0.5
 
 
 @pytest.mark.parametrize("body, count", [
-    (lambda v: jax.lax.fori_loop(0, 3, lambda i, c: _gather_first(c), v), 3),
-    (lambda v: jax.lax.scan(lambda c, _: (_gather_first(c), None), v, None, length=3)[0], 3),
-    (lambda v: jax.lax.fori_loop(
-        0, 3, lambda i, c: jax.lax.fori_loop(0, 2, lambda j, d: _gather_first(d), c), v), 6),
+  (lambda v: jax.lax.fori_loop(0, 3, lambda i, c: _gather_first(c), v), 3),
+  (lambda v: jax.lax.scan(lambda c, _: (_gather_first(c), None), v, None, length=3)[0], 3),
+  (lambda v: jax.lax.fori_loop(
+    0, 3, lambda i, c: jax.lax.fori_loop(0, 2, lambda j, d: _gather_first(d), c), v), 6),
 ], ids=["fori_loop", "scan", "nested"])
 def test_loop_trip_counts(mesh, body, count):
-    text = _shard_map_hlo(mesh, body)
-    (op,) = _nontrivial(text)
-    assert (op.kind, op.bytes, op.count) == ("all-gather", 512, count)
-    assert hlo.collective_stats(text)["all-gather"] == {"count": count, "bytes": 512 * count}
+  text = _shard_map_hlo(mesh, body)
+  (op,) = _nontrivial(text)
+  assert (op.kind, op.bytes, op.count) == ("all-gather", 512, count)
+  assert hlo.collective_stats(text)["all-gather"] == {"count": count, "bytes": 512 * count}
 
 
 def test_partitioner_collectives_and_compiled_stats(mesh):
-    # Explicit-sharding reshard [16@data, 16@expert] -> replicated: XLA emits two
-    # all-gathers with mesh-form replica groups, one per mesh axis.
-    with jax.set_mesh(mesh):
-        x = jax.device_put(jnp.ones((16, 16), jnp.float32), P("data", "expert"))
-        w = jax.device_put(jnp.ones((16, 8), jnp.float32), P())
-        compiled = jax.jit(lambda a, b: jax.reshard(a, P()) @ b).lower(x, w).compile()
-    text = compiled.as_text()
-    assert "replica_groups=mesh[" in text
-    assert {(op.kind, hlo.op_axes(op, mesh), op.bytes) for op in _nontrivial(text)} == {
-        ("all-gather", frozenset({"expert"}), 8 * 16 * 4),
-        ("all-gather", frozenset({"data"}), 16 * 16 * 4)}
-    stats = hlo.compiled_stats(compiled, mesh)
-    assert stats["flops"] >= 2 * 16 * 16 * 8
-    assert stats["memory"]["argument_bytes"] == (8 * 4 + 16 * 8) * 4
-    assert set(stats["memory"]) == {"argument_bytes", "output_bytes", "temp_bytes", "alias_bytes"}
-    assert stats["collectives"]["all-gather"] == {"count": 2, "bytes": (128 + 256) * 4}
-    assert stats["collectives_by_axes"][("all-gather", frozenset({"data"}))]["count"] == 1
+  # Explicit-sharding reshard [16@data, 16@expert] -> replicated: XLA emits two
+  # all-gathers with mesh-form replica groups, one per mesh axis.
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.ones((16, 16), jnp.float32), P("data", "expert"))
+    w = jax.device_put(jnp.ones((16, 8), jnp.float32), P())
+    compiled = jax.jit(lambda a, b: jax.reshard(a, P()) @ b).lower(x, w).compile()
+  text = compiled.as_text()
+  assert "replica_groups=mesh[" in text
+  assert {(op.kind, hlo.op_axes(op, mesh), op.bytes) for op in _nontrivial(text)} == {
+    ("all-gather", frozenset({"expert"}), 8 * 16 * 4),
+    ("all-gather", frozenset({"data"}), 16 * 16 * 4)}
+  stats = hlo.compiled_stats(compiled, mesh)
+  assert stats["flops"] >= 2 * 16 * 16 * 8
+  assert stats["memory"]["argument_bytes"] == (8 * 4 + 16 * 8) * 4
+  assert set(stats["memory"]) == {"argument_bytes", "output_bytes", "temp_bytes", "alias_bytes"}
+  assert stats["collectives"]["all-gather"] == {"count": 2, "bytes": (128 + 256) * 4}
+  assert stats["collectives_by_axes"][("all-gather", frozenset({"data"}))]["count"] == 1
 
 
 # ---------------------------------------------------------------------------
 # Hand-written lines: replica-group formats as printed by XLA (jax 0.10.2).
 
 _SNIPPETS = [
-    ("%ag = f32[4,8]{1,0} all-gather(%p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, "
-     "dimensions={0}, use_global_device_ids=true",
-     ((0, 1, 2, 3), (4, 5, 6, 7)), {"expert"}),
-    ("%ag = f32[4,16]{0,1} all-gather(%c), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), "
-     "dimensions={1}, use_global_device_ids=true",
-     ((0, 4), (1, 5), (2, 6), (3, 7)), {"data"}),
-    ("%ag = f32[16,8]{1,0} all-gather(%p), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}",
-     ((0, 1, 2, 3), (4, 5, 6, 7)), {"expert"}),
-    ("%ag = f32[8,16]{0,1} all-gather(%c), channel_id=1, "
-     "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={1}",
-     ((0, 1, 2, 3), (4, 5, 6, 7)), {"expert"}),
-    ("ROOT %ar = f32[8]{0} all-reduce(%r), channel_id=1, replica_groups=mesh['axis_0'=4,"
-     "'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, use_global_device_ids=true, to_apply=%add",
-     ((0, 1, 2, 3), (4, 5, 6, 7)), {"expert"}),
-    ("%ag = f32[16,16]{1,0} all-gather(%p), channel_id=1, "
-     "replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, dimensions={0}",
-     ((0, 1, 2, 3, 4, 5, 6, 7),), {"data", "expert"}),
-    ("%ar = f32[8]{0} all-reduce(%r), replica_groups=mesh['axis_0'=8] {'axis_0':(1)4}, to_apply=%add",
-     ((0, 2, 4, 6), (1, 3, 5, 7)), {"?"}),
-    ("%cp = f32[1,8]{1,0} collective-permute(%p), channel_id=1, "
-     "source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}",
-     ((0, 1), (1, 2), (2, 3), (3, 0), (4, 5), (5, 6), (6, 7), (7, 4)), {"expert"}),
+  ("%ag = f32[4,8]{1,0} all-gather(%p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, "
+  "dimensions={0}, use_global_device_ids=true",
+  ((0, 1, 2, 3), (4, 5, 6, 7)), {"expert"}),
+  ("%ag = f32[4,16]{0,1} all-gather(%c), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), "
+  "dimensions={1}, use_global_device_ids=true",
+  ((0, 4), (1, 5), (2, 6), (3, 7)), {"data"}),
+  ("%ag = f32[16,8]{1,0} all-gather(%p), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}",
+  ((0, 1, 2, 3), (4, 5, 6, 7)), {"expert"}),
+  ("%ag = f32[8,16]{0,1} all-gather(%c), channel_id=1, "
+  "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={1}",
+  ((0, 1, 2, 3), (4, 5, 6, 7)), {"expert"}),
+  ("ROOT %ar = f32[8]{0} all-reduce(%r), channel_id=1, replica_groups=mesh['axis_0'=4,"
+  "'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, use_global_device_ids=true, to_apply=%add",
+  ((0, 1, 2, 3), (4, 5, 6, 7)), {"expert"}),
+  ("%ag = f32[16,16]{1,0} all-gather(%p), channel_id=1, "
+  "replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, dimensions={0}",
+  ((0, 1, 2, 3, 4, 5, 6, 7),), {"data", "expert"}),
+  ("%ar = f32[8]{0} all-reduce(%r), replica_groups=mesh['axis_0'=8] {'axis_0':(1)4}, to_apply=%add",
+  ((0, 2, 4, 6), (1, 3, 5, 7)), {"?"}),
+  ("%cp = f32[1,8]{1,0} collective-permute(%p), channel_id=1, "
+  "source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}",
+  ((0, 1), (1, 2), (2, 3), (3, 0), (4, 5), (5, 6), (6, 7), (7, 4)), {"expert"}),
 ]
 
 
 @pytest.mark.parametrize("line, groups, axes", _SNIPPETS)
 def test_replica_group_formats(mesh, line, groups, axes):
-    (op,) = hlo.collective_ops(line)
-    assert op.groups == groups
-    assert hlo.op_axes(op, mesh) == frozenset(axes)
+  (op,) = hlo.collective_ops(line)
+  assert op.groups == groups
+  assert hlo.op_axes(op, mesh) == frozenset(axes)
 
 
 def test_mesh_form_three_axes():
-    # (2,2,2) mesh, P('a','c') gathered over 'a': XLA's mesh is permuted (a, c, b).
-    mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Explicit,) * 3)
-    line = ("%ag = f32[16,16]{1,0} all-gather(%w), channel_id=2, replica_groups="
-            "mesh['axis_0'=2,'axis_1'=2,'axis_2'=2], device_ids=([2,2,2]T(0,2,1)) {'axis_0'}, "
-            "dimensions={0}")
-    (op,) = hlo.collective_ops(line)
-    assert op.groups == ((0, 4), (2, 6), (1, 5), (3, 7))
-    assert hlo.op_axes(op, mesh) == {"a"}
-    iota = "%ag = f32[16,8]{1,0} all-gather(%p), replica_groups=[4,2]<=[2,2,2]T(2,1,0), dimensions={0}"
-    assert hlo.op_axes(hlo.collective_ops(iota)[0], mesh) == {"a"}
+  # (2,2,2) mesh, P('a','c') gathered over 'a': XLA's mesh is permuted (a, c, b).
+  mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Explicit,) * 3)
+  line = ("%ag = f32[16,16]{1,0} all-gather(%w), channel_id=2, replica_groups="
+      "mesh['axis_0'=2,'axis_1'=2,'axis_2'=2], device_ids=([2,2,2]T(0,2,1)) {'axis_0'}, "
+      "dimensions={0}")
+  (op,) = hlo.collective_ops(line)
+  assert op.groups == ((0, 4), (2, 6), (1, 5), (3, 7))
+  assert hlo.op_axes(op, mesh) == {"a"}
+  iota = "%ag = f32[16,8]{1,0} all-gather(%p), replica_groups=[4,2]<=[2,2,2]T(2,1,0), dimensions={0}"
+  assert hlo.op_axes(hlo.collective_ops(iota)[0], mesh) == {"a"}
 
 
 def test_tuple_bytes_trivial_and_async():
-    text = "\n".join([
-        "HloModule m, num_partitions=8",
-        "",
-        "ENTRY %main (p: f32[8]) -> f32[8] {",
-        "  %a2a = (f32[1,8]{1,0}, f32[1,8]{1,0}, /*index=2*/bf16[1,8]{1,0}) all-to-all(%a, %b, %c), "
-        "channel_id=1, replica_groups={}",
-        "  %triv = f32[4]{0} all-reduce(%p), replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}, "
-        "to_apply=%add",
-        "  %ags = (f32[2]{0}, f32[16]{0}) all-gather-start(%p), replica_groups={{0,1,2,3,4,5,6,7}}, "
-        "dimensions={0}",
-        "  ROOT %agd = f32[16]{0} all-gather-done(%ags)",
-        "}",
-    ])
-    a2a, triv, ag = hlo.collective_ops(text)
-    assert (a2a.kind, a2a.bytes, a2a.groups) == ("all-to-all", 32 + 32 + 16, (tuple(range(8)),))
-    assert hlo.is_trivial(triv) and not hlo.is_trivial(a2a)
-    assert (ag.kind, ag.bytes, ag.count, len(ag.groups[0])) == ("all-gather", 64, 1, 8)
-    stats = hlo.collective_stats(text)
-    assert stats["all-reduce"] == {"count": 0, "bytes": 0}  # trivial ops are skipped
-    assert stats["all-gather"] == {"count": 1, "bytes": 64}
+  text = "\n".join([
+    "HloModule m, num_partitions=8",
+    "",
+    "ENTRY %main (p: f32[8]) -> f32[8] {",
+    "  %a2a = (f32[1,8]{1,0}, f32[1,8]{1,0}, /*index=2*/bf16[1,8]{1,0}) all-to-all(%a, %b, %c), "
+    "channel_id=1, replica_groups={}",
+    "  %triv = f32[4]{0} all-reduce(%p), replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}, "
+    "to_apply=%add",
+    "  %ags = (f32[2]{0}, f32[16]{0}) all-gather-start(%p), replica_groups={{0,1,2,3,4,5,6,7}}, "
+    "dimensions={0}",
+    "  ROOT %agd = f32[16]{0} all-gather-done(%ags)",
+    "}",
+  ])
+  a2a, triv, ag = hlo.collective_ops(text)
+  assert (a2a.kind, a2a.bytes, a2a.groups) == ("all-to-all", 32 + 32 + 16, (tuple(range(8)),))
+  assert hlo.is_trivial(triv) and not hlo.is_trivial(a2a)
+  assert (ag.kind, ag.bytes, ag.count, len(ag.groups[0])) == ("all-gather", 64, 1, 8)
+  stats = hlo.collective_stats(text)
+  assert stats["all-reduce"] == {"count": 0, "bytes": 0}  # trivial ops are skipped
+  assert stats["all-gather"] == {"count": 1, "bytes": 64}

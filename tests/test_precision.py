@@ -8,13 +8,14 @@ import pytest
 
 from measure import hlo
 from modeling.config import get_config
+import strategies
 from tests import parity
 
-# (strategy, mesh): each strategy's comparison-table mesh (run.py --compare)
-MESHES = [("dp", None), ("fsdp", "data:2,fsdp:4"), ("tp", "data:4,tensor:2"), ("ep", None),
-          ("cp", "data:2,context:4"), ("ep_as_cp", "data:2,expert:4"),
-          ("shard_exp_on_fsdp", "fsdp:2,expert:4"), ("ep_tp", "data:4,expert:2"),
-          ("pp", "data:1,stage:2,expert:4")]
+# (strategy, mesh): every registered strategy on its comparison mesh (run.py --compare); fsdp,
+# cp and ep_as_cp with a data axis too, so their gradient sums span two axes
+MESHES = [(n, {"fsdp": "data:2,fsdp:4", "cp": "data:2,context:4",
+               "ep_as_cp": "data:2,expert:4"}.get(n, strategies.get(n).COMPARE_MESH))
+          for n in strategies.NAMES if n != "reference"]
 IDS = [m[0] for m in MESHES]
 TINY = get_config("tiny")
 

@@ -18,8 +18,7 @@ CASES = [("ep", "tiny", "data:2,expert:4", "block"),
 
 @pytest.mark.parametrize("name,model_name,mesh,remat", CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
 def test_parity(name, model_name, mesh, remat):
-  over = {"context_sharding": "expert"} if name == "ep_as_cp" else {}
-  parity.check(name, get_config(model_name, remat=remat, **over), mesh, steps=2)
+  parity.check(name, get_config(model_name, remat=remat), mesh, steps=2)
 
 
 def _temp(name, model_name, mesh, remat):
@@ -34,12 +33,9 @@ def test_remat_lowers_temp_bytes():
 
 # Every strategy's cost model counts the collectives its recompute issues again
 # (measure/cost.py step_terms): per (kind, axes), both ways, within 10% (measured: within 1%).
-REMAT_MESHES = [("dp", None, "block"), ("fsdp", "data:2,fsdp:4", "block"),
-                ("tp", "data:4,tensor:2", "block"), ("tp", "data:4,tensor:2", "dots_saveable"),
-                ("ep", "data:2,expert:4", "block"), ("cp", "data:2,context:4", "block"),
-                ("ep_as_cp", "data:2,expert:4", "block"),
-                ("shard_exp_on_fsdp", "fsdp:2,expert:4", "block"),
-                ("ep_tp", "data:4,expert:2", "block"), ("pp", "data:1,stage:2,expert:4", "block")]
+# every registered strategy on its comparison mesh, and tp under a dots_* policy too
+REMAT_MESHES = [(n, strategies.get(n).COMPARE_MESH, "block") for n in strategies.NAMES
+                if n != "reference"] + [("tp", "data:4,tensor:2", "dots_saveable")]
 
 
 @pytest.mark.parametrize("name,mesh,remat", REMAT_MESHES,
@@ -52,7 +48,7 @@ def test_cost_model_counts_the_recompute(name, mesh, remat):
   none = parity.assert_cost_model(name, get_config("tiny"), mesh)
   total = lambda t: sum(v["measured"] for v in t.values())
   j = parity.job(name, cfg, mesh)
-  extra = sum(t.bytes for t in cost.step_terms(strategies.get(name), j.cfg, j.mesh)
+  extra = sum(t.bytes for t in cost.step_terms(strategies.get(name), j.cfg, j.mesh, j.opts)
               if t.what.endswith("recomputed"))
   assert abs(total(table) - total(none) - extra) <= 0.01 * total(none), (total(table),
                                                                          total(none), extra)
@@ -62,4 +58,5 @@ def test_ep_tp_rejects_dots_policies():
   from layout import mesh as mesh_lib
   s = strategies.get("ep_tp")
   with pytest.raises(ConfigError, match="use --remat=block"):
-    s.check(get_config("tiny", remat="dots_saveable"), mesh_lib.for_strategy(s, "data:4,expert:2"))
+    s.check(get_config("tiny", remat="dots_saveable"), mesh_lib.for_strategy(s, "data:4,expert:2"),
+            s.Options())

@@ -15,6 +15,7 @@ import pytest
 
 from modeling import model
 from modeling.config import get_config
+import strategies
 from tests import parity
 
 DEAD = [0, 1, 2, 3]                      # deepseek-test: E 16 in 4 groups; top-4 of 2 groups
@@ -26,16 +27,24 @@ def dead_expert_init(cfg):
   return p
 
 
-CASES = [("ep", dict(capacity_factor=1.0), "data:2,expert:4"),
-         ("ep_as_cp", dict(context_sharding="expert"), "fsdp:2,expert:4"),
-         ("shard_exp_on_fsdp", dict(expert_fsdp_mode="ep", capacity_factor=1.0), "fsdp:2,expert:4"),
-         ("ep_tp", dict(capacity_factor=1.0), "data:4,expert:2")]
+MODE_EP = strategies.get("shard_exp_on_fsdp").Options(mode="ep")
+CASES = [("ep", dict(capacity_factor=1.0), "data:2,expert:4", None),
+         ("ep_as_cp", {}, "fsdp:2,expert:4", None),
+         ("shard_exp_on_fsdp", dict(capacity_factor=1.0), "fsdp:2,expert:4", MODE_EP),
+         ("ep_tp", dict(capacity_factor=1.0), "data:4,expert:2", None),
+         ("pp", dict(capacity_factor=1.0), "stage:2,expert:4", None)]
 
 
-@pytest.mark.parametrize("name,over,mesh", CASES, ids=[c[0] for c in CASES])
-def test_zero_token_experts_with_poisoned_buffers(name, over, mesh):
+def test_every_exchanging_strategy_is_covered():
+  """Every strategy whose MoE moves tokens through padded buffers is in CASES."""
+  exchanging = {n for n in strategies.NAMES if n not in ("reference", "dp", "fsdp", "tp", "cp")}
+  assert {c[0] for c in CASES} == exchanging
+
+
+@pytest.mark.parametrize("name,over,mesh,opts", CASES, ids=[c[0] for c in CASES])
+def test_zero_token_experts_with_poisoned_buffers(name, over, mesh, opts):
   cfg = get_config("deepseek-test", weight_decay=0.1, **over)
-  got = parity.check(name, cfg, mesh, steps=2, init=dead_expert_init, poison=True)
+  got = parity.check(name, cfg, mesh, steps=2, opts=opts, init=dead_expert_init, poison=True)
   want = parity.reference(cfg, 2, init=dead_expert_init)
   init = dead_expert_init(cfg)
   for step, (g, w) in enumerate(zip(got, want)):
