@@ -19,12 +19,12 @@ import time
 import jax
 import numpy as np
 
-from measure import cost, hlo
 from layout import mesh as mesh_lib
+from measure import cost, hlo
 from modeling import model
-from runtime import train
 from modeling.config import ConfigError
 from report import KINDS, render, write_report
+from runtime import train
 import strategies
 
 LOSS_TOL = 1e-5          # |dloss| <= LOSS_TOL * (1 + |loss|) counts as PASS (fp32 parity)

@@ -95,6 +95,7 @@ def check_flags():
   jax.distributed arguments of a multi-process run (None: one process)."""
   import math
   import os
+
   from runtime import distributed
   dist = distributed.settings(F.coordinator_address, F.num_processes, F.process_id)
   if dist is not None and not F.strategy:
@@ -166,8 +167,8 @@ def strategy_names() -> list[str]:
 
 def strategy_options(names: list[str]) -> dict:
   """{name: its Options} from --opt and the alias flags (one-line errors, before JAX starts)."""
-  import strategies
   from layout import options
+  import strategies
   pairs = options.split(F.opt)
   for flag, to_pair in ALIASES.items():
     value = getattr(F, flag)
@@ -199,6 +200,7 @@ class NonFinite(Exception):
 def _setup_devices(n: int, dist) -> None:
   """n CPU devices per process; starts the multi-process runtime first when asked (dist)."""
   import os
+
   import jax
   jax.config.update("jax_num_cpu_devices", n)
   if F.compilation_cache:
@@ -231,13 +233,13 @@ def make_config():
 
 
 def train_one(cfg, opts) -> None:
-  from measure import hlo
-  from layout import mesh as mesh_lib
-  from runtime import train
-  from parallel.sharding import describe
-  import strategies
-
   import jax
+
+  from layout import mesh as mesh_lib
+  from measure import hlo
+  from parallel.sharding import describe
+  from runtime import train
+  import strategies
   main = jax.process_index() == 0               # only process 0 prints and writes files
   say = print if main else (lambda *a, **k: None)
   strat = strategies.get(F.strategy)

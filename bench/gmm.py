@@ -25,15 +25,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import time  # pylint: disable=g-import-not-at-top
 
-from absl import app
-from absl import flags
+from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from modeling import gmm as gmm_lib
-from measure import timing
 from kernels import mgpu
+from measure import timing
+from modeling import gmm as gmm_lib
 
 SHAPES = {  # name: (E, M, K, N)
     "mixtral": (8, 16384, 4096, 14336),

@@ -53,17 +53,15 @@ import math
 import subprocess
 import time
 
-from absl import app
-from absl import flags
+from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from modeling import gmm as gmm_lib
-from modeling import moe
-from measure import timing
-from modeling.config import Config
 from kernels import mgpu  # noqa: F401  (registers the "mgpu" kernel and wgrad)
+from measure import timing
+from modeling import gmm as gmm_lib, moe
+from modeling.config import Config
 
 PROXIES = {  # name: (T, D, F, E, k, norm_topk_prob)
     "mixtral": (16384, 4096, 14336, 8, 2, True),

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from modeling import gmm as gmm_lib
 from measure import timing
+from modeling import gmm as gmm_lib
 
 # modeling.gmm's core kernel, wgrad and tail mask: the fallbacks and the autotuner's references.
 _ragged_dot_kernel = gmm_lib.ragged_dot_kernel

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import einops
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
 from layout import mesh as mesh_lib
 from modeling.config import ConfigError

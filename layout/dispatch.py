@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from layout import buffers
 from modeling import routing
 
+
 def rows_bound(t_local: int, top_k: int, n_local: int, seqs: int = 0, slots: int = 0) -> int:
   """C, the rows one device sends to one EP shard of n_local experts, at most.
   Dropless (slots = 0): T*min(K, e), the exact worst case (a token's K copies go to K distinct

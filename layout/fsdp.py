@@ -13,10 +13,9 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from layout import context
-from modeling import model, moe
-from layout import mesh as mesh_lib
+from layout import context, mesh as mesh_lib
 from layout.precision import precision
+from modeling import model, moe
 from parallel.sharding import gather_weight
 
 

@@ -40,11 +40,11 @@ runs):
 
 from __future__ import annotations
 
+from collections import defaultdict
 import glob
 import math
 import os
 import re
-from collections import defaultdict
 from typing import NamedTuple
 
 import numpy as np

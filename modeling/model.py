@@ -34,13 +34,12 @@ from typing import Any, Callable
 import einops
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
-from modeling import moe as moe_lib
-from modeling import routing
-from parallel import sharding
+from modeling import moe as moe_lib, routing
 from modeling.config import Config
+from parallel import sharding
 
 
 def _identity_use(role: str, w):

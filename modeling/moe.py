@@ -13,8 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from modeling import gmm as gmm_lib
-from modeling import routing
+from modeling import gmm as gmm_lib, routing
 from modeling.config import Config
 
 

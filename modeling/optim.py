@@ -59,8 +59,8 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
+import optax
 from optax.contrib import MuonDimensionNumbers
 
 from modeling import model

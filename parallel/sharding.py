@@ -8,8 +8,8 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
 
 
 def entry_axes(entry) -> tuple[str, ...]:

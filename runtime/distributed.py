@@ -50,7 +50,7 @@ def settings(coordinator_address: str | None, num_processes: int | None,
 def _cluster_detected() -> bool:
   """A launcher environment jax.distributed.initialize() would auto-detect (SLURM, MPI, TPU)."""
   try:
-    from jax._src import clusters                     # private; absent -> no auto-detection
+    from jax._src import clusters  # private; absent -> no auto-detection
     return any(not c.opt_in_only_method and c.is_env_present()
                for c in clusters.ClusterEnv._cluster_types)
   except Exception:                                   # noqa: BLE001

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime import data as data_lib
+from layout import mesh as mesh_lib
 from measure import hlo
 from modeling import model, optim, routing
 from parallel import sharding
-from layout import mesh as mesh_lib
 from parallel.sharding import put
+from runtime import data as data_lib
 
 
 class Job(NamedTuple):

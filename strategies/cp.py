@@ -50,11 +50,10 @@ with S*KV*Dh per layer (cheap with GQA), on top of FSDP's weight traffic.
 """
 from jax.sharding import PartitionSpec as P
 
-from layout import context, fsdp
-from modeling import model
-from measure import cost as cost_lib
-from layout import mesh as mesh_lib
+from layout import context, fsdp, mesh as mesh_lib
 from layout.options import NoOptions
+from measure import cost as cost_lib
+from modeling import model
 from strategies import BadInput, Case
 
 NAME = "cp"

@@ -27,11 +27,11 @@ full parameter + optimizer memory on every device.
 import jax
 from jax.sharding import PartitionSpec as P
 
-from measure import cost as cost_lib
 from layout import mesh as mesh_lib
-from modeling import model, moe
 from layout.options import NoOptions
 from layout.precision import moe_stored, stored_use
+from measure import cost as cost_lib
+from modeling import model, moe
 from strategies import BadInput, Case
 
 NAME = "dp"

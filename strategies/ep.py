@@ -98,12 +98,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from layout import buffers, dispatch, fsdp, options
-from modeling import model, moe
-from measure import cost as cost_lib
-from layout import mesh as mesh_lib
-from modeling.config import ConfigError
+from layout import buffers, dispatch, fsdp, mesh as mesh_lib, options
 from layout.precision import precision
+from measure import cost as cost_lib
+from modeling import model, moe
+from modeling.config import ConfigError
 from parallel.sharding import dim_axes, gather_weight
 from strategies import BadInput, Case
 

@@ -54,11 +54,10 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
 """
 from jax.sharding import PartitionSpec as P
 
-from layout import context, fsdp
-from modeling import model
-from measure import cost as cost_lib
-from layout import mesh as mesh_lib
+from layout import context, fsdp, mesh as mesh_lib
 from layout.options import NoOptions
+from measure import cost as cost_lib
+from modeling import model
 from strategies import BadInput, Case, ep
 
 NAME = "ep_as_cp"

@@ -84,12 +84,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from layout import buffers, compact, options
-from modeling import model, moe, routing
-from measure import cost as cost_lib
-from layout import mesh as mesh_lib
-from modeling.config import ConfigError
+from layout import buffers, compact, mesh as mesh_lib, options
 from layout.precision import cast_stored, moe_stored, precision
+from measure import cost as cost_lib
+from modeling import model, moe, routing
+from modeling.config import ConfigError
 from parallel.sharding import gather_weight, reduce_scatter
 from strategies import BadInput, Case
 

@@ -50,11 +50,10 @@ state, plus the gathered copy of each weight held live through the backward.
 """
 from jax.sharding import PartitionSpec as P
 
-from measure import cost as cost_lib
-from layout import fsdp
-from layout import mesh as mesh_lib
-from modeling import model
+from layout import fsdp, mesh as mesh_lib
 from layout.options import NoOptions
+from measure import cost as cost_lib
+from modeling import model
 from strategies import BadInput, Case
 
 NAME = "fsdp"

@@ -70,12 +70,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from layout import dispatch, mesh as mesh_lib
+from layout.options import NoOptions
 from measure import cost as cost_lib
-from layout import dispatch
 from modeling import model, routing
 from parallel import sharding
-from layout import mesh as mesh_lib
-from layout.options import NoOptions
 from strategies import BadInput, Case, ep
 
 NAME = "pp"

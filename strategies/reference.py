@@ -10,8 +10,8 @@ Cost: E x the FLOPs of a dropless MoE; fine for the tiny test models only.
 
   python run.py --strategy=reference --model=deepseek-test --steps=5 --metrics_file=m.jsonl
 """
-from modeling import model
 from layout.options import NoOptions
+from modeling import model
 
 NAME = "reference"
 AXES: tuple[str, ...] = ()

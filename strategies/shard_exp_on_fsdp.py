@@ -70,11 +70,10 @@ import dataclasses
 
 from jax.sharding import PartitionSpec as P
 
-from measure import cost as cost_lib
-from layout import dispatch, fsdp, options
-from modeling import model, optim
-from layout import mesh as mesh_lib
+from layout import dispatch, fsdp, mesh as mesh_lib, options
 from layout.precision import cast_stored, precision
+from measure import cost as cost_lib
+from modeling import model, optim
 from parallel.sharding import gather_weight
 from strategies import BadInput, Case
 from strategies.ep import buffer_type, moe_ep

@@ -49,12 +49,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from measure import cost as cost_lib
 from layout import mesh as mesh_lib
-from modeling import model, moe
-from parallel import sharding
 from layout.options import NoOptions
 from layout.precision import moe_stored, stored_use
+from measure import cost as cost_lib
+from modeling import model, moe
+from parallel import sharding
 from strategies import BadInput, Case
 
 NAME = "tp"

@@ -10,9 +10,8 @@ import chex
 import jax
 import numpy as np
 
-from layout import buffers
+from layout import buffers, mesh as mesh_lib
 from measure import contract, cost, hlo
-from layout import mesh as mesh_lib
 from runtime import train
 import strategies
 

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from runtime import checkpoint, train
-from modeling import config
 from layout import mesh as mesh_lib
+from modeling import config
+from runtime import checkpoint, train
 import strategies
 from tests import parity
 from tests.conftest import subprocess_env

@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from tests.conftest import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,8 +193,8 @@ def test_compare_marks_a_non_finite_row():
 def test_compare_row_that_fails_to_build_is_its_error(monkeypatch):
   """A strategy whose step fails to trace becomes its row's one-line error; the others run."""
   import compare
-  import strategies
   from modeling.config import get_config
+  import strategies
   dp = strategies.get("dp")
 
   def broken(cfg, mesh, opts):

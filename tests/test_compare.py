@@ -3,8 +3,8 @@ import json
 import os
 
 import compare
-import report
 from modeling.config import get_config
+import report
 
 
 def test_compare_dp_and_tp_writes_report(tmp_path):

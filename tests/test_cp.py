@@ -4,8 +4,8 @@ exact K/V all-gather bytes."""
 import numpy as np
 import pytest
 
-from measure import hlo
 from layout import context
+from measure import hlo
 from modeling.config import get_config
 from tests import parity
 

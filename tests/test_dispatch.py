@@ -8,13 +8,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from layout import buffers, dispatch
+from layout import buffers, dispatch, mesh as mesh_lib
 from modeling import moe, routing
-from layout import mesh as mesh_lib
 from modeling.config import ConfigError, get_config
 import strategies
 

@@ -3,12 +3,12 @@ expert weight moving over `expert`, the capacity rule sizing the exchange, and t
 dispatch fix (buffer specs without running the model; what dispatch=none compiles to)."""
 
 import jax
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
-from measure import cost, hlo
 from layout import dispatch
+from measure import cost, hlo
 from modeling.config import get_config
 import strategies
 from tests import parity

@@ -3,11 +3,11 @@ size = the buffer bound, overflow = dropped) and the AG-RS exchange's op counts 
 reduce-scatter over expert, no all-to-all, no activation all-reduce)."""
 
 import jax
+from jax.extend.core import ClosedJaxpr, Jaxpr
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
-from jax.extend.core import ClosedJaxpr, Jaxpr
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from layout import compact
 from measure import hlo

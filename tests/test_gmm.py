@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from modeling import gmm as gmm_lib
 from kernels import mgpu as mgpu_lib
+from modeling import gmm as gmm_lib
 
 M, K, N, E = 24, 8, 6, 4
 # Uneven sizes with an empty group; the first leaves a padded tail (sum 17 < 24).

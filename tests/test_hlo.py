@@ -2,8 +2,8 @@
 
 import jax
 import jax.numpy as jnp
-import pytest
 from jax.sharding import AxisType, PartitionSpec as P
+import pytest
 
 from measure import hlo
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from modeling import model
-from runtime import train
 from modeling.config import get_config
+from runtime import train
 from tests import parity
 
 # (strategy, model, overrides, mesh): B % (M x batch axes) == 0 in each

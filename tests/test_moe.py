@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from modeling import moe, model
+from modeling import model, moe
 from modeling.config import get_config
 
 

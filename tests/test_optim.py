@@ -3,9 +3,9 @@ sharding."""
 
 import chex
 import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from measure import hlo
 from modeling import model, optim

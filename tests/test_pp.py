@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime import data
 from modeling import model
 from modeling.config import get_config
+from runtime import data
 import strategies
 from tests import parity
 
