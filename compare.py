@@ -20,10 +20,11 @@ import jax
 import numpy as np
 
 from layout import mesh as mesh_lib
-from measure import cost, hlo
+from measure import agreement, cost, hlo
 from modeling import model
 from modeling.config import ConfigError
-from report import KINDS, render, write_report
+import report
+from report import KINDS
 from runtime import train
 import strategies
 
@@ -34,19 +35,36 @@ LOSS_TOL = 1e-5          # |dloss| <= LOSS_TOL * (1 + |loss|) counts as PASS (fp
 LOSS_TOL_BF16 = 5e-3
 
 
-def _mesh_for(strat, spec: str | None, n: int):
-  """--mesh if given; else the strategy's COMPARE_MESH (its first axis scaled to n devices);
-  else all devices on its main axis."""
+def default_spec(strat, n: int, cfg=None, opts=None) -> str | None:
+  """The comparison's mesh when --mesh is not given: the strategy's COMPARE_MESH as written when
+  it has n devices, else its first axis scaled to n and then, for a strategy that names a
+  GROW_AXIS (capped by the tiny presets: tp's tensor, ep_tp's expert by 2 KV heads), that axis
+  doubled, from the first axis, while the model admits it (check(), on an abstract mesh); None
+  (all devices on the main axis) without a COMPARE_MESH."""
+  if not getattr(strat, "COMPARE_MESH", None):
+    return None
+  sizes = mesh_lib.parse_mesh_spec(strat.COMPARE_MESH)
+  total = int(np.prod(list(sizes.values())))
+  first = next(iter(sizes))
+  if n != total and n % (total // sizes[first]) == 0:
+    sizes[first] = n // (total // sizes[first])
+    grow = getattr(strat, "GROW_AXIS", None)
+    while grow and cfg is not None and sizes[first] % 2 == 0:
+      bigger = {**sizes, first: sizes[first] // 2, grow: sizes.get(grow, 1) * 2}
+      try:
+        strat.check(cfg, mesh_lib.abstract_mesh({a: bigger.get(a, 1) for a in strat.AXES}), opts)
+      except ConfigError:
+        break
+      sizes = bigger
+  return ",".join(f"{k}:{v}" for k, v in sizes.items())
+
+
+def _mesh_for(strat, spec: str | None, n: int, cfg=None, opts=None):
+  """--mesh if given, else default_spec."""
   if not strat.AXES:
     return None
-  if spec is None and getattr(strat, "COMPARE_MESH", None):
-    sizes = mesh_lib.parse_mesh_spec(strat.COMPARE_MESH)
-    total = int(np.prod(list(sizes.values())))
-    first = next(iter(sizes))
-    if n % (total // sizes[first]) == 0:
-      sizes[first] = n // (total // sizes[first])
-      spec = ",".join(f"{k}:{v}" for k, v in sizes.items())
-  return mesh_lib.for_strategy(strat, spec, n)
+  return mesh_lib.for_strategy(strat, spec if spec is not None else
+                               default_spec(strat, n, cfg, opts), n)
 
 
 def _mesh_str(mesh, strat=None, cfg=None) -> str:
@@ -75,7 +93,8 @@ SEARCH_COMPILES = 3
 
 def candidate_meshes(strat, cfg, n: int, opts=None) -> list[dict]:
   """Every split of n devices (power-of-two axis sizes) over the strategy's axes that its check()
-  admits -> [{"mesh", "param_opt" (bytes/dev, analytic), "predicted" (cost-model bytes/dev)}]."""
+  admits -> [{"mesh", "param_opt" (bytes/dev, analytic), "predicted" (cost-model wire
+  bytes/dev: what each device sends)}]."""
   axes, out, shapes = strat.AXES, [], model.init_params_shapes(cfg)
 
   def splits(left: int, k: int):
@@ -98,7 +117,7 @@ def candidate_meshes(strat, cfg, n: int, opts=None) -> list[dict]:
     terms = cost.step_terms(strat, cfg, mesh, opts)
     gathered = sum(t.bytes for t in terms if t.kind == "all-gather" and t.phase == "fwd")
     out.append({"mesh": mesh, "param_opt": mem["param_bytes"] + mem["opt_bytes"],
-                "predicted": sum(t.bytes for t in terms),
+                "predicted": sum(t.wire_bytes for t in terms),      # bytes each device sends
                 # + what one layer holds at once for its gathered weights: the weights, their
                 # cotangent and its float32 sum before the reduce-scatter (a heuristic)
                 "memory_proxy": (mem["param_bytes"] + mem["opt_bytes"]
@@ -108,7 +127,7 @@ def candidate_meshes(strat, cfg, n: int, opts=None) -> list[dict]:
 
 def search(strat, cfg, hbm_gb: float, compile_only: bool, opts):
   """The mesh search, over the candidate meshes whose params + optimizer state fit hbm_gb:
-  first the one the cost model says moves the fewest bytes/dev; if XLA's temp bytes push it over,
+  first the one the cost model says sends the fewest wire bytes/dev; if XLA's temp bytes push it over,
   then the ones holding the least memory (`memory_proxy`: params + optimizer + 3 x one layer's
   gathered weights) -- until one fits, SEARCH_COMPILES compiles at most; else the one that came
   closest. -> (job, note for the mesh cell)."""
@@ -136,7 +155,7 @@ def search(strat, cfg, hbm_gb: float, compile_only: bool, opts):
 
 
 def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = None,
-          opts=None):
+          opts=None, with_grads: bool = False):
   """-> (row, job or None). Thread-safe: compare compiles several strategies at once. Without
   --mesh, a layout the model does not admit falls back to a smaller main axis (see above);
   mesh_spec "search": the mesh search (`search`). A strategy that fails to build, trace or
@@ -150,7 +169,7 @@ def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = 
       row["mesh"] = f"{_mesh_str(job.mesh, strat, cfg)} ({note})"
       return row, job
     mesh_spec = None if mesh_spec == "search" else mesh_spec
-    mesh = _mesh_for(strat, mesh_spec, jax.device_count())
+    mesh = _mesh_for(strat, mesh_spec, jax.device_count(), cfg, opts)
     row["mesh"] = _mesh_str(mesh, strat, cfg)
     if mesh is not None:
       try:
@@ -165,7 +184,8 @@ def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = 
             continue
           mesh, row["mesh"] = m, _mesh_str(m, strat, cfg)
           break
-    return row, train.build(strat, cfg, mesh, opts, compile_only=compile_only)
+    return row, train.build(strat, cfg, mesh, opts, compile_only=compile_only,
+                            with_grads=with_grads)
   except ConfigError as e:
     row["error"] = str(e)
     return row, None
@@ -179,14 +199,19 @@ def _first_line(e: Exception) -> str:
   return s.splitlines()[0][:200] if s else ""
 
 
-def measure(row: dict, job, steps: int, compile_only: bool) -> dict:
-  """Fill `row` from the compiled job; run `steps` steps unless compile_only."""
+def measure(row: dict, job, steps: int, compile_only: bool, full_parity: bool = False) -> dict:
+  """Fill `row` from the compiled job; run `steps` steps unless compile_only. full_parity: keep
+  each step's gradients and post-step params (row["trace"]) for the check against the
+  reference."""
   if job is None:
     return row
   strat, cfg, mesh = strategies.get(row["strategy"]), job.cfg, job.mesh
   row["compile_s"] = job.compile_s
   stats = hlo.compiled_stats(job.compiled, mesh, job.hlo)
   row["collectives"] = {k: stats["collectives"][k] for k in KINDS}
+  row["wire_bytes"] = sum(v["wire_bytes"] for v in row["collectives"].values())
+  if mesh is not None:
+    row["collectives_by_axes"] = stats["collectives_by_axes"]
   row["flops"] = stats["flops"]
   row["memory"] = stats["memory"]
   specs = strat.param_specs(cfg, mesh) if mesh is not None else None
@@ -194,20 +219,29 @@ def measure(row: dict, job, steps: int, compile_only: bool) -> dict:
   a2a = stats["collectives"]["all-to-all"]["bytes"]
   if a2a and mesh is not None:            # EP padding: a2a bytes / the routed copies' bytes
     row["a2a_routed"] = a2a / routed_bytes(cfg, mesh.size)
-  if mesh is not None and hasattr(strat, "cost"):
-    pred = cost.totals(cost.step_terms(strat, cfg, mesh, job.opts))
+  if mesh is not None:
+    terms = cost.step_terms(strat, cfg, mesh, job.opts)
+    pred = cost.totals(terms)
     row["predicted"] = {k: pred[k] for k in KINDS}
+    row["predicted_wire_bytes"] = sum(t.wire_bytes for t in terms)
+    row["terms"] = terms
   if compile_only:
     return row
-  losses, times, dropped = [], [], 0.0
-  for i, _, _, m, dt in train.steps(job, steps):
+  losses, times, dropped, trace = [], [], 0.0, []
+  for i, params, _, m, dt in train.steps(job, steps):
     losses.append(float(m["loss"]))
     times.append(dt)
     dropped += float(m["dropped"])
+    if full_parity:
+      trace.append({**{k: m[k] for k in ("loss", "aux_loss", "ce_loss", "grad_norm", "dropped",
+                                         "grads")},
+                    "params": jax.tree.map(lambda a: np.asarray(train.to_host(a)), params)})
     if not train.finite(m):
       row["nonfinite_step"], row["parity"] = i, "NON-FINITE"   # stop here, mark the row
       break
   row["losses"] = losses
+  if full_parity:
+    row["trace"] = trace
   row["step_s"] = statistics.median(times[1:] or times)
   row["dropped_frac"] = dropped / (len(losses) * cfg.batch * cfg.seq_len * cfg.top_k * cfg.n_layers)
   return row
@@ -228,10 +262,25 @@ def fit(row: dict, hbm_gb: float) -> None:
   row["fits"] = row["total_bytes"] <= hbm_gb * 2**30
 
 
+def settings(cfg, model_name: str, steps: int, compile_only: bool, opts: dict,
+             full_parity: bool = False) -> dict:
+  """What a report was measured under (table.json / table.csv / table.md and the header)."""
+  return {"model": model_name, "devices": jax.device_count(), "backend": jax.default_backend(),
+          "steps": 0 if compile_only else steps, "batch": cfg.batch, "seq_len": cfg.seq_len,
+          "layers": cfg.n_layers, "dtype": cfg.dtype, "remat": cfg.remat,
+          "microbatches": cfg.microbatches, "capacity_factor": cfg.capacity_factor,
+          "seed": cfg.seed, "optimizer": cfg.optimizer, "adam_eps": cfg.adam_eps,
+          "gmm": cfg.gmm_backend, "options": {n: vars(o) for n, o in opts.items() if vars(o)},
+          "parity": ("losses, grads, params" if full_parity else "losses") if not compile_only
+                    else None, "jax": jax.__version__}
+
+
 def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: str | None,
          compile_only: bool, model_name: str, hbm_gb: float | None = None,
-         opts: dict | None = None) -> list[dict]:
-  """names: the strategies to compare (run.py resolves 'all'); opts: {name: its Options}."""
+         opts: dict | None = None, full_parity: bool = False, breakdown: bool = False) -> list[dict]:
+  """names: the strategies to compare (run.py resolves 'all'); opts: {name: its Options};
+  full_parity: hold every gradient and post-step parameter to the reference's, not only the
+  losses (measure/agreement.py); breakdown: print bytes per (kind, axes, phase) and per layer."""
   wanted, opts = list(names), opts or {}
   if compile_only:                         # nothing to check parity against; the dense oracle is
     wanted = [n for n in wanted if n != "reference"]     # E x the FLOPs of the layer it checks
@@ -239,6 +288,11 @@ def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: s
     wanted = ["reference"] + wanted
   simulated = jax.default_backend() == "cpu"
   t_start = time.perf_counter()
+  if mesh_spec not in (None, "search"):
+    for n in wanted:
+      note = mesh_lib.order_note(strategies.get(n), mesh_spec)
+      if note:
+        print(f"note: {note}", file=sys.stderr)
   # Compile concurrently (XLA compiles outside the GIL), then run one at a time so step times
   # are not disturbed.
   print(f"compiling {len(wanted)} strategies ({'compile only' if compile_only else f'then {steps} steps each'}):",
@@ -246,7 +300,7 @@ def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: s
   built = {}
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
     futs = {pool.submit(build, n, cfg, mesh_spec if n != "reference" else None, compile_only,
-                        hbm_gb, opts.get(n)): n for n in wanted}
+                        hbm_gb, opts.get(n), full_parity): n for n in wanted}
     for done, fut in enumerate(concurrent.futures.as_completed(futs), 1):
       n = futs[fut]
       built[n] = fut.result()
@@ -254,7 +308,7 @@ def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: s
       status = f"skipped ({row['error']})" if job is None else f"compiled in {job.compile_s:.1f}s"
       print(f"  [{done}/{len(wanted)}] {n} {status}  ({time.perf_counter() - t_start:.0f}s)",
             file=sys.stderr, flush=True)
-  rows = [measure(*built[n], steps, compile_only) for n in wanted]
+  rows = [measure(*built[n], steps, compile_only, full_parity) for n in wanted]
   if hbm_gb is not None:
     for r in rows:
       if "error" not in r:
@@ -267,16 +321,29 @@ def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: s
       r["max_dloss"] = float(d.max())
       tol = LOSS_TOL_BF16 if cfg.mixed else LOSS_TOL
       r["parity"] = "PASS" if np.all(d <= tol * (1 + np.abs(ref["losses"]))) else "FAIL"
-  print(f"\n{model_name}, {jax.device_count()} {jax.default_backend().upper()} devices"
-        f"{' (simulated on this host: times are not hardware times)' if simulated else ''}, "
-        f"{'compile only' if compile_only else f'{steps} steps'}, {cfg.dtype}"
-        f"{', remat ' + cfg.remat if cfg.remat != 'none' else ''}, global batch {cfg.batch} x "
-        f"seq {cfg.seq_len}; bytes are per device per train step "
-        f"(a2a all-to-all, ag all-gather, rs reduce-scatter, ar all-reduce, cp collective-permute)")
-  print(render(rows, compile_only, simulated, hbm_gb))
+      r["parity_checked"] = "losses"
+      if full_parity and r is not ref:
+        off = agreement.disagreements(r["trace"], ref["trace"])
+        r["parity_checked"] = "losses, grads, params"
+        r["parity"] = "PASS" if r["parity"] == "PASS" and not off else "FAIL"
+        r["disagreements"] = off[:20]
+  info = settings(cfg, model_name, steps, compile_only, opts, full_parity)
+  for r in rows:
+    r["settings"] = info
+  print(report.header(info, simulated))
+  print(report.render(rows, compile_only, simulated, hbm_gb))
+  line = report.verdict(rows, hbm_gb, cfg)
+  print(line)
+  for r in rows:
+    if r.get("disagreements"):
+      print(f"{r['strategy']}: " + "; ".join(r["disagreements"][:5]))
+  if breakdown:
+    for r in rows:
+      if "terms" in r:
+        print(report.breakdown(r, cfg.n_layers))
   if report_dir:
-    write_report(rows, report_dir, model_name)
-    print(f"wrote {report_dir}/table.json, table.csv" + ("" if compile_only else ", loss.png") +
-          ", bytes.png")
+    report.write_report(rows, report_dir, model_name, info, line, hbm_gb, compile_only, simulated)
+    print(f"wrote {report_dir}/table.json, table.csv, table.md" +
+          ("" if compile_only else ", loss.png") + ", bytes.png")
   print(f"total {time.perf_counter() - t_start:.1f}s", file=sys.stderr)
   return rows

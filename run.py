@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from absl import app, flags
@@ -69,8 +70,16 @@ ALIASES = {"dispatch": lambda v: ("dispatch", v),
 MAX_DEVICES = 4096
 flags.DEFINE_string("metrics_file", None, "write JSON lines: one per step, then a summary")
 flags.DEFINE_bool("dump_sharding", False, "print every parameter's and key activation's sharding")
-flags.DEFINE_bool("hlo_stats", False, "print collectives, flops and memory of the compiled step")
-flags.DEFINE_bool("compile_only", False, "compare mode: compile, report collectives/memory, don't run")
+flags.DEFINE_bool("hlo_stats", False, "with --strategy: print collectives, flops and memory of "
+                  "the compiled step (the comparison table shows them for every strategy)")
+flags.DEFINE_bool("compile_only", False, "compile from abstract shapes and report collectives and "
+                  "memory without running (no parameter is allocated); compare mode or --strategy")
+flags.DEFINE_bool("breakdown", False, "print each strategy's bytes per (kind, axes, phase) and per "
+                  "layer: the cost model's named terms beside the compiled program's")
+flags.DEFINE_bool("full_parity", False, "compare mode: hold every gradient and post-step parameter "
+                  "to the reference's, not only the losses (Adam eps 1e-5 unless --adam_eps)")
+flags.DEFINE_bool("overwrite_checkpoint", False, "let a run delete the steps of --checkpoint_dir "
+                  "its saves would collide with (without it, such a run is refused)")
 flags.DEFINE_float("hbm_gb", None, "with --compile_only: per-device memory (GiB, 2^30 B) to fit in; "
                    "adds total/dev = params + optimizer + XLA temp, and whether it fits")
 flags.DEFINE_string("report_dir", None, "compare mode: write table.json, table.csv and PNG plots here")
@@ -126,6 +135,12 @@ def check_flags():
       raise UsageError(f"--hbm_gb={F.hbm_gb} must be a finite number > 0")
     if not F.compile_only:
       raise UsageError("--hbm_gb needs --compile_only (the fit table is a compile-only study)")
+  if F.hlo_stats and not F.strategy:
+    raise UsageError("--hlo_stats is for --strategy: the comparison table shows every strategy's "
+                     "collectives (add --breakdown for them per kind, axes and phase)")
+  if F.full_parity and (F.strategy or F.compile_only):
+    raise UsageError("--full_parity is a compare-mode check against the reference: it needs "
+                     "steps to run, and no --strategy")
   if F.mesh == "search" and (F.strategy or not F.compile_only or F.hbm_gb is None):
     raise UsageError("--mesh=search is a compare-mode study: it needs --compile_only and --hbm_gb "
                      "(and no --strategy)")
@@ -134,6 +149,11 @@ def check_flags():
     if not os.path.isdir(d) or not os.access(d, os.W_OK):
       raise UsageError(f"--metrics_file={F.metrics_file}: directory {d} does not exist or "
                        "is not writable")
+  if F.compile_only and (F.checkpoint_dir or F.metrics_file and not F.strategy):
+    raise UsageError("--compile_only runs no step: it takes no --checkpoint_dir (and in compare "
+                     "mode no --metrics_file; --report_dir writes the table)")
+  if F.overwrite_checkpoint and not F.checkpoint_dir:
+    raise UsageError("--overwrite_checkpoint needs --checkpoint_dir")
   if F.save_every < 0:
     raise UsageError(f"--save_every={F.save_every} must be >= 0")
   if (F.checkpoint_dir or F.restore) and not F.strategy:
@@ -232,24 +252,66 @@ def make_config():
   return get_config(F.model, **over)
 
 
+def _host_bytes() -> int:
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_allocation(cfg, strat, mesh) -> None:
+  """Refuse, before anything is allocated, a run whose float32 parameters (built whole on the
+  host by modeling.model.init_params) plus, on simulated CPU devices, every device's parameter
+  and optimizer shards would not fit this host's memory: such a study is --compile_only."""
+  import jax
+
+  from measure import cost
+  from modeling import model
+  full = sum(cost.nbytes(l.shape) for l in model.param_leaves(cfg))           # numpy init
+  need = full
+  if jax.default_backend() == "cpu":
+    specs = strat.param_specs(cfg, mesh) if mesh is not None else None
+    mem = cost.param_memory(model.init_params_shapes(cfg), specs, mesh, cfg.optimizer)
+    need += (mem["param_bytes"] + mem["opt_bytes"]) * (mesh.size if mesh is not None else 1)
+  have = _host_bytes()
+  if need > 0.8 * have:
+    raise UsageError(f"model {F.model} would allocate {need / 2**30:,.1f} GiB of float32 "
+                     f"parameters and optimizer state on this host ({have / 2**30:.0f} GiB): "
+                     "use --compile_only to study it without allocating")
+
+
 def train_one(cfg, opts) -> None:
   import jax
 
   from layout import mesh as mesh_lib
-  from measure import hlo
+  from measure import cost, hlo
+  from modeling import model
   from parallel.sharding import describe
+  import report
   from runtime import train
   import strategies
   main = jax.process_index() == 0               # only process 0 prints and writes files
   say = print if main else (lambda *a, **k: None)
   strat = strategies.get(F.strategy)
   mesh = mesh_lib.for_strategy(strat, F.mesh)
-  start, state = 0, None
-  if F.restore is not None:                   # checked and read before anything compiles
+  note = mesh_lib.order_note(strat, F.mesh)
+  if note:
+    say(f"note: {note}")
+  steps = 20 if F.steps is None else F.steps
+  start, state, saver = 0, None, None
+  if not F.compile_only:
+    check_allocation(cfg, strat, mesh)
+  if F.checkpoint_dir:                        # checked (and read) before anything compiles
     from runtime import checkpoint
-    start = checkpoint.check(F.checkpoint_dir, F.restore, cfg)
-    state = checkpoint.restore(F.checkpoint_dir, start, cfg, strat, mesh)
-  job = train.build(strat, cfg, mesh, opts, state=state)
+    if F.restore is not None:
+      start = checkpoint.check(F.checkpoint_dir, F.restore, cfg)
+    planned = checkpoint.planned_saves(start, steps, F.save_every)
+    doomed = checkpoint.check_plan(F.checkpoint_dir, start, planned, F.restore is not None,
+                                   F.overwrite_checkpoint)
+    if F.restore is not None:
+      state = checkpoint.restore(F.checkpoint_dir, start, cfg, strat, mesh)
+    if doomed and main:
+      checkpoint.delete_steps(F.checkpoint_dir, doomed)
+      say(f"deleted step(s) {', '.join(map(str, doomed))} of {F.checkpoint_dir} "
+          "(--overwrite_checkpoint)")
+  job = train.build(strat, cfg, mesh, opts, state=state, compile_only=F.compile_only)
   mesh_desc = ",".join(f"{k}:{v}" for k, v in mesh.shape.items()) if mesh is not None else "single"
   say(f"{F.strategy} on mesh {mesh_desc}, model {F.model}: compiled in {job.compile_s:.1f}s"
       + (f", restored step {start} from {F.checkpoint_dir}" if F.restore is not None else ""),
@@ -257,31 +319,45 @@ def train_one(cfg, opts) -> None:
   if F.dump_sharding:
     for path, t in describe(job.params):
       say(f"  param {path:<40s} {t}")
-    for path, t in describe(job.batch(0)):
-      say(f"  batch {path:<40s} {t}")
+    if not F.compile_only:
+      for path, t in describe(job.batch(0)):
+        say(f"  batch {path:<40s} {t}")
     if hasattr(strat, "activation_shardings"):
       for name, t in strat.activation_shardings(cfg, mesh, opts):
         say(f"  act   {name:<40s} {t}")
   stats = hlo.compiled_stats(job.compiled, mesh, job.hlo)
-  if F.hlo_stats:
+  if F.hlo_stats or F.compile_only:
     say(f"  flops/device {stats['flops']:.3e}  memory {stats['memory']}")
     for kind, v in stats["collectives"].items():
       if v["count"]:
-        say(f"  {kind:<20s} count {v['count']:>4d}  bytes/device {v['bytes']:>12,d}")
+        say(f"  {kind:<20s} count {v['count']:>4d}  bytes/device {v['bytes']:>15,d}  "
+            f"wire bytes/device {v['wire_bytes']:>17,.0f}")
+  if F.compile_only and mesh is not None:
+    mem = cost.param_memory(model.init_params_shapes(cfg), strat.param_specs(cfg, mesh), mesh,
+                            cfg.optimizer)
+    total = mem["param_bytes"] + mem["opt_bytes"] + stats["memory"]["temp_bytes"]
+    fits = "" if F.hbm_gb is None else (
+        f": fits in {F.hbm_gb:g} GiB" if total <= F.hbm_gb * 2**30 else f": does NOT fit in {F.hbm_gb:g} GiB")
+    say(f"  per device: params+opt {report.fmt_bytes(mem['param_bytes'] + mem['opt_bytes'])}, "
+        f"XLA temp {report.fmt_bytes(stats['memory']['temp_bytes'])}, total "
+        f"{report.fmt_bytes(total)}{fits} (G = GiB = 2^30 B)")
+  if F.breakdown and mesh is not None:
+    row = {"strategy": F.strategy, "mesh": mesh_desc, "terms": cost.step_terms(strat, cfg, mesh, opts),
+           "collectives_by_axes": stats["collectives_by_axes"]}
+    say(report.breakdown(row, cfg.n_layers))
   out = open(F.metrics_file, "w") if F.metrics_file and main else None
-  steps = 20 if F.steps is None else F.steps
   tokens = cfg.batch * cfg.seq_len
-  saver = None
-  if F.checkpoint_dir:
-    from runtime import checkpoint
-    saver = checkpoint.Saver(F.checkpoint_dir, cfg, strategy=F.strategy, mesh=mesh_desc)
+  if F.checkpoint_dir and not F.compile_only:
+    saver = checkpoint.Saver(F.checkpoint_dir, cfg, say=say, strategy=F.strategy, mesh=mesh_desc)
   params, opt_state = job.params, job.opt_state
   try:
-    for i, params, opt_state, m, dt in train.steps(job, steps, start):
+    for i, params, opt_state, m, dt in train.steps(job, 0 if F.compile_only else steps, start):
       m = {k: float(v) for k, v in m.items() if k != "counts"}
+      # "step" is the index of the batch this step trained on (0-based); after it, i + 1 steps
+      # are done, which the console shows as [i + 1/N] and the metrics as steps_done
       rec = {"step": i, "loss": m["loss"], "ce_loss": m["ce_loss"], "aux_loss": m["aux_loss"],
              "grad_norm": m["grad_norm"], "dropped": m["dropped"], "step_time_s": dt,
-             "tokens_per_s": tokens / dt}
+             "tokens_per_s": tokens / dt, "steps_done": i + 1}
       say(f"[{i + 1:>4d}/{start + steps}] loss {m['loss']:.4f} ce {m['ce_loss']:.4f} "
           f"aux {m['aux_loss']:.4f} gnorm {m['grad_norm']:.3f} dropped {m['dropped']:.0f} "
           f"{tokens / dt:,.0f} tok/s", flush=True)
@@ -291,7 +367,7 @@ def train_one(cfg, opts) -> None:
         if out:
           out.close()                            # keeps every step up to this one
         raise NonFinite(f"non-finite loss at step {i}")
-      if saver and F.save_every and (i + 1) % F.save_every == 0:
+      if saver and (i + 1) in planned and i + 1 != start + steps:
         saver.save(i + 1, params, opt_state)      # i + 1 steps done: resumes at batch i + 1
     if saver:
       saver.save(start + steps, params, opt_state)
@@ -304,7 +380,13 @@ def train_one(cfg, opts) -> None:
                           "flops": stats["flops"],
                           "memory": {k: stats["memory"][k] for k in
                                      ("argument_bytes", "output_bytes", "temp_bytes")},
-                          "collectives": stats["collectives"]}) + "\n")
+                          "collectives": stats["collectives"],
+                          "steps": 0 if F.compile_only else steps, "first_step": start,
+                          "batch": cfg.batch, "seq_len": cfg.seq_len, "layers": cfg.n_layers,
+                          "remat": cfg.remat, "microbatches": cfg.microbatches,
+                          "capacity_factor": cfg.capacity_factor, "seed": cfg.seed,
+                          "optimizer": cfg.optimizer, "options": vars(opts),
+                          "compile_only": F.compile_only, "jax": jax.__version__}) + "\n")
     out.close()
 
 
@@ -319,6 +401,9 @@ def main(argv):
   names = strategy_names()
   opts = strategy_options(names)
   cfg = make_config()
+  if F.full_parity and F.adam_eps is None:
+    from measure import agreement
+    cfg = cfg.replace(adam_eps=agreement.PARITY_ADAM_EPS)   # see measure/agreement.py
   _setup_devices(F.devices, dist)
   if F.strategy:
     train_one(cfg, opts[F.strategy])
@@ -326,7 +411,7 @@ def main(argv):
     import compare
     compare.main(cfg, names=names, mesh_spec=F.mesh, steps=3 if F.steps is None else F.steps,
                  report_dir=F.report_dir, compile_only=F.compile_only, model_name=F.model,
-                 hbm_gb=F.hbm_gb, opts=opts)
+                 hbm_gb=F.hbm_gb, opts=opts, full_parity=F.full_parity, breakdown=F.breakdown)
 
 
 def _run():

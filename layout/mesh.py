@@ -59,6 +59,12 @@ def make_mesh(shape: dict[str, int]) -> jax.sharding.Mesh:
                        axis_types=(AxisType.Explicit,) * len(shape))
 
 
+def abstract_mesh(shape: dict[str, int]) -> jax.sharding.AbstractMesh:
+  """A mesh of these sizes without devices: enough for a strategy's check()."""
+  return jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape),
+                                   axis_types=(AxisType.Explicit,) * len(shape))
+
+
 def axis_size(mesh, *names) -> int:
   return math.prod(mesh.shape[n] for n in names if n in mesh.shape)
 
@@ -83,3 +89,17 @@ def require_microbatches(cfg, mesh, bspec) -> None:
     label = "x".join(axes) or "none"
     raise ConfigError(f"batch={cfg.batch} is not divisible by microbatches={cfg.microbatches} x "
                       f"mesh axis {label}={n}")
+
+
+def order_note(strat, spec: str | None) -> str | None:
+  """A mesh is laid out in the strategy's axis order (the last axis varies fastest over the
+  device ids, so it lands inside a host); when `spec` names its axes in another order, the one
+  line that says so (None when the order is kept or there is no spec)."""
+  if not spec or not strat.AXES:
+    return None
+  given = [a for a in parse_mesh_spec(spec) if a in strat.AXES]
+  used = [a for a in strat.AXES if a in given]
+  if given == used:
+    return None
+  return (f"mesh axes are laid out in {strat.NAME}'s order ({', '.join(strat.AXES)}), not as given "
+          f"({', '.join(given)}): the last axis varies fastest over devices (inside a host)")

@@ -46,11 +46,8 @@ class Term:
 
   @property
   def wire_bytes(self) -> float:
-    n = max(self.group, 1)
-    factor = {"all-gather": (n - 1) / n, "reduce-scatter": n - 1, "all-reduce": 2 * (n - 1) / n,
-              "all-to-all": (n - 1) / n, "ragged-all-to-all": (n - 1) / n,
-              "collective-permute": 1.0}[self.kind]
-    return self.bytes * factor
+    """What a device sends for this term: hlo.wire_factor of its group size."""
+    return self.bytes * hlo.wire_factor(self.kind, self.group)
 
 
 def term(mesh, kind: str, phase: str, what: str, nbytes: float, axes, remat=()) -> list[Term]:

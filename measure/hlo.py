@@ -342,31 +342,50 @@ def op_axes(op: CollectiveOp, mesh) -> frozenset[str]:
 # Summaries.
 
 def _zero() -> dict[str, int]:
-  return {"count": 0, "bytes": 0}
+  return {"count": 0, "bytes": 0, "wire_bytes": 0}
+
+
+def wire_factor(kind: str, n: int) -> float:
+  """Bytes one device sends per byte of a collective's per-device result, over a group of n
+  devices (ring algorithms; a permute sends its buffer once): all-gather (n-1)/n of the gathered
+  result, reduce-scatter (n-1) x the scattered result, all-reduce 2(n-1)/n, all-to-all (n-1)/n
+  (the block for itself stays)."""
+  if n <= 1:
+    return 0.0
+  return {"all-gather": (n - 1) / n, "reduce-scatter": n - 1, "all-reduce": 2 * (n - 1) / n,
+          "all-to-all": (n - 1) / n, "ragged-all-to-all": (n - 1) / n,
+          "collective-permute": 1.0}[kind]
+
+
+def group_size(op: CollectiveOp) -> int:
+  """Devices in one of the op's groups (2 for a permute's source-target pair)."""
+  return 2 if op.kind == "collective-permute" else max((len(g) for g in op.groups), default=1)
 
 
 def collective_stats(hlo_text: str, mesh=None) -> dict[str, dict[str, int]]:
-  """{kind: {"count", "bytes"}} summed over executions; trivial ops skipped.
+  """{kind: {"count", "bytes", "wire_bytes"}} summed over executions; trivial ops skipped.
 
-  ``bytes`` is per device: sum of count * result bytes. Every kind of
-  COLLECTIVE_KINDS is present. ``mesh`` is accepted for symmetry and unused.
+  ``bytes`` is per device: sum of count * result bytes; ``wire_bytes`` what the device sends for
+  them (`wire_factor`). Every kind of COLLECTIVE_KINDS is present. ``mesh`` is accepted for
+  symmetry and unused.
   """
   del mesh
   return _by_kind(collective_ops(hlo_text))
 
 
 def _stats(ops, key, stats) -> dict:
-  """Sum count and count * bytes of the non-trivial ops into stats[key(op)]."""
+  """Sum count, count * bytes and the wire bytes of the non-trivial ops into stats[key(op)]."""
   for op in ops:
     if not is_trivial(op):
       entry = stats[key(op)]
       entry["count"] += op.count
       entry["bytes"] += op.count * op.bytes
+      entry["wire_bytes"] += op.count * op.bytes * wire_factor(op.kind, group_size(op))
   return stats
 
 
 def collective_stats_by_axes(hlo_text: str, mesh) -> dict[tuple[str, frozenset], dict[str, int]]:
-  """{(kind, mesh axes): {"count", "bytes"}}; only keys that occur."""
+  """{(kind, mesh axes): {"count", "bytes", "wire_bytes"}}; only keys that occur."""
   return _by_axes(collective_ops(hlo_text), mesh)
 
 

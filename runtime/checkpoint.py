@@ -75,25 +75,82 @@ def _meta(cfg: Config, step: int, **extra) -> dict:
 
 
 class Saver:
-  """Saves (params, opt_state) after `step` completed steps; every process calls save()."""
+  """Saves (params, opt_state) after `step` completed steps; every process calls save(). Each
+  save that orbax finalises is reported through `say` as `saved step N to DIR`; a save orbax
+  would skip (a step at or below the newest in the directory, or one this run already saved) is
+  a CheckpointError, never silence (run.py refuses such a plan before compiling)."""
 
-  def __init__(self, directory: str, cfg: Config, **extra):
+  def __init__(self, directory: str, cfg: Config, say=print, **extra):
     self.mgr, self.cfg, self.extra = _manager(directory, create=True), cfg, extra
+    self.directory, self.say = directory, say
     self.saved = set(self.mgr.all_steps())
+    self.pending: list[int] = []
 
   def save(self, step: int, params, opt_state) -> None:
     import orbax.checkpoint as ocp
-    if step in self.saved:
-      return
-    self.saved.add(step)
-    self.mgr.save(step, args=ocp.args.Composite(
+    newest = max(self.saved, default=-1)
+    if step <= newest:
+      raise CheckpointError(f"save of step {step} to {self.directory} would be skipped: the "
+                            f"directory already holds step {newest}")
+    self._report()                       # the previous save is finalised before this one starts
+    ok = self.mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
         meta=ocp.args.JsonSave(_meta(self.cfg, step, **self.extra))))
+    if not ok:
+      raise CheckpointError(f"orbax did not save step {step} to {self.directory}")
+    self.saved.add(step)
+    self.pending.append(step)
+
+  def _report(self) -> None:
+    self.mgr.wait_until_finished()
+    for step in self.pending:
+      if step not in steps(self.directory):
+        raise CheckpointError(f"step {step} was not finalised in {self.directory}")
+      self.say(f"saved step {step} to {self.directory}", flush=True)
+    self.pending = []
 
   def close(self) -> None:
-    """Waits for the last (asynchronous) save to be finalised."""
-    self.mgr.wait_until_finished()
-    self.mgr.close()
+    """Waits for the last (asynchronous) save to be finalised and reports it."""
+    try:
+      self._report()
+    finally:
+      self.mgr.close()
+
+
+def planned_saves(start: int, n_steps: int, save_every: int) -> list[int]:
+  """The steps a run of n_steps after `start` saves: every save_every, and the last."""
+  every = [s for s in range(start + 1, start + n_steps + 1) if save_every and s % save_every == 0]
+  return sorted(set(every) | {start + n_steps})
+
+
+def check_plan(directory: str, start: int, planned: list[int], restoring: bool,
+               overwrite: bool) -> list[int]:
+  """Before compiling: the steps already in `directory` that this run's saves would collide with
+  -> the steps --overwrite_checkpoint deletes ([] when none). A run without --restore into a
+  directory that holds steps, or a save at or below a step the directory holds, is an error
+  unless overwrite is set."""
+  have = steps(directory)
+  if not restoring:
+    if have and not overwrite:
+      raise CheckpointError(
+          f"--checkpoint_dir={directory} already holds step(s) {', '.join(map(str, have))}: "
+          "resume with --restore=latest, save to a new directory, or pass "
+          "--overwrite_checkpoint to delete them")
+    return have
+  later = [s for s in have if s > start]
+  if later and max(later) >= min(planned) and not overwrite:
+    raise CheckpointError(
+        f"--checkpoint_dir={directory} holds step(s) {', '.join(map(str, later))} after the "
+        f"restored step {start}: this run's saves ({', '.join(map(str, planned))}) would be "
+        "skipped; pass --overwrite_checkpoint to delete them, or save to a new directory")
+  return later
+
+
+def delete_steps(directory: str, doomed: list[int]) -> None:
+  """--overwrite_checkpoint: remove the step directories this run replaces (process 0)."""
+  import shutil
+  for s in doomed:
+    shutil.rmtree(os.path.join(directory, str(s)))
 
 
 def check(directory: str, step: str | int, cfg: Config) -> int:

@@ -24,6 +24,8 @@ Every strategy module exposes the same small functional interface:
   COMPARE_MESH                -> mesh spec for the comparison table when the main axis alone
                                  does not fit the presets (its first axis is scaled to the
                                  device count); None: every device on MAIN_AXIS
+  GROW_AXIS                   -> optional: the axis COMPARE_MESH caps for the tiny presets only;
+                                 at other device counts it grows while the model admits it
   TEST_CASES, COST_CASES, BAD_INPUT -> the strategy's rows of the one table that drives
                                  tests/test_strategies.py (parity and contract per TEST_CASES
                                  row, the cost model per COST_CASES row, one-line errors)

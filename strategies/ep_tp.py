@@ -97,6 +97,7 @@ DATA, EXPERT = mesh_lib.DATA, mesh_lib.EXPERT
 AXES = (DATA, EXPERT)
 MAIN_AXIS = EXPERT
 COMPARE_MESH = "data:4,expert:2"        # the presets have 2 KV heads: EP = 2 for the table
+GROW_AXIS = EXPERT                    # at scale the model, not the preset, caps it
 X_SPEC = P(DATA, EXPERT, None)          # residual [B, S, D]: sequence-parallel
 FULL = P(DATA, None, None)              # gathered h [B, S, D]
 TOKENS = (DATA, EXPERT)                 # the token axes = the grad axes

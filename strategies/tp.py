@@ -63,6 +63,7 @@ AXES = (DATA, TENSOR)
 MAIN_AXIS = TENSOR
 TOKENS = (DATA, TENSOR)          # router statistics and the router's grads: every rank routes
 COMPARE_MESH = "data:4,tensor:2"   # the presets have 2 KV heads: TP = 2 for the comparison table
+GROW_AXIS = TENSOR                    # at scale the model, not the preset, caps it
 Options = NoOptions
 _TINY8 = dict(n_heads=8, n_kv_heads=4)   # 8 / 4 heads: the same model on tensor:2 and tensor:4
 TEST_CASES = [Case("tiny", "tensor:2,data:4", _TINY8), Case("tiny", "data:2,tensor:4", _TINY8),

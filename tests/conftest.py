@@ -15,16 +15,29 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 def subprocess_env() -> dict:
   """The environment for run.py subprocesses: this one's, with the tests' codegen flag but not
   their device count (run.py sets it from --devices), so in-process and subprocess results come
-  from the same code."""
+  from the same code. (Their compilation cache: cache_flag(), one per worker too.)"""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["XLA_FLAGS"] = CODEGEN_FLAGS
   return env
+
+
+def cache_flag() -> str:
+  """run.py's --compilation_cache for a test's subprocess: this worker's own directory."""
+  return f"--compilation_cache={CACHE}-run"
+
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
-jax.config.update("jax_compilation_cache_dir", _CACHE)
+# One persistent compilation cache per xdist worker: jax writes a cache entry in place (no
+# temp file and rename), so a worker reading an entry the other is still writing gets a
+# partial executable, and XLA:CPU crashed on one (a segfault in compilation_cache's
+# get_executable_and_time). Within a worker, reruns still skip their compiles.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache",
+                     WORKER)
+jax.config.update("jax_compilation_cache_dir", CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

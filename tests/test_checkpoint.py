@@ -15,7 +15,7 @@ from modeling import config
 from runtime import checkpoint, train
 import strategies
 from tests import parity
-from tests.conftest import subprocess_env
+from tests.conftest import cache_flag, subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,7 +129,8 @@ def test_unfinished_save_is_not_offered(saved, tmp_path):
 def _run(*args):
   env = subprocess_env()
   env["JAX_PLATFORMS"] = "cpu"
-  return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, env=env, capture_output=True,
+  return subprocess.run([sys.executable, "run.py", cache_flag(), *args], cwd=ROOT, env=env,
+                        capture_output=True,
                         text=True, timeout=120)
 
 
@@ -183,3 +184,22 @@ def test_save_killed_before_finalize_is_not_offered(tmp_path):
   assert any(n.startswith("2.") for n in os.listdir(d)), os.listdir(d)   # its data was written
   assert checkpoint.steps(d) == [1]
   assert checkpoint.check(d, "latest", config.get_config("tiny")) == 1
+
+
+def test_a_save_orbax_would_skip_is_an_error(tmp_path):
+  """orbax skips a step at or below the newest in the directory, and says nothing: the Saver
+  refuses it instead, and reports each step it did save."""
+  import jax.numpy as jnp
+  d, said = str(tmp_path / "ck"), []
+  cfg = config.get_config("tiny")
+  s = checkpoint.Saver(d, cfg, say=lambda line, **_: said.append(line))
+  s.save(3, {"w": jnp.ones(2)}, {"m": jnp.zeros(2)})
+  with pytest.raises(checkpoint.CheckpointError, match=r"^save of step 2 to .* would be skipped: "
+                     r"the directory already holds step 3$"):
+    s.save(2, {"w": jnp.ones(2)}, {"m": jnp.zeros(2)})
+  with pytest.raises(checkpoint.CheckpointError, match="would be skipped"):
+    s.save(3, {"w": jnp.ones(2)}, {"m": jnp.zeros(2)})
+  s.close()
+  assert said == [f"saved step 3 to {d}"] and checkpoint.steps(d) == [3]
+  assert checkpoint.planned_saves(0, 5, 2) == [2, 4, 5]
+  assert checkpoint.planned_saves(3, 2, 0) == [5]

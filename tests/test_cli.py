@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import subprocess_env
+from tests.conftest import cache_flag, subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -15,8 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(*args, timeout=300):
   env = subprocess_env()
   env["JAX_PLATFORMS"] = "cpu"
-  return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=timeout)
+  return subprocess.run([sys.executable, "run.py", cache_flag(), *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -95,6 +95,12 @@ def _run(*args, timeout=300):
     (["--strategy=dp", "--restore=latest", "--checkpoint_dir=/no/such/dir"],
      "--checkpoint_dir=/no/such/dir does not exist"),
     (["--strategy=dp", "--restore=latest"], "--restore needs --checkpoint_dir"),
+    (["--compare=dp", "--hlo_stats"], "--hlo_stats is for --strategy"),
+    (["--strategy=dp", "--full_parity"], "--full_parity is a compare-mode check"),
+    (["--compile_only", "--full_parity"], "--full_parity is a compare-mode check"),
+    (["--strategy=dp", "--overwrite_checkpoint"], "--overwrite_checkpoint needs --checkpoint_dir"),
+    (["--strategy=dp", "--compile_only", "--checkpoint_dir=/tmp"], "--compile_only runs no step"),
+    (["--strategy=fsdp", "--model=deepseek-v3"], "model deepseek-v3 would allocate"),
 ])
 def test_bad_flags_one_line_error(args, message):
   r = _run(*args)
@@ -118,7 +124,7 @@ def test_metrics_file(tmp_path):
   assert s["summary"] is True and s["strategy"] == "reference"
   assert {"mesh", "compile_s", "flops", "memory", "collectives"} <= set(s)
   assert set(s["memory"]) == {"argument_bytes", "output_bytes", "temp_bytes"}
-  assert all(set(v) == {"count", "bytes"} for v in s["collectives"].values())
+  assert all(set(v) == {"count", "bytes", "wire_bytes"} for v in s["collectives"].values())
   assert "[   3/3] loss" in r.stdout
 
 
@@ -216,3 +222,42 @@ def test_old_option_flags_are_aliases():
   assert a.returncode == b.returncode == 0, a.stderr + b.stderr
   stats = lambda out: [l.split("compiled")[0] for l in out.splitlines() if "count" in l]
   assert stats(a.stdout) == stats(b.stdout) and "all-to-all" not in a.stdout, a.stdout
+
+
+def test_checkpoint_saves_are_reported_and_never_vanish(tmp_path):
+  """Every save prints `saved step N to DIR`; a run without --restore into a directory holding
+  steps is refused before compiling (naming them); --overwrite_checkpoint replaces them; a
+  restore whose saves orbax would skip (a later step in the directory) is refused too."""
+  d = str(tmp_path / "ck")
+  run = lambda *a: _run("--strategy=dp", "--mesh=data:8", f"--checkpoint_dir={d}", *a)
+  r = run("--steps=2", "--save_every=1")
+  assert r.returncode == 0, r.stderr
+  assert [l for l in r.stdout.splitlines() if l.startswith("saved")] == [
+      f"saved step 1 to {d}", f"saved step 2 to {d}"], r.stdout
+  r = run("--steps=1")
+  assert r.returncode == 2 and r.stderr.strip() == (
+      f"error: --checkpoint_dir={d} already holds step(s) 1, 2: resume with --restore=latest, "
+      "save to a new directory, or pass --overwrite_checkpoint to delete them"), r.stderr
+  assert "compiled" not in r.stdout
+  r = run("--restore=1", "--steps=1")
+  assert r.returncode == 2 and "holds step(s) 2 after the restored step 1" in r.stderr, r.stderr
+  r = run("--steps=1", "--overwrite_checkpoint")
+  assert r.returncode == 0, r.stderr
+  assert f"deleted step(s) 1, 2 of {d} (--overwrite_checkpoint)" in r.stdout
+  assert f"saved step 1 to {d}" in r.stdout
+  assert sorted(os.listdir(d)) == ["1"]
+
+
+def test_compile_only_with_strategy_allocates_nothing(tmp_path):
+  """--compile_only --strategy: compiled from abstract shapes, collectives and memory reported
+  (with --hbm_gb a fit line), no step run; the metrics summary says so."""
+  m = tmp_path / "m.jsonl"
+  r = _run("--strategy=ep", "--mesh=data:2,expert:4", "--compile_only", "--hbm_gb=1",
+           "--breakdown", f"--metrics_file={m}")
+  assert r.returncode == 0, r.stderr
+  assert "[   1/" not in r.stdout
+  assert "all-to-all" in r.stdout and "wire bytes/device" in r.stdout
+  assert "per device: params+opt " in r.stdout and ": fits in 1 GiB (G = GiB" in r.stdout
+  assert "| all-to-all over (expert) | bwd |" in r.stdout          # the breakdown
+  (summary,) = [json.loads(l) for l in m.read_text().splitlines()]
+  assert summary["summary"] and summary["compile_only"] and summary["steps"] == 0

@@ -27,25 +27,30 @@ def _nontrivial(text):
   return [op for op in hlo.collective_ops(text) if not hlo.is_trivial(op)]
 
 
-@pytest.mark.parametrize("body, kind, nbytes, axes", [
-  (lambda v: jax.lax.all_gather(v, "expert", tiled=True), "all-gather", 512, {"expert"}),
-  (lambda v: jax.lax.psum(v, "data"), "all-reduce", 128, {"data"}),
-  (lambda v: jax.lax.psum(v, ("data", "expert")), "all-reduce", 128, {"data", "expert"}),
-  (lambda v: jax.lax.psum_scatter(v, "expert", tiled=True), "reduce-scatter", 32, {"expert"}),
-  (lambda v: jax.lax.all_to_all(v, "expert", 0, 0, tiled=True), "all-to-all", 128, {"expert"}),
-  (lambda v: jax.lax.ppermute(v, "data", [(0, 1), (1, 0)]), "collective-permute", 128, {"data"}),
+# wire: what a device sends (ring algorithms, hlo.wire_factor), worked by hand: expert is 4
+# devices, data 2, both 8. all-gather 512 x 3/4; all-reduce 128 x 2(n-1)/n; reduce-scatter
+# 32 x (n-1); all-to-all 128 x 3/4 (its own block stays); permute sends its buffer once.
+@pytest.mark.parametrize("body, kind, nbytes, axes, wire", [
+  (lambda v: jax.lax.all_gather(v, "expert", tiled=True), "all-gather", 512, {"expert"}, 384),
+  (lambda v: jax.lax.psum(v, "data"), "all-reduce", 128, {"data"}, 128),
+  (lambda v: jax.lax.psum(v, ("data", "expert")), "all-reduce", 128, {"data", "expert"}, 224),
+  (lambda v: jax.lax.psum_scatter(v, "expert", tiled=True), "reduce-scatter", 32, {"expert"}, 96),
+  (lambda v: jax.lax.all_to_all(v, "expert", 0, 0, tiled=True), "all-to-all", 128, {"expert"},
+   96),
+  (lambda v: jax.lax.ppermute(v, "data", [(0, 1), (1, 0)]), "collective-permute", 128, {"data"},
+   128),
 ], ids=["all_gather", "psum", "psum_2axes", "psum_scatter", "all_to_all", "ppermute"])
-def test_shard_map_collective(mesh, body, kind, nbytes, axes):
+def test_shard_map_collective(mesh, body, kind, nbytes, axes, wire):
   text = _shard_map_hlo(mesh, body)
   (op,) = _nontrivial(text)
   assert (op.kind, op.bytes, op.count) == (kind, nbytes, 1)
   assert hlo.op_axes(op, mesh) == frozenset(axes)
   stats = hlo.collective_stats(text)
   assert set(stats) == set(hlo.COLLECTIVE_KINDS)
-  assert stats[kind] == {"count": 1, "bytes": nbytes}
+  assert stats[kind] == {"count": 1, "bytes": nbytes, "wire_bytes": wire}
   assert sum(s["count"] for s in stats.values()) == 1
   assert hlo.collective_stats_by_axes(text, mesh) == {
-    (kind, frozenset(axes)): {"count": 1, "bytes": nbytes}}
+    (kind, frozenset(axes)): {"count": 1, "bytes": nbytes, "wire_bytes": wire}}
 
 
 def _gather_first(v):
@@ -62,7 +67,8 @@ def test_loop_trip_counts(mesh, body, count):
   text = _shard_map_hlo(mesh, body)
   (op,) = _nontrivial(text)
   assert (op.kind, op.bytes, op.count) == ("all-gather", 512, count)
-  assert hlo.collective_stats(text)["all-gather"] == {"count": count, "bytes": 512 * count}
+  assert hlo.collective_stats(text)["all-gather"] == {"count": count, "bytes": 512 * count,
+                                                      "wire_bytes": 384 * count}
 
 
 def test_partitioner_collectives_and_compiled_stats(mesh):
@@ -81,7 +87,8 @@ def test_partitioner_collectives_and_compiled_stats(mesh):
   assert stats["flops"] >= 2 * 16 * 16 * 8
   assert stats["memory"]["argument_bytes"] == (8 * 4 + 16 * 8) * 4
   assert set(stats["memory"]) == {"argument_bytes", "output_bytes", "temp_bytes", "alias_bytes"}
-  assert stats["collectives"]["all-gather"] == {"count": 2, "bytes": (128 + 256) * 4}
+  assert stats["collectives"]["all-gather"] == {                 # expert: 3/4 sent, data: 1/2
+    "count": 2, "bytes": (128 + 256) * 4, "wire_bytes": 128 * 4 * 3 / 4 + 256 * 4 / 2}
   assert stats["collectives_by_axes"][("all-gather", frozenset({"data"}))]["count"] == 1
 
 
@@ -153,5 +160,5 @@ def test_tuple_bytes_trivial_and_async():
   assert hlo.is_trivial(triv) and not hlo.is_trivial(a2a)
   assert (ag.kind, ag.bytes, ag.count, len(ag.groups[0])) == ("all-gather", 64, 1, 8)
   stats = hlo.collective_stats(text)
-  assert stats["all-reduce"] == {"count": 0, "bytes": 0}  # trivial ops are skipped
-  assert stats["all-gather"] == {"count": 1, "bytes": 64}
+  assert stats["all-reduce"] == {"count": 0, "bytes": 0, "wire_bytes": 0}  # trivial: skipped
+  assert stats["all-gather"] == {"count": 1, "bytes": 64, "wire_bytes": 64 * 7 / 8}
