@@ -226,6 +226,9 @@ def _setup_devices(n: int, dist) -> None:
   if F.compilation_cache:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(F.compilation_cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # a size limit turns on the cache's file lock: concurrent runs never read a half-written
+    # entry (jax writes entries in place; XLA:CPU crashed on a partial one)
+    jax.config.update("jax_compilation_cache_max_size", 64 * 2**30)
   if dist is not None:
     from runtime import distributed
     distributed.initialize(dist)

@@ -1,5 +1,5 @@
 """8 simulated CPU devices for every test (asserted: a test never skips for lack of devices),
-and the persistent compilation cache so reruns skip XLA compiles."""
+LLVM -O0, no persistent compilation cache, and the xdist groups."""
 import os
 import sys
 
@@ -15,35 +15,26 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 def subprocess_env() -> dict:
   """The environment for run.py subprocesses: this one's, with the tests' codegen flag but not
   their device count (run.py sets it from --devices), so in-process and subprocess results come
-  from the same code. (Their compilation cache: cache_flag(), one per worker too.)"""
+  from the same code."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["XLA_FLAGS"] = CODEGEN_FLAGS
   return env
-
-
-def cache_flag() -> str:
-  """run.py's --compilation_cache for a test's subprocess: this worker's own directory."""
-  return f"--compilation_cache={CACHE}-run"
 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-# One persistent compilation cache per xdist worker: jax writes a cache entry in place (no
-# temp file and rename), so a worker reading an entry the other is still writing gets a
-# partial executable, and XLA:CPU crashed on one (a segfault in compilation_cache's
-# get_executable_and_time). Within a worker, reruns still skip their compiles.
-WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
-CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache",
-                     WORKER)
-jax.config.update("jax_compilation_cache_dir", CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# No persistent compilation cache in the tests: a file's (and a strategy's) tests share their
+# compiled steps in one worker through tests/parity.py's in-process cache instead. With the
+# persistent cache on, XLA:CPU crashed (segfaults in compilation_cache's
+# get_executable_and_time and put_executable_and_time, in two of three full runs, never the same
+# test): a worker that dies takes its queue with it, and xdist then hung.
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 def pytest_configure(config):
-  del config
+  config.addinivalue_line("markers", "xdist_group(name): the tests of one group share a worker")
   if jax.default_backend() == "cpu":
     assert jax.device_count() == 8, f"expected 8 simulated CPU devices, got {jax.device_count()}"
 

@@ -15,7 +15,7 @@ from modeling import config
 from runtime import checkpoint, train
 import strategies
 from tests import parity
-from tests.conftest import cache_flag, subprocess_env
+from tests.conftest import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,7 +129,7 @@ def test_unfinished_save_is_not_offered(saved, tmp_path):
 def _run(*args):
   env = subprocess_env()
   env["JAX_PLATFORMS"] = "cpu"
-  return subprocess.run([sys.executable, "run.py", cache_flag(), *args], cwd=ROOT, env=env,
+  return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, env=env,
                         capture_output=True,
                         text=True, timeout=120)
 

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import cache_flag, subprocess_env
+from tests.conftest import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(*args, timeout=300):
   env = subprocess_env()
   env["JAX_PLATFORMS"] = "cpu"
-  return subprocess.run([sys.executable, "run.py", cache_flag(), *args], cwd=ROOT, env=env,
+  return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
 
 
@@ -27,7 +27,6 @@ def _run(*args, timeout=300):
     (["--strategy=dp", "--mesh=data:x"], "bad mesh entry 'data:x'"),
     (["--strategy=dp", "--capacity_factor=-1"], "--capacity_factor=-1.0 must be a finite number >= 0"),
     (["--strategy=dp", "--capacity_factor=inf"], "--capacity_factor=inf must be a finite number >= 0"),
-    (["--strategy=dp", "--capacity_factor=nan"], "--capacity_factor=nan must be a finite number >= 0"),
     (["--strategy=dp", "--devices=100000"], "--devices=100000 must be in [1, 4096]"),
     (["--strategy=dp", "--gmm=fast"], "fast"),
     (["--strategy=dp", "--model=gpt5"], "unknown model 'gpt5'"),
@@ -40,23 +39,9 @@ def _run(*args, timeout=300):
      "dispatch=ragged needs ragged_all_to_all"),
     (["--strategy=ep", "--mesh=expert:8", "--dispatch=ragged"],          # the old flag, an alias
      "dispatch=ragged needs ragged_all_to_all"),
-    (["--strategy=ep_as_cp", "--mesh=expert:8", "--context_sharding=data"],
-     "--context_sharding=data: cp plays context parallelism on `context`"),
-    # strategy options: a key of another strategy, an unknown key, a bad value, a malformed pair
+    # a strategy option of another strategy (the rest: test_options_one_line_errors, in-process)
     (["--strategy=tp", "--opt=dispatch=a2a"],
      "strategy 'tp' has no option 'dispatch' (it is an option of ep); its options: none"),
-    (["--strategy=tp", "--dispatch=a2a"],
-     "strategy 'tp' has no option 'dispatch' (it is an option of ep); its options: none"),
-    (["--strategy=pp", "--opt=dispatch=ragged"], "strategy 'pp' has no option 'dispatch'"),
-    (["--strategy=ep", "--opt=speed=fast"], "strategy 'ep' has no option 'speed'; its options: dispatch"),
-    (["--strategy=ep", "--opt=dispatch=fast"], "ep option dispatch='fast': choose from a2a, ragged, none"),
-    (["--strategy=ep_tp", "--opt=capacity=1.5"], "ep_tp option capacity=1.5: must be a finite number in [0, 1]"),
-    (["--strategy=ep_tp", "--ep_tp_capacity=x"], "ep_tp option capacity='x': expected a number"),
-    (["--strategy=shard_exp_on_fsdp", "--opt=mode=both"],
-     "shard_exp_on_fsdp option mode='both': choose from gather, ep"),
-    (["--strategy=ep", "--opt=dispatch"], "bad --opt entry 'dispatch': expected key=value"),
-    (["--compare=dp,tp", "--opt=mode=ep"],
-     "--opt key 'mode' belongs to none of the compared strategies (an option of shard_exp_on_fsdp)"),
     (["--strategy=ep_tp", "--mesh=data:2,expert:4"], "n_kv_heads=2 is not divisible by mesh axis expert=4"),
     (["--strategy=shard_exp_on_fsdp", "--mesh=fsdp:2,expert:4", "--batch=4"],
      "batch=4 is not divisible by mesh axis fsdpxexpert=8"),
@@ -96,10 +81,6 @@ def _run(*args, timeout=300):
      "--checkpoint_dir=/no/such/dir does not exist"),
     (["--strategy=dp", "--restore=latest"], "--restore needs --checkpoint_dir"),
     (["--compare=dp", "--hlo_stats"], "--hlo_stats is for --strategy"),
-    (["--strategy=dp", "--full_parity"], "--full_parity is a compare-mode check"),
-    (["--compile_only", "--full_parity"], "--full_parity is a compare-mode check"),
-    (["--strategy=dp", "--overwrite_checkpoint"], "--overwrite_checkpoint needs --checkpoint_dir"),
-    (["--strategy=dp", "--compile_only", "--checkpoint_dir=/tmp"], "--compile_only runs no step"),
     (["--strategy=fsdp", "--model=deepseek-v3"], "model deepseek-v3 would allocate"),
 ])
 def test_bad_flags_one_line_error(args, message):
@@ -261,3 +242,61 @@ def test_compile_only_with_strategy_allocates_nothing(tmp_path):
   assert "| all-to-all over (expert) | bwd |" in r.stdout          # the breakdown
   (summary,) = [json.loads(l) for l in m.read_text().splitlines()]
   assert summary["summary"] and summary["compile_only"] and summary["steps"] == 0
+
+
+def _check_in_process(*args):
+  """run.py's checks before JAX starts (flags, strategy options), in this process."""
+  import run
+  run.F.unparse_flags()
+  run.F(["run.py", *args])
+  try:
+    run.check_flags()
+    run.strategy_options(run.strategy_names())
+  finally:
+    run.F.unparse_flags()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--strategy=dp", "--capacity_factor=nan"], "--capacity_factor=nan must be a finite number >= 0"),
+    (["--strategy=ep_as_cp", "--context_sharding=data"],
+     "--context_sharding=data: cp plays context parallelism on `context`"),
+    (["--strategy=tp", "--dispatch=a2a"],                               # the old flag, an alias
+     "strategy 'tp' has no option 'dispatch' (it is an option of ep); its options: none"),
+    (["--strategy=pp", "--opt=dispatch=ragged"], "strategy 'pp' has no option 'dispatch'"),
+    (["--strategy=ep", "--opt=speed=fast"], "strategy 'ep' has no option 'speed'; its options: dispatch"),
+    (["--strategy=ep", "--opt=dispatch=fast"], "ep option dispatch='fast': choose from a2a, ragged, none"),
+    (["--strategy=ep_tp", "--opt=capacity=1.5"], "ep_tp option capacity=1.5: must be a finite number in [0, 1]"),
+    (["--strategy=ep_tp", "--ep_tp_capacity=x"], "ep_tp option capacity='x': expected a number"),
+    (["--strategy=shard_exp_on_fsdp", "--opt=mode=both"],
+     "shard_exp_on_fsdp option mode='both': choose from gather, ep"),
+    (["--strategy=ep", "--opt=dispatch"], "bad --opt entry 'dispatch': expected key=value"),
+    (["--strategy=ep", "--opt=dispatch=a2a", "--dispatch_batch_on_expert"],
+     "--dispatch_batch_on_expert and --opt=dispatch=... disagree"),
+    (["--compare=dp,tp", "--opt=mode=ep"],
+     "--opt key 'mode' belongs to none of the compared strategies (an option of shard_exp_on_fsdp)"),
+    (["--strategy=dp", "--full_parity"], "--full_parity is a compare-mode check"),
+    (["--compile_only", "--full_parity"], "--full_parity is a compare-mode check"),
+    (["--strategy=dp", "--overwrite_checkpoint"], "--overwrite_checkpoint needs --checkpoint_dir"),
+    (["--strategy=dp", "--compile_only", "--checkpoint_dir=/tmp"], "--compile_only runs no step"),
+])
+def test_options_one_line_errors(args, message):
+  """The same checks run.py makes before JAX starts (its one-line `error:` is the message)."""
+  import run
+  from modeling.config import ConfigError
+  with pytest.raises((ConfigError, run.UsageError)) as e:
+    _check_in_process(*args)
+  assert str(e.value).startswith(message), str(e.value)
+
+
+def test_options_reach_the_strategies_that_have_them():
+  import run
+  import strategies
+  run.F.unparse_flags()
+  run.F(["run.py", "--compare=ep,ep_tp,dp", "--opt=dispatch=none,capacity=0.5"])
+  try:
+    opts = run.strategy_options(run.strategy_names())
+  finally:
+    run.F.unparse_flags()
+  assert opts == {"ep": strategies.get("ep").Options(dispatch="none"),
+                  "ep_tp": strategies.get("ep_tp").Options(capacity=0.5),
+                  "dp": strategies.get("dp").Options()}

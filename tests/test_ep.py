@@ -118,3 +118,14 @@ def test_flag_compiles_to_the_all_gather_fallback():
 
 
 # ----------------------------------------------------------------------------- bad input
+
+
+def test_ragged_contract_block_matches_its_cost_model():
+  """dispatch=ragged cannot compile on XLA:CPU, so its HLO is unmeasured here; its docstring
+  block and its cost terms are still one set (a GPU run holds both to the program)."""
+  cfg, m, opts = _cfg("tiny"), _mesh("data:2,expert:4"), EP.Options(dispatch="ragged")
+  declared = parity.declared("ep", opts, m)
+  model = set(cost.by_axes(cost.step_terms(EP, cfg, m, opts)))
+  assert declared == model, (declared ^ model)
+  assert ("ragged-all-to-all", frozenset({"expert"})) in model
+  assert not [k for k in model if k[0] == A2A]
