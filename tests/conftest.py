@@ -1,5 +1,5 @@
 """8 simulated CPU devices for every test (asserted: a test never skips for lack of devices),
-LLVM -O0, no persistent compilation cache, and the xdist groups."""
+LLVM -O0, the persistent compilation cache, and the xdist groups."""
 import os
 import sys
 
@@ -25,12 +25,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-# No persistent compilation cache in the tests: a file's (and a strategy's) tests share their
-# compiled steps in one worker through tests/parity.py's in-process cache instead. With the
-# persistent cache on, XLA:CPU crashed (segfaults in compilation_cache's
-# get_executable_and_time and put_executable_and_time, in two of three full runs, never the same
-# test): a worker that dies takes its queue with it, and xdist then hung.
-jax.config.update("jax_enable_compilation_cache", False)
+# The persistent compilation cache, shared by both xdist workers. jax writes an entry in place; a
+# size limit turns on its file lock (filelock), which reads and writes take, so a worker never
+# reads an entry the other is still writing.
+CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
+jax.config.update("jax_compilation_cache_dir", CACHE)
+jax.config.update("jax_compilation_cache_max_size", 64 * 2**30)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_configure(config):

@@ -52,7 +52,11 @@ def _opts(name, opts):
   return strategies.get(name).Options() if opts is None else opts
 
 
-@functools.lru_cache(maxsize=None)
+# A compiled train step holds about a thousand memory maps of XLA:CPU code (measured: 1.1k per
+# tiny step); a worker that kept every step it compiled passed the kernel's 65,530
+# (vm.max_map_count) and segfaulted inside a compile. The steps of one strategy's table rows and
+# their references fit in 16; runs (numpy results) are kept in full.
+@functools.lru_cache(maxsize=16)
 def _job(name: str, cfg, mesh_spec: str | None, opts, init=None, poison: bool = False) -> train.Job:
   with (buffers.poisoned() if poison else contextlib.nullcontext()):
     return train.build(strategies.get(name), cfg, make_mesh(name, mesh_spec), opts,
