@@ -99,8 +99,8 @@ def test_metrics_file(tmp_path):
   assert len(recs) == 4
   for i, rec in enumerate(recs[:3]):
     assert set(rec) == {"step", "loss", "ce_loss", "aux_loss", "grad_norm", "dropped",
-                        "step_time_s", "tokens_per_s"}
-    assert rec["step"] == i
+                        "step_time_s", "tokens_per_s", "steps_done"}
+    assert rec["step"] == i and rec["steps_done"] == i + 1
   s = recs[-1]
   assert s["summary"] is True and s["strategy"] == "reference"
   assert {"mesh", "compile_s", "flops", "memory", "collectives"} <= set(s)
