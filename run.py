@@ -199,7 +199,7 @@ def strategy_options(names: list[str]) -> dict:
       pairs[pair[0]] = pair[1]
   if pairs.get("dispatch") == "auto":
     pairs["dispatch"] = "a2a"                  # old commands' default: the checked a2a
-  return strategies.parse_options(names, ",".join(f"{k}={v}" for k, v in pairs.items()))
+  return strategies.parse_options(names, pairs)
 
 
 def _writable_dir(flag: str, path: str) -> None:

@@ -85,13 +85,3 @@ def parse(name: str, cls, pairs: dict[str, str], others: dict[str, type] | None 
       raise ConfigError(f"strategy {name!r} has no option {key!r}{where}; its options: {mine}")
     kw[key] = _value(name, key, fields[key], text)
   return cls(**kw)
-
-
-def describe(cls) -> str:
-  """'dispatch=a2a|ragged|none (a2a): the token exchange; ...' for --help and the README."""
-  parts = []
-  for f in dataclasses.fields(cls):
-    values = "|".join(f.metadata["choices"]) if "choices" in f.metadata else (
-        "true|false" if f.type in (bool, "bool") else "number")
-    parts.append(f"{f.name}={values} ({f.default}): {f.metadata.get('doc', '')}")
-  return "; ".join(parts) or "none"

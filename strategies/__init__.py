@@ -77,11 +77,10 @@ def get(name: str):
   return importlib.import_module(f"strategies.{name}")
 
 
-def parse_options(names: list[str], text: str | None) -> dict:
-  """{strategy name: its Options} from --opt=key=value,... Single strategy: every key must be
-  one of its options. Several (compare mode): each key must belong to at least one of them and
-  goes to those that have it."""
-  pairs = options.split(text)
+def parse_options(names: list[str], pairs: dict[str, str]) -> dict:
+  """{strategy name: its Options} from {key: value} (--opt, split by layout.options.split).
+  Single strategy: every key must be one of its options. Several (compare mode): each key must
+  belong to at least one of them and goes to those that have it."""
   classes = {n: get(n).Options for n in NAMES}
   if len(names) == 1:
     others = {n: c for n, c in classes.items() if n != names[0]}
