@@ -7,6 +7,7 @@ import jax
 from jax.sharding import AxisType
 
 from modeling.config import ConfigError
+from parallel.sharding import dim_axes
 
 # Mesh axis names used anywhere in the suite.
 DATA, FSDP, TENSOR, EXPERT, CONTEXT, STAGE = "data", "fsdp", "tensor", "expert", "context", "stage"
@@ -82,8 +83,7 @@ def require_microbatches(cfg, mesh, bspec) -> None:
   """Each microbatch is sharded like the whole batch: B % (M x the batch axes' size) == 0."""
   if cfg.microbatches <= 1:
     return
-  axes = tuple(a for e in tuple(bspec)[:1] if e is not None
-               for a in ((e,) if isinstance(e, str) else e)) if mesh is not None and bspec else ()
+  axes = dim_axes(bspec, 0) if mesh is not None and bspec is not None else ()   # B's axes
   n = axis_size(mesh, *axes) if axes else 1
   if cfg.batch % (cfg.microbatches * n):
     label = "x".join(axes) or "none"
