@@ -332,7 +332,7 @@ def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: s
     r["settings"] = info
   print(report.header(info, simulated))
   print(report.render(rows, compile_only, simulated, hbm_gb))
-  line = report.verdict(rows, hbm_gb, cfg)
+  line = report.verdict(rows, hbm_gb, cfg, searched=mesh_spec == "search")
   print(line)
   for r in rows:
     if r.get("disagreements"):

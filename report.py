@@ -108,7 +108,7 @@ def header(info: dict, simulated: bool) -> str:
              else "parity: not checked (compile only)."))
 
 
-def verdict(rows: list[dict], hbm_gb: float | None, cfg) -> str:
+def verdict(rows: list[dict], hbm_gb: float | None, cfg, searched: bool = False) -> str:
   """One line beginning `verdict:`: which layouts fit (with --hbm_gb), which sends the fewest
   wire bytes, which holds the least memory; when nothing fits, the closest one's dominant
   memory term and the flags that address it."""
@@ -133,7 +133,7 @@ def verdict(rows: list[dict], hbm_gb: float | None, cfg) -> str:
   static, temp = least["param_bytes"] + least["opt_bytes"], least["memory"]["temp_bytes"]
   if static >= temp:
     term = f"params + optimizer state ({fmt_bytes(static)})"
-    flags = ["--mesh=search (more devices on the sharding axes)"]
+    flags = [] if searched else ["--mesh=search (more devices on the sharding axes)"]
     if cfg.optimizer == "adamw":
       flags.append("--optimizer=muon (one moment for the matrices)")
   else:
@@ -145,10 +145,10 @@ def verdict(rows: list[dict], hbm_gb: float | None, cfg) -> str:
                               cfg.capacity_factor == 0),
                              ("--gmm=scan (CPU compile-only: ragged_dot's CPU lowering)",
                               cfg.gmm_backend != "scan"),
-                             ("--mesh=search", True)) if on]
+                             ("--mesh=search", not searched)) if on]
   return (f"verdict: nothing fits in {hbm_gb:g} GiB; closest: {least['strategy']} on "
-          f"{least['mesh']} at {fmt_bytes(mem(least))}, dominated by {term}; try "
-          f"{', '.join(flags)}")
+          f"{least['mesh']} at {fmt_bytes(mem(least))}, dominated by {term}"
+          + (f"; try {', '.join(flags)}" if flags else ""))
 
 
 def breakdown(row: dict, n_layers: int) -> str:

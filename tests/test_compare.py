@@ -88,6 +88,8 @@ def test_verdict():
                          "params + optimizer state (8.0G); try --mesh=search"), line
   temp = report.verdict([_row("a", 2**30, 8 * 2**30, 1, False)], 3, cfg)
   assert "dominated by XLA temp (8.0G" in temp and "--remat=block, --dtype=bfloat16" in temp
+  searched = report.verdict([_row("a", 2**30, 8 * 2**30, 1, False)], 3, cfg, searched=True)
+  assert "--mesh=search" not in searched and "--remat=block" in searched
 
 
 def test_mesh_at_scale_grows_the_axis_the_preset_capped():
