@@ -243,16 +243,17 @@ def measure(row: dict, job, steps: int, compile_only: bool, full_parity: bool = 
   if full_parity:
     row["trace"] = trace
   row["step_s"] = statistics.median(times[1:] or times)
-  row["dropped_frac"] = dropped / (len(losses) * cfg.batch * cfg.seq_len * cfg.top_k * cfg.n_layers)
+  row["dropped_frac"] = dropped / (len(losses) * cfg.batch * cfg.seq_len * cfg.top_k
+                                * cfg.n_moe_layers)
   return row
 
 
 def routed_bytes(cfg, n_devices: int) -> float:
   """The least an EP exchange can move per device per step: each of its T_loc*K routed copies
   [D] (in the compute dtype) once per direction (dispatch, combine) and pass (fwd, bwd), every
-  layer."""
+  MoE layer."""
   t_loc = cfg.batch * cfg.seq_len / n_devices
-  return 4 * cfg.n_layers * t_loc * cfg.top_k * cfg.d_model * cost.act_bytes(cfg)
+  return 4 * cfg.n_moe_layers * t_loc * cfg.top_k * cfg.d_model * cost.act_bytes(cfg)
 
 
 def fit(row: dict, hbm_gb: float) -> None:

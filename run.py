@@ -69,6 +69,8 @@ ALIASES = {"dispatch": lambda v: ("dispatch", v),
 # starts, so a typo never builds a runtime that grows without end.
 MAX_DEVICES = 4096
 flags.DEFINE_string("metrics_file", None, "write JSON lines: one per step, then a summary")
+flags.DEFINE_bool("describe", False, "print the model's total and activated-per-token parameter "
+                  "counts (total_params N, activated_params N) and exit, compiling nothing")
 flags.DEFINE_bool("dump_sharding", False, "print every parameter's and key activation's sharding")
 flags.DEFINE_bool("hlo_stats", False, "with --strategy: print collectives, flops and memory of "
                   "the compiled step (the comparison table shows them for every strategy)")
@@ -404,6 +406,11 @@ def main(argv):
   names = strategy_names()
   opts = strategy_options(names)
   cfg = make_config()
+  if F.describe:
+    from modeling import model
+    total, active = model.param_counts(cfg)
+    print(f"total_params {total}\nactivated_params {active}")
+    return
   if F.full_parity and F.adam_eps is None:
     from measure import agreement
     cfg = cfg.replace(adam_eps=agreement.PARITY_ADAM_EPS)   # see measure/agreement.py

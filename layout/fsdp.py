@@ -1,11 +1,13 @@
 """FSDP pieces shared by the strategies that shard weights on their model dim D: the role ->
 PartitionSpec table, the gather-before-use `Layout.use`, and the all-experts-local MoE.
 
-FSDP dim per weight (the model dim D everywhere). Replicated: the router bias (the step updates
+FSDP dim per weight (the model dim D; MLA's up-projections have none: their rank). Replicated: the router bias (the step updates
 it with global counts) and the norm scales [D] (tiny; JAX rejects an elementwise product of a
 sharded activation with a weight typed reduced, which is what gather_weight returns).
   embed [V, D@f]   unembed [D@f, V]   router [D@f, E]
   attn wq [D@f, H, Dh]  wk/wv [D@f, KV, Dh]   attn wo [H, Dh, D@f]
+  MLA wq_a [D@f, Rq]  wq_b [Rq@f, H, qk]  wkv_a [D@f, Rkv + rope]  wkv_b [Rkv@f, H, nope + v]
+  dense layer FFN wi_0/wi_1 [D@f, Fd]  wo [Fd, D@f]
   moe wi_0/wi_1 [E, D@f, F]       moe wo [E, F, D@f]   shared wi_0/wi_1 [D@f, Fs]  shared wo [Fs, D@f]
 """
 from __future__ import annotations
@@ -27,6 +29,9 @@ def table(fsdp_axes) -> dict:
 
 def check(cfg, mesh, fsdp_axes) -> None:
   mesh_lib.require_divisible("d_model", cfg.d_model, mesh, fsdp_axes)
+  for name in (("q_lora_rank", "kv_lora_rank") if cfg.mla else ()):   # MLA's up-projections
+    if getattr(cfg, name):
+      mesh_lib.require_divisible(name, getattr(cfg, name), mesh, fsdp_axes)
 
 
 def use(grad_axes, cfg):

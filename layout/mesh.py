@@ -79,6 +79,13 @@ def require_divisible(dim_name: str, dim: int, mesh, axes) -> None:
     raise ConfigError(f"{dim_name}={dim} is not divisible by mesh axis {label}={n}")
 
 
+def require_gqa(cfg, strategy: str, why: str) -> None:
+  """One-line error for a strategy whose attention layout is built for GQA only."""
+  if cfg.mla:
+    raise ConfigError(f"{strategy} does not run attention=mla yet ({why}); dp, fsdp, ep, pp and "
+                      "shard_exp_on_fsdp do")
+
+
 def require_microbatches(cfg, mesh, bspec) -> None:
   """Each microbatch is sharded like the whole batch: B % (M x the batch axes' size) == 0."""
   if cfg.microbatches <= 1:

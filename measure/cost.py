@@ -214,19 +214,28 @@ def cp_norm_grads(cp_axis: str, batch_axes) -> dict:
   return {role: ((cp_axis,), _tuple(batch_axes)) for role in model.NORMS}
 
 
+def kv_values(cfg) -> int:
+  """Values per token that context parallelism gathers per layer: K and V (GQA, 2 x KV x Dh),
+  or MLA's latent and shared RoPE key (kv_lora + rope; modeling.model.mla)."""
+  return (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.mla
+          else 2 * cfg.n_kv_heads * cfg.head_dim)
+
+
 def cp_terms(cfg, mesh, cp_axis: str, batch_axes) -> list[Term]:
-  """K and V all-gathered over cp_axis per layer (fwd), their gradients reduce-scattered over it
-  (bwd, model._gather_kv), kv_pos gathered once, and with the capacity rule the sequence's
-  expert ids per layer and its positions once (CSE'd across layers)."""
+  """K and V (MLA: the latent and RoPE key) all-gathered over cp_axis per layer (fwd), their
+  gradients reduce-scattered over it (bwd, model._gather_kv), kv_pos gathered once, and with
+  the capacity rule the sequence's expert ids per MoE layer and its positions once (CSE'd
+  across layers)."""
   b = cfg.batch // _size(mesh, _tuple(batch_axes))
-  kv = b * cfg.seq_len * cfg.n_kv_heads * cfg.head_dim * act_bytes(cfg)    # K or V
+  kv = b * cfg.seq_len * kv_values(cfg) * act_bytes(cfg)                  # K and V of a layer
   cp = _size(mesh, (cp_axis,))
-  out = (term(mesh, "all-gather", "fwd", "K/V", 2 * cfg.n_layers * kv, cp_axis, RECOMPUTED)
+  what = "latent c_KV + RoPE key" if cfg.mla else "K/V"
+  out = (term(mesh, "all-gather", "fwd", what, cfg.n_layers * kv, cp_axis, RECOMPUTED)
          + term(mesh, "all-gather", "fwd", "kv_pos", b * cfg.seq_len * 4, cp_axis)
-         + term(mesh, "reduce-scatter", "bwd", "dK/dV", 2 * cfg.n_layers * kv / cp, cp_axis))
+         + term(mesh, "reduce-scatter", "bwd", f"d({what})", cfg.n_layers * kv / cp, cp_axis))
   if cfg.capacity_factor > 0:
     out += term(mesh, "all-gather", "fwd", "expert ids per layer + positions (capacity)",
-                (cfg.n_layers * cfg.top_k + 1) * b * cfg.seq_len * 4, cp_axis)
+                (cfg.n_moe_layers * cfg.top_k + 1) * b * cfg.seq_len * 4, cp_axis)
   return out
 
 
@@ -239,7 +248,7 @@ def _size(mesh, axes) -> int:
 
 
 def stats_terms(cfg, mesh, token_axes) -> list[Term]:
-  """Router statistics (counts, prob sums [E], z, dropped per layer) and the loss sums,
+  """Router statistics (counts, prob sums [E], z, dropped per MoE layer) and the loss sums,
   all-reduced over the token axes (global statistics: the aux loss is layout-independent)."""
   return term(mesh, "all-reduce", "fwd", "router stats + loss sums",
-              (cfg.n_layers * (2 * cfg.n_experts + 2) + 1) * F32, token_axes)
+              (cfg.n_moe_layers * (2 * cfg.n_experts + 2) + 1) * F32, token_axes)

@@ -21,6 +21,12 @@ REMAT_POLICIES = ("none",                # everything the autodiff saves (no jax
 # across devices in (float32 unless asked: see parallel/sharding.py gather_weight)
 DTYPES = ("float32", "bfloat16")
 
+# --aux_loss_kind: the load-balance loss's statistics (modeling/routing.py)
+AUX_LOSS_KINDS = ("batch",        # f and P over the whole step's tokens (Switch, Mixtral)
+                  "sequence")     # per sequence, averaged over sequences (DeepSeek-V3's
+                                  # complementary sequence-wise balance loss)
+ATTENTIONS = ("gqa", "mla")
+
 
 def _model(default):
   """A field of the model itself: a checkpoint restores only into the same values."""
@@ -46,7 +52,7 @@ class Config:
   n_heads: int = _model(4)
   n_kv_heads: int = _model(2)
   head_dim: int = _model(16)
-  n_layers: int = _model(2)
+  n_layers: int = _model(2)              # all decoder layers: first_k_dense_replace dense, then MoE
   n_experts: int = _model(8)
   top_k: int = _model(2)
   d_ff: int = _model(128)                # F, per routed expert
@@ -58,8 +64,23 @@ class Config:
   routed_scaling_factor: float = _model(1.0)
   rope_theta: float = _model(10000.0)
   norm_eps: float = _model(1e-6)
+  # attention: "gqa" (Mixtral: n_kv_heads K/V heads of head_dim) or "mla" (DeepSeek's Multi-head
+  # Latent Attention, Hugging Face DeepseekV3's conventions; head_dim and n_kv_heads unused)
+  attention: str = _model("gqa")
+  q_lora_rank: int = _model(0)           # MLA query down-projection rank (0 = direct, as V2-Lite)
+  kv_lora_rank: int = _model(0)          # MLA latent c_KV width
+  qk_nope_head_dim: int = _model(0)      # per-head q/k dims without RoPE
+  qk_rope_head_dim: int = _model(0)      # q/k RoPE dims (the key's part is shared by all heads)
+  v_head_dim: int = _model(0)            # per-head value dim (!= the q/k dim: never padded)
+  rope_interleave: bool = _model(False)  # RoPE on (x0, x1), (x2, x3).. pairs (HF DeepseekV3)
+  # leading dense layers (DeepSeek): the first first_k_dense_replace layers have a dense SwiGLU
+  # FFN of width dense_d_ff instead of the MoE (Hugging Face's first_k_dense_replace and
+  # intermediate_size)
+  first_k_dense_replace: int = _model(0)
+  dense_d_ff: int = _model(0)
   # losses / balancing
   aux_loss_coef: float = _run(0.01)
+  aux_loss_kind: str = _run("batch")     # AUX_LOSS_KINDS: statistics over the batch or per sequence
   z_loss_coef: float = _run(0.0)
   bias_update_rate: float = _run(0.0)    # gamma of the aux-loss-free bias update (0 = off)
   capacity_factor: float = _run(0.0)     # 0 = dropless
@@ -82,6 +103,19 @@ class Config:
   @property
   def shared_d_ff(self) -> int:
     return self.n_shared_experts * self.d_ff
+
+  @property
+  def n_moe_layers(self) -> int:
+    return self.n_layers - self.first_k_dense_replace
+
+  @property
+  def qk_head_dim(self) -> int:
+    """Per-head q/k width: head_dim (GQA), qk_nope + qk_rope (MLA)."""
+    return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
+
+  @property
+  def mla(self) -> bool:
+    return self.attention == "mla"
 
   @property
   def mixed(self) -> bool:
@@ -129,7 +163,23 @@ class Config:
     need(self.dtype in DTYPES, f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
     need(self.grad_reduce_dtype in DTYPES,
          f"unknown grad_reduce_dtype {self.grad_reduce_dtype!r}; choose from {', '.join(DTYPES)}")
-    need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (RoPE)")
+    need(self.aux_loss_kind in AUX_LOSS_KINDS, f"unknown aux_loss_kind {self.aux_loss_kind!r}; "
+         f"choose from {', '.join(AUX_LOSS_KINDS)}")
+    need(self.attention in ATTENTIONS,
+         f"unknown attention {self.attention!r}; choose from {', '.join(ATTENTIONS)}")
+    need(0 <= self.first_k_dense_replace < self.n_layers,
+         f"first_k_dense_replace={self.first_k_dense_replace} must be in [0, n_layers="
+         f"{self.n_layers}) (at least one MoE layer)")
+    need(not self.first_k_dense_replace or self.dense_d_ff >= 1,
+         "dense_d_ff must be >= 1 with first_k_dense_replace > 0")
+    if self.mla:
+      for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1 (mla)")
+      need(self.q_lora_rank >= 0, f"q_lora_rank={self.q_lora_rank} must be >= 0")
+      need(self.qk_rope_head_dim % 2 == 0,
+           f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE)")
+    else:
+      need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (RoPE)")
     return self
 
 
@@ -138,31 +188,53 @@ PRESETS: dict[str, Config] = {
     "tiny": Config(),
     # Mixtral-style: softmax top-2 over 8 experts, no shared expert
     "mixtral-test": Config(n_experts=8, top_k=2, router="softmax", norm_topk_prob=True),
-    # DeepSeek-V3-style: sigmoid router with correction bias, group-limited top-k
-    "deepseek-test": Config(n_experts=16, top_k=4, router="sigmoid", n_group=4, topk_group=2,
-                            n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    # DeepSeek-V3's architecture at test size: MLA with a query down-projection, one leading
+    # dense layer, sigmoid router with correction bias, group-limited top-k, a shared expert
+    "deepseek-test": Config(attention="mla", n_heads=4, n_kv_heads=4, q_lora_rank=32,
+                            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                            v_head_dim=16, rope_interleave=True, n_layers=3,
+                            first_k_dense_replace=1, dense_d_ff=96, n_experts=16, top_k=4,
+                            router="sigmoid", n_group=4, topk_group=2, n_shared_experts=1,
+                            routed_scaling_factor=2.5, norm_topk_prob=True,
                             bias_update_rate=1e-3, d_ff=64),
+    # deepseek-test with GQA attention: for the strategies that do not take MLA yet (cp, ep_as_cp,
+    # tp, ep_tp), the routing, shared expert and dense prefix of deepseek-test
+    "deepseek-gqa-test": Config(n_layers=3, first_k_dense_replace=1, dense_d_ff=96,
+                                n_experts=16, top_k=4, router="sigmoid", n_group=4, topk_group=2,
+                                n_shared_experts=1, routed_scaling_factor=2.5,
+                                norm_topk_prob=True, bias_update_rate=1e-3, d_ff=64),
+    # DeepSeek-V2-Lite's architecture at test size: MLA with a direct query projection, softmax
+    # router without groups or top-k renormalisation, two shared experts
+    "deepseek-v2-test": Config(attention="mla", n_heads=4, n_kv_heads=4, q_lora_rank=0,
+                               kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                               v_head_dim=16, rope_interleave=True, n_layers=3,
+                               first_k_dense_replace=1, dense_d_ff=96, n_experts=8, top_k=2,
+                               router="softmax", norm_topk_prob=False, n_shared_experts=2,
+                               d_ff=32),
     # Mixtral-8x7B-shaped, for compile-only scaling studies (never run on CPU)
     "mixtral-8x7b": Config(vocab=32000, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
                            n_layers=32, n_experts=8, top_k=2, d_ff=14336, seq_len=4096,
                            batch=64),
-    # DeepSeek-V2-Lite-shaped (compile-only). Attention approximated by GQA: MLA's low-rank
-    # latent KV (kv_lora_rank 512) and its 64 decoupled RoPE dims are not modelled; in training
-    # MLA up-projects the latent into per-head K and V, so KV heads = H = 16 query heads of
-    # Dh = 128 (= its v_head_dim / qk_nope_head_dim): attention activations match, attention
-    # params are over-counted (K/V projections full rank). Its first (dense) layer is MoE here.
-    # 16.3B params here (sum over model.param_leaves) vs 15.7B published.
-    "deepseek-v2-lite": Config(vocab=102400, d_model=2048, n_heads=16, n_kv_heads=16, head_dim=128,
-                               n_layers=27, n_experts=64, top_k=6, d_ff=1408, n_shared_experts=2,
-                               router="softmax", norm_topk_prob=False, seq_len=4096, batch=64),
-    # DeepSeek-V3-shaped (compile-only), the same attention approximation: KV heads = H = 128 of
-    # Dh = 128, no q/kv low rank, no RoPE dims; its first 3 (dense) layers are MoE here.
-    # 721.0B params here (sum over model.param_leaves) vs 671B published (no MTP module).
-    "deepseek-v3": Config(vocab=129280, d_model=7168, n_heads=128, n_kv_heads=128, head_dim=128,
-                          n_layers=61, n_experts=256, top_k=8, d_ff=2048, n_shared_experts=1,
-                          router="sigmoid", n_group=8, topk_group=4, norm_topk_prob=True,
-                          routed_scaling_factor=2.5, bias_update_rate=1e-3, aux_loss_coef=1e-4,
-                          seq_len=4096, batch=256),
+    # DeepSeek-V2-Lite at its published shapes (compile-only; Hugging Face config.json):
+    # 15.7B total / 2.4B activated parameters (python run.py --model=deepseek-v2-lite --describe)
+    "deepseek-v2-lite": Config(vocab=102400, d_model=2048, n_heads=16, n_kv_heads=16,
+                               attention="mla", q_lora_rank=0, kv_lora_rank=512,
+                               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                               rope_interleave=True, n_layers=27, first_k_dense_replace=1,
+                               dense_d_ff=10944, n_experts=64, top_k=6, d_ff=1408,
+                               n_shared_experts=2, router="softmax", norm_topk_prob=False,
+                               seq_len=4096, batch=64),
+    # DeepSeek-V3 at its published shapes (compile-only): 671B / 37B. Not modelled: the
+    # multi-token-prediction module (its 14B are not in the 671B either) and YaRN's RoPE
+    # scaling (numbers only: no shape, byte or memory changes)
+    "deepseek-v3": Config(vocab=129280, d_model=7168, n_heads=128, n_kv_heads=128,
+                          attention="mla", q_lora_rank=1536, kv_lora_rank=512,
+                          qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                          rope_interleave=True, n_layers=61, first_k_dense_replace=3,
+                          dense_d_ff=18432, n_experts=256, top_k=8, d_ff=2048,
+                          n_shared_experts=1, router="sigmoid", n_group=8, topk_group=4,
+                          norm_topk_prob=True, routed_scaling_factor=2.5, bias_update_rate=1e-3,
+                          aux_loss_coef=1e-4, aux_loss_kind="sequence", seq_len=4096, batch=256),
 }
 
 

@@ -1,27 +1,33 @@
 """Decoder-only MoE transformer: init, forward, loss. Shared by the reference and every strategy.
 
-  tokens [B, S] -> embed -> scan over L x block [RMSNorm -> causal GQA attention (RoPE) -> +res
-                                              -> RMSNorm -> MoE FFN (+ shared expert) -> +res]
+  tokens [B, S] -> embed
+         -> scan over the first_k_dense_replace dense layers [RMSNorm -> attention -> +res
+                                                             -> RMSNorm -> SwiGLU FFN -> +res]
+         -> scan over the L_moe MoE layers [RMSNorm -> attention -> +res
+                                            -> RMSNorm -> MoE FFN (+ shared expert) -> +res]
          -> RMSNorm -> unembed -> next-token cross-entropy (+ aux losses)
+  attention: causal GQA with RoPE (Mixtral), or MLA (DeepSeek: `mla`), cfg.attention.
 
 A strategy does not rewrite the model. It hands `forward` a `Layout`:
   x      out_sharding of the residual stream [B, S, D] (needed where a contraction dim is sharded,
          e.g. the row-parallel attention output under TP)
   kv     sharding K/V [B, T, KV, Dh] and kv_pos [B, T] are resharded to before attention (CP
-         all-gathers them over the context axis here; dK/dV come back reduce-scattered)
+         all-gathers them over the context axis here; dK/dV come back reduce-scattered); GQA
+         only: the strategies that set kv refuse attention=mla
   use    (role, w) -> w, applied to every non-routed weight right before its use (FSDP all-gather);
          role: its entry in ROLES (w is one layer's slice inside the layer scan)
-  moe    (p_moe, x [B, S, D], positions [B, S]) -> (y, stats): the routed MoE, where the strategy
+  moe    (p_moe, x [B, S, D], positions [B, S]) -> (y, stats): a MoE layer's routed FFN, where the strategy
          places its shard_map and token exchange. stats are GLOBAL sums (see routing.router_stats).
   loss   optional (params, batch) -> (loss, metrics) replacing loss_fn for a strategy that runs
          the whole model its own way (pp: a pipeline schedule in one shard_map).
   gather_in / scatter_out / row_out: sequence parallelism (Megatron-SP, ep_tp).
-         gather_in: normed h (residual layout x) -> what attention, moe and the shared expert
-           read (ep_tp: the all-gather over the sequence axis);
-         row_out: out_sharding of the row-parallel projections attn wo and shared wo (ep_tp:
-           typed unreduced); moe's y must come in the same layout, as it is added to shared wo;
-         scatter_out: attention out, and moe y + shared out -> the residual layout (ep_tp: the
-           reduce-scatter).
+         gather_in: normed h (residual layout x) -> what attention, moe and the dense SwiGLUs
+           (shared expert, dense layer FFN) read (ep_tp: the all-gather over the sequence axis);
+         row_out: out_sharding of the row-parallel projections attn wo and the SwiGLUs' wo
+           (ep_tp: typed unreduced); moe's y must come in the same layout, as it is added to
+           shared wo;
+         scatter_out: attention out, a dense layer's FFN out, and moe y + shared out -> the
+           residual layout (ep_tp: the reduce-scatter).
          Defaults: identity, identity, row_out = x: the forward of every other strategy is the
          same program as without these hooks.
 The reference passes Layout() with moe=the dense oracle and no shardings.
@@ -29,6 +35,7 @@ The reference passes Layout() with moe=the dense oracle and no shardings.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import einops
@@ -72,16 +79,25 @@ class Layout:
 # ----------------------------------------------------------------------------- parameters
 # Every parameter's role, declared once below next to its shape. Strategies lay parameters out by
 # role (a role -> PartitionSpec table, `param_specs`); the optimizer, weight decay and the cost
-# models read roles too. Per-layer roles are stacked: [L, ...], scanned by `forward`.
-LAYER_ROLES = ("attn_norm", "attn_q", "attn_kv", "attn_o", "mlp_norm", "router", "bias",
-               "expert_in", "expert_out", "shared_in", "shared_out")
+# models read roles too. Per-layer roles are stacked, one stack per kind of layer, each scanned
+# by `forward`: "dense_layers" [first_k_dense_replace, ...] (DeepSeek's leading dense layers,
+# absent when 0), then "layers" [n_moe_layers, ...] (the MoE layers).
+ATTN_ROLES = ("attn_q", "attn_kv", "attn_o",                        # GQA, and MLA's wq / wo
+              "attn_q_a", "q_norm", "attn_q_b",                     # MLA query low rank
+              "attn_kv_a", "kv_norm", "attn_kv_b")                  # MLA latent c_KV
+LAYER_ROLES = ("attn_norm", "mlp_norm", "router", "bias", "expert_in", "expert_out",
+               "shared_in", "shared_out", "dense_in", "dense_out") + ATTN_ROLES
 ROLES = ("embed", "final_norm", "unembed") + LAYER_ROLES
-NORMS = ("attn_norm", "mlp_norm", "final_norm")                     # [D] scales
+NORMS = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "kv_norm")   # RMSNorm scales
 EXPERTS = ("expert_in", "expert_out")                               # [E, D, F] / [E, F, D]
 MOE_ROLES = {"router": "router", "bias": "bias", "wi_0": "expert_in", "wi_1": "expert_in",
              "wo": "expert_out"}                                     # a layer's "moe" leaves
+# The dim FSDP shards (layout/fsdp.py): the model dim D, or for MLA's up-projections (which have
+# none) the low rank they read
 D_DIM = {"embed": 1, "unembed": 0, "router": 0, "attn_q": 0, "attn_kv": 0, "attn_o": 2,
-         "expert_in": 1, "expert_out": 2, "shared_in": 0, "shared_out": 1}   # the model dim D
+         "attn_q_a": 0, "attn_q_b": 0, "attn_kv_a": 0, "attn_kv_b": 0,
+         "expert_in": 1, "expert_out": 2, "shared_in": 0, "shared_out": 1,
+         "dense_in": 0, "dense_out": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,35 +107,66 @@ class ShapeLeaf:
   role: str
 
 
+def _attention_params(cfg: Config, leaf) -> dict:
+  """One layer's attention. GQA: wq [D, H, Dh], wk / wv [D, KV, Dh], wo [H, Dh, D].
+  MLA (Hugging Face DeepseekV3's q_proj | q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa,
+  kv_a_layernorm, kv_b_proj; o_proj, transposed to [in, out]):
+    wq [D, H, nope+rope]  or  wq_a [D, Rq], q_norm [Rq], wq_b [Rq, H, nope+rope]
+    wkv_a [D, Rkv + rope]  (the latent c_KV, then the RoPE key shared by all heads)
+    kv_norm [Rkv], wkv_b [Rkv, H, nope + v]  (per head: the no-RoPE key, then the value)
+    wo [H, v, D]"""
+  d, h = cfg.d_model, cfg.n_heads
+  if not cfg.mla:
+    kv, dh = cfg.n_kv_heads, cfg.head_dim
+    return {"wq": leaf((d, h, dh), d, "attn_q"), "wk": leaf((d, kv, dh), d, "attn_kv"),
+            "wv": leaf((d, kv, dh), d, "attn_kv"), "wo": leaf((h, dh, d), h * dh, "attn_o")}
+  qk, rq, rkv = cfg.qk_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
+  nope, rope_d, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+  q = ({"wq_a": leaf((d, rq), d, "attn_q_a"), "q_norm": leaf((rq,), 0, "q_norm"),
+        "wq_b": leaf((rq, h, qk), rq, "attn_q_b")} if rq else {"wq": leaf((d, h, qk), d, "attn_q")})
+  return {**q, "wkv_a": leaf((d, rkv + rope_d), d, "attn_kv_a"),
+          "kv_norm": leaf((rkv,), 0, "kv_norm"),
+          "wkv_b": leaf((rkv, h, nope + v), rkv, "attn_kv_b"), "wo": leaf((h, v, d), h * v, "attn_o")}
+
+
 def _param_tree(cfg: Config, leaf) -> dict:
   """The param pytree of one layer's / the model's leaves: leaf(shape, fan_in, role) makes a
   normal(0, 1/fan_in) leaf, fan_in=0 -> ones, fan_in=-1 -> zeros."""
-  d, h, kv, dh, e, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                           cfg.n_experts, cfg.d_ff, cfg.vocab)
+  d, e, f, v = cfg.d_model, cfg.n_experts, cfg.d_ff, cfg.vocab
 
-  def layer():
-    out = {
-        "attn_norm": leaf((d,), 0, "attn_norm"),
-        "attn": {"wq": leaf((d, h, dh), d, "attn_q"), "wk": leaf((d, kv, dh), d, "attn_kv"),
-                 "wv": leaf((d, kv, dh), d, "attn_kv"), "wo": leaf((h, dh, d), h * dh, "attn_o")},
-        "mlp_norm": leaf((d,), 0, "mlp_norm"),
-        "moe": {"router": leaf((d, e), d, "router"), "bias": leaf((e,), -1, "bias"),
-                "wi_0": leaf((e, d, f), d, "expert_in"), "wi_1": leaf((e, d, f), d, "expert_in"),
-                "wo": leaf((e, f, d), f, "expert_out")}}
+  def swiglu(width, roles):                                         # a dense SwiGLU FFN
+    r_in, r_out = roles
+    return {"wi_0": leaf((d, width), d, r_in), "wi_1": leaf((d, width), d, r_in),
+            "wo": leaf((width, d), width, r_out)}
+
+  def layer(dense):
+    out = {"attn_norm": leaf((d,), 0, "attn_norm"), "attn": _attention_params(cfg, leaf),
+           "mlp_norm": leaf((d,), 0, "mlp_norm")}
+    if dense:
+      return {**out, "mlp": swiglu(cfg.dense_d_ff, ("dense_in", "dense_out"))}
+    out["moe"] = {"router": leaf((d, e), d, "router"), "bias": leaf((e,), -1, "bias"),
+                  "wi_0": leaf((e, d, f), d, "expert_in"), "wi_1": leaf((e, d, f), d, "expert_in"),
+                  "wo": leaf((e, f, d), f, "expert_out")}
     if cfg.n_shared_experts:
-      fs = cfg.shared_d_ff
-      out["shared"] = {"wi_0": leaf((d, fs), d, "shared_in"), "wi_1": leaf((d, fs), d, "shared_in"),
-                       "wo": leaf((fs, d), fs, "shared_out")}
+      out["shared"] = swiglu(cfg.shared_d_ff, ("shared_in", "shared_out"))
     return out
 
-  layers = [layer() for _ in range(cfg.n_layers)]                   # drawn layer by layer, first
-  return {"embed": leaf((v, d), 1, "embed"), "layers": layers,
+  # drawn layer by layer in depth order (the dense prefix first), then stacked per kind
+  layers = [layer(i < cfg.first_k_dense_replace) for i in range(cfg.n_layers)]
+  tree = {"embed": leaf((v, d), 1, "embed")}
+  if cfg.first_k_dense_replace:
+    tree["dense_layers"] = layers[:cfg.first_k_dense_replace]
+  return {**tree, "layers": layers[cfg.first_k_dense_replace:],
           "final_norm": leaf((d,), 0, "final_norm"), "unembed": leaf((d, v), d, "unembed")}
 
 
+STACKS = ("dense_layers", "layers")      # the stacked layer kinds, in depth order
+
+
 def _stack(tree: dict, stack) -> dict:
-  return {**tree, "layers": jax.tree.map(lambda *ls: stack(ls), *tree["layers"],
-                                         is_leaf=lambda l: isinstance(l, ShapeLeaf))}
+  return {**tree, **{k: jax.tree.map(lambda *ls: stack(ls), *tree[k],
+                                     is_leaf=lambda l: isinstance(l, ShapeLeaf))
+                     for k in STACKS if k in tree}}
 
 
 def init_params(cfg: Config, seed: int | None = None) -> dict:
@@ -143,13 +190,31 @@ def init_params_shapes(cfg: Config) -> dict:
 
 
 def layer_params(params: dict, i: int) -> dict:
-  """Layer i's params: one slice of the stacked [L, ...] leaves."""
+  """MoE layer i's params: one slice of the stacked [L_moe, ...] leaves."""
   return jax.tree.map(lambda a: a[i], params["layers"])
 
 
 def param_leaves(cfg: Config) -> list:
   """The ShapeLeaf(shape, role) of every parameter, in pytree order."""
   return jax.tree.leaves(init_params_shapes(cfg), is_leaf=lambda l: isinstance(l, ShapeLeaf))
+
+
+def param_counts(cfg: Config) -> tuple[int, int]:
+  """(total, activated per token) parameters, from the declarations. Activated: what one token's
+  forward multiplies by: every weight but the routed experts, top_k of the n_experts routed
+  experts, and of the embedding table the one row it reads (a lookup, not a matmul; the
+  unembedding is a matmul and counts whole). Mixtral-8x7B 46.70B / 12.75B, DeepSeek-V2-Lite
+  15.71B / 2.45B, DeepSeek-V3 671.03B / 36.63B (tests/test_model.py holds the published
+  46.7B / 12.9B, 15.7B / 2.4B, 671B / 37B)."""
+  total = active = 0
+  for leaf in param_leaves(cfg):
+    n = math.prod(leaf.shape)
+    total += n
+    if leaf.role in EXPERTS:
+      active += n * cfg.top_k // cfg.n_experts
+    else:
+      active += cfg.d_model if leaf.role == "embed" else n
+  return total, active
 
 
 def param_roles(cfg: Config) -> dict:
@@ -160,12 +225,16 @@ def param_roles(cfg: Config) -> dict:
 
 def param_specs(cfg: Config, table: dict, layer_axis=None) -> dict:
   """A strategy's role -> PartitionSpec table (one layer's array; roles it omits are replicated)
-  -> the spec pytree of the params; layer roles get the leading [L] dim, sharded over
-  `layer_axis` (pipeline stages) or not at all."""
-  def spec(leaf):
-    p = table.get(leaf.role, P())
-    return P(layer_axis, *p) if leaf.role in LAYER_ROLES else p
-  return jax.tree.map(spec, init_params_shapes(cfg), is_leaf=lambda l: isinstance(l, ShapeLeaf))
+  -> the spec pytree of the params; layer roles get the leading [L] dim: the MoE stack's sharded
+  over `layer_axis` (pipeline stages) or not at all, the dense prefix's never (pp runs it before
+  the pipeline)."""
+  def spec(axis):
+    return lambda leaf: (P(axis, *table.get(leaf.role, P())) if leaf.role in LAYER_ROLES
+                         else table.get(leaf.role, P()))
+  is_leaf = lambda l: isinstance(l, ShapeLeaf)
+  shapes = init_params_shapes(cfg)
+  out = jax.tree.map(spec(None), shapes, is_leaf=is_leaf)
+  return {**out, "layers": jax.tree.map(spec(layer_axis), shapes["layers"], is_leaf=is_leaf)}
 
 
 def abstract_params(cfg: Config, specs, mesh) -> dict:
@@ -202,8 +271,13 @@ def rms_norm(x, w, eps):
   return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * w).astype(x.dtype)
 
 
-def rope(x, positions, theta):
-  """x [B, S, ..heads.., Dh], positions [B, S] (true positions: CP-reordered tokens rotate right)."""
+def rope(x, positions, theta, interleave=False):
+  """x [B, S, ..heads.., Dh], positions [B, S] (true positions: CP-reordered tokens rotate right).
+  Rotates the pairs (x_i, x_i+Dh/2); interleave: the pairs (x_2i, x_2i+1), as Hugging Face's
+  DeepseekV3 (rope_interleave), which de-interleaves first: the result is in the rotated-half
+  order, the same for q and k, so their dot products are the same as its."""
+  if interleave:
+    x = einops.rearrange(x, "... (d two) -> ... (two d)", two=2)
   half = x.shape[-1] // 2
   inv_freq = 1.0 / (theta ** (np.arange(half, dtype=np.float32) / half))       # [Dh/2]
   ang = positions.astype(jnp.float32)[..., None] * inv_freq                     # [B, S, Dh/2]
@@ -214,15 +288,28 @@ def rope(x, positions, theta):
 
 
 def _gather_kv(a, spec):
-  """K or V [B, S@cp, KV, Dh] -> spec (whole along the sequence): an all-gather over the axes
-  that split S. Every such rank's queries read all of K/V, so the cotangent is a partial sum over
+  """K or V [B, S@cp, ...] -> spec (whole along the sequence): an all-gather over the axes that
+  split S. Every such rank's queries read all of K/V, so the cotangent is a partial sum over
   those axes: gather_weight's backward reduce-scatters it (XLA:CPU alone would all-reduce)."""
   seq_axes = sharding.dim_axes(jax.typeof(a).sharding.spec, 1)
   return sharding.gather_weight(a, spec, tuple(x for x in seq_axes
                                                if x not in sharding.dim_axes(spec, 1)))
 
 
+def _softmax_causal(scores, q_pos, k_pos):
+  """scores [B, ..., S, T] float32 -> probabilities, causal by true positions q_pos [B, S],
+  k_pos [B, T]."""
+  lead = (slice(None),) + (None,) * (scores.ndim - 3)
+  causal = k_pos[lead + (None, slice(None))] <= q_pos[lead + (slice(None), None)]  # [B, 1.., S, T]
+  return jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
+
+
 def attention(p, x, positions, cfg: Config, lay: Layout):
+  """Causal self-attention of cfg.attention. x [B, S, D] -> [B, S, D]."""
+  return (mla if cfg.mla else gqa)(p, x, positions, cfg, lay)
+
+
+def gqa(p, x, positions, cfg: Config, lay: Layout):
   """Causal GQA attention. x [B, S, D] -> [B, S, D]."""
   wq, wk, wv, wo = (use(lay, r, p[n], x.dtype) for n, r in (("wq", "attn_q"), ("wk", "attn_kv"),
                                                            ("wv", "attn_kv"), ("wo", "attn_o")))
@@ -239,28 +326,67 @@ def attention(p, x, positions, cfg: Config, lay: Layout):
     k, v = _gather_kv(k, lay.kv), _gather_kv(v, lay.kv)                     # [B, T, KV, Dh]
     k_pos = jax.reshard(positions, lay.kv_pos)                                 # [B, T]
   scores = jnp.einsum("bskgh,btkh->bkgst", q, k).astype(jnp.float32) / np.sqrt(dh)
-  causal = k_pos[:, None, None, None, :] <= positions[:, None, None, :, None]  # [B, 1, 1, S, T]
-  probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(v.dtype)
+  probs = _softmax_causal(scores, positions, k_pos).astype(v.dtype)          # [B, KV, G, S, T]
   o = jnp.einsum("bkgst,btkh->bskgh", probs, v)                                # [B, S, KV, G, Dh]
   return jnp.einsum("bskgh,kghd->bsd", o, wo, out_sharding=lay.row)            # [B, S, D]
 
 
-def shared_expert(p, x, lay: Layout):
-  """Dense SwiGLU shared expert. x [B, S, D] -> [B, S, D]."""
-  w0, w1, wo = (use(lay, r, p[n], x.dtype) for n, r in (("wi_0", "shared_in"),
-                                                       ("wi_1", "shared_in"), ("wo", "shared_out")))
-  h = jax.nn.silu(jnp.einsum("bsd,df->bsf", x, w0)) * jnp.einsum("bsd,df->bsf", x, w1)  # [B, S, Fs]
+LATENT_NORM_EPS = 1e-6   # MLA's q / kv latent RMSNorms: a constant in DeepSeek's and HF's code
+
+
+def mla(p, x, positions, cfg: Config, lay: Layout):
+  """Causal Multi-head Latent Attention (DeepSeek-V2/V3). x [B, S, D] -> [B, S, D].
+
+    q      = x @ wq  or  rms_norm(x @ wq_a) @ wq_b            [B, S, H, nope | rope]
+    c, k_r = x @ wkv_a                                        [B, S, Rkv | rope]
+    k_n, v = rms_norm(c) @ wkv_b                              [B, T, H, nope | v]
+    scores = (q_n . k_n + rope(q_r) . rope(k_r)) / sqrt(nope + rope): k_r is one key for all
+             heads (the decoupled RoPE key), its rotation shared.
+  Per token the latent (c, k_r) is Rkv + rope values, the up-projected K/V H x (nope + rope + v):
+  576 against 40,960 at DeepSeek-V3's shape. No layout with Layout.kv (context parallelism) runs
+  MLA yet: cp and ep_as_cp refuse it (strategies' check)."""
+  nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+  w = lambda n, role: use(lay, role, p[n], x.dtype)
+  if cfg.q_lora_rank:
+    cq = jnp.einsum("bsd,dr->bsr", x, w("wq_a", "attn_q_a"))                   # [B, S, Rq]
+    cq = rms_norm(cq, lay.use("q_norm", p["q_norm"]), LATENT_NORM_EPS)
+    q = jnp.einsum("bsr,rhk->bshk", cq, w("wq_b", "attn_q_b"))                 # [B, S, H, qk]
+  else:
+    q = jnp.einsum("bsd,dhk->bshk", x, w("wq", "attn_q"))                      # [B, S, H, qk]
+  q_n = q[..., :nope]                                                          # [B, S, H, nope]
+  q_r = rope(q[..., nope:], positions, cfg.rope_theta, cfg.rope_interleave)    # [B, S, H, rope]
+  ckv = jnp.einsum("bsd,dc->bsc", x, w("wkv_a", "attn_kv_a"))                  # [B, S, Rkv + rope]
+  c = rms_norm(ckv[..., :r], lay.use("kv_norm", p["kv_norm"]), LATENT_NORM_EPS)  # [B, S, Rkv]
+  k_r = rope(ckv[..., r:], positions, cfg.rope_theta, cfg.rope_interleave)     # [B, S, rope]
+  kv = jnp.einsum("bsr,rhk->bshk", c, w("wkv_b", "attn_kv_b"))                 # [B, S, H, nope + v]
+  k_n, v = kv[..., :nope], kv[..., nope:]                                      # [B, S, H, nope|v]
+  scores = (jnp.einsum("bshk,bthk->bhst", q_n, k_n)
+            + jnp.einsum("bshk,btk->bhst", q_r, k_r)).astype(jnp.float32) / np.sqrt(cfg.qk_head_dim)
+  probs = _softmax_causal(scores, positions, positions).astype(v.dtype)      # [B, H, S, T=S]
+  o = jnp.einsum("bhst,bthv->bshv", probs, v)                                  # [B, S, H, v]
+  return jnp.einsum("bshv,hvd->bsd", o, w("wo", "attn_o"), out_sharding=lay.row)  # [B, S, D]
+
+
+def swiglu(p, x, lay: Layout, roles=("shared_in", "shared_out")):
+  """Dense SwiGLU FFN (the shared expert, a dense layer's FFN). x [B, S, D] -> [B, S, D]."""
+  r_in, r_out = roles
+  w0, w1, wo = (use(lay, r, p[n], x.dtype) for n, r in (("wi_0", r_in), ("wi_1", r_in),
+                                                       ("wo", r_out)))
+  h = jax.nn.silu(jnp.einsum("bsd,df->bsf", x, w0)) * jnp.einsum("bsd,df->bsf", x, w1)  # [B, S, F]
   return jnp.einsum("bsf,fd->bsd", h, wo, out_sharding=lay.row)
 
 
 def block(x, lp, positions, cfg: Config, lay: Layout):
-  """One decoder layer. x [B, S, D], lp: one layer's params -> (x [B, S, D], its router stats)."""
+  """One decoder layer. x [B, S, D], lp: one layer's params -> (x [B, S, D], its router stats);
+  a dense layer (lp has "mlp", no "moe") returns no stats."""
   h = lay.gather_in(rms_norm(x, lay.use("attn_norm", lp["attn_norm"]), cfg.norm_eps))
   x = x + lay.scatter_out(attention(lp["attn"], h, positions, cfg, lay))
   h = lay.gather_in(rms_norm(x, lay.use("mlp_norm", lp["mlp_norm"]), cfg.norm_eps))
+  if "mlp" in lp:                                                   # a leading dense layer
+    return x + lay.scatter_out(swiglu(lp["mlp"], h, lay, ("dense_in", "dense_out"))), None
   y, stats = lay.moe(lp["moe"], h, positions)
   if "shared" in lp:
-    y = y + shared_expert(lp["shared"], h, lay)
+    y = y + swiglu(lp["shared"], h, lay)
   return x + lay.scatter_out(y), stats
 
 
@@ -273,14 +399,24 @@ def remat(body, cfg: Config):
   return jax.checkpoint(body, policy=policy, prevent_cse=False)
 
 
+def dense_prefix(x, params, positions, cfg: Config, lay: Layout):
+  """The leading dense layers (none unless cfg.first_k_dense_replace): x [B, S, D] -> [B, S, D]."""
+  if "dense_layers" not in params:
+    return x
+  body = remat(lambda x, lp: (block(x, lp, positions, cfg, lay)[0], None), cfg)
+  return jax.lax.scan(body, x, params["dense_layers"])[0]
+
+
 def forward(params, batch, cfg: Config, lay: Layout):
-  """-> (logits [B, S, V], router stats {name: [L, ...]}). The layers are one `block` scanned
-  over the stacked [L, ...] layer params: compile time does not grow with depth."""
+  """-> (logits [B, S, V], router stats {name: [L_moe, ...]}). Each kind of layer is one `block`
+  scanned over its stacked params (the dense prefix, then the MoE layers): compile time does not
+  grow with depth."""
   tokens, positions = batch["tokens"], batch["positions"]
   embed = use(lay, "embed", params["embed"], cfg.dtype)
   x = embed.at[tokens].get(out_sharding=lay.x)                                 # [B, S, D] cfg.dtype
+  x = dense_prefix(x, params, positions, cfg, lay)
   body = remat(lambda x, lp: block(x, lp, positions, cfg, lay), cfg)
-  x, stats = jax.lax.scan(body, x, params["layers"])
+  x, stats = jax.lax.scan(body, x, params["layers"])                          # the MoE layers
   x = rms_norm(x, lay.use("final_norm", params["final_norm"]), cfg.norm_eps)
   logits = jnp.einsum("bsd,dv->bsv", x, use(lay, "unembed", params["unembed"], x.dtype))  # [B, S, V]
   return logits, stats

@@ -85,11 +85,14 @@ class Optimizer(NamedTuple):
 _MUON_VIEW = {
   "attn_q": ((0,), (1, 2)), "attn_kv": ((0,), (1, 2)),   # [D, H|KV, Dh] -> [D, H*Dh]
   "attn_o": ((0, 1), (2,)),                               # [H, Dh, D] -> [H*Dh, D]
+  "attn_q_a": ((0,), (1,)), "attn_kv_a": ((0,), (1,)),    # MLA [D, Rq], [D, Rkv + rope]
+  "attn_q_b": ((0,), (1, 2)), "attn_kv_b": ((0,), (1, 2)),  # MLA [R, H, k] -> [R, H*k]
   "shared_in": ((0,), (1,)), "shared_out": ((0,), (1,)),  # [D, Fs], [Fs, D]
+  "dense_in": ((0,), (1,)), "dense_out": ((0,), (1,)),    # [D, Fd], [Fd, D]
   "expert_in": ((1,), (2,)), "expert_out": ((1,), (2,)),  # [E, D, F], [E, F, D]: E matrices
 }
 MUON_ROLES = tuple(_MUON_VIEW)
-NO_DECAY = ("attn_norm", "mlp_norm", "final_norm", "bias")    # norm scales; the frozen bias
+NO_DECAY = model.NORMS + ("bias",)                            # norm scales; the frozen bias
 
 
 def muon_dims(role: str) -> MuonDimensionNumbers | None:

@@ -77,10 +77,10 @@ def accumulated_grads(params, batch, cfg, lay: model.Layout):
   # pass 1 unrolled (forward only, nothing kept for a backward: it costs compile time, not
   # memory): as a second lax.scan beside pass 2's, the executable reloaded from the persistent
   # compilation cache crashes XLA:CPU (jax 0.12: rendezvous "id < num_threads" check failure)
-  counts = jnp.zeros((cfg.n_layers, cfg.n_experts), jnp.float32)
+  counts = jnp.zeros((cfg.n_moe_layers, cfg.n_experts), jnp.float32)
   for i in range(cfg.microbatches):
     counts = count(counts, jax.tree.map(lambda a: a[i], mbs))[0]
-  counts = jax.lax.stop_gradient(counts)                                    # [L, E], global
+  counts = jax.lax.stop_gradient(counts)                                    # [L_moe, E], global
 
   def grad_one(carry, mb):
     (_, m), g = jax.value_and_grad(model.loss_fn, has_aux=True)(params, mb, cfg, lay,

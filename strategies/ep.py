@@ -349,13 +349,13 @@ def cost(cfg, mesh, opts, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
   if opts.dispatch == "a2a":
     buf = e * c * cfg.d_model * act                              # [EP, C, D]
     terms += (term("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, e] (int32)",
-                   cfg.n_layers * (2 * buf + cfg.n_experts * 4), EXPERT, cost_lib.RECOMPUTED)
-              + term("all-to-all", "bwd", "their transposes", cfg.n_layers * 2 * buf, EXPERT))
+                   cfg.n_moe_layers * (2 * buf + cfg.n_experts * 4), EXPERT, cost_lib.RECOMPUTED)
+              + term("all-to-all", "bwd", "their transposes", cfg.n_moe_layers * 2 * buf, EXPERT))
   elif opts.dispatch == "ragged":                  # output buffers: [EP*C, D] and [T*K, D]
     rows = (e * c + t_loc * cfg.top_k) * cfg.d_model * act
-    terms += (term("all-gather", "fwd", "counts [EP, EP, e] (int32)", cfg.n_layers * e * cfg.n_experts * 4,
+    terms += (term("all-gather", "fwd", "counts [EP, EP, e] (int32)", cfg.n_moe_layers * e * cfg.n_experts * 4,
                    EXPERT, cost_lib.RECOMPUTED)
-              + term("ragged-all-to-all", "fwd", "dispatch + combine rows", cfg.n_layers * rows,
+              + term("ragged-all-to-all", "fwd", "dispatch + combine rows", cfg.n_moe_layers * rows,
                      EXPERT, cost_lib.RECOMPUTED)
-              + term("ragged-all-to-all", "bwd", "their transposes", cfg.n_layers * rows, EXPERT))
+              + term("ragged-all-to-all", "bwd", "their transposes", cfg.n_moe_layers * rows, EXPERT))
   return terms

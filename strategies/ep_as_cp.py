@@ -58,7 +58,7 @@ from layout import context, fsdp, mesh as mesh_lib
 from layout.options import NoOptions
 from measure import cost as cost_lib
 from modeling import model
-from strategies import BadInput, Case, ep
+from strategies import MLA_TINY, BadInput, Case, ep
 
 NAME = "ep_as_cp"
 DATA, FSDP, EXPERT = mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.EXPERT
@@ -72,10 +72,13 @@ Options = NoOptions
 SEED_MESH = "fsdp:2,expert:2,data:2"          # MaxText #3656's FSDP=2 + EP-as-CP=2 (+ data=2)
 # tiny batch 2: 2 sequences on 8 devices, a quarter of a sequence each, with the capacity rule,
 # which needs the whole sequence (expert ids and positions all-gathered over expert)
-TEST_CASES = [Case("deepseek-test", SEED_MESH),
+TEST_CASES = [Case("deepseek-gqa-test", SEED_MESH),
               Case("tiny", "fsdp:2,expert:4", dict(batch=2, capacity_factor=1.0))]
 COST_CASES = TEST_CASES
 BAD_INPUT = [
+    BadInput(MLA_TINY, "expert:2,data:4", Options(),
+             "ep_as_cp does not run attention=mla yet (gathering the laten"
+             "t needs the up-projection's cotangent kept a partial sum over expert); dp, fsdp, ep, pp and shard_exp_on_fsdp do"),
     BadInput(dict(seq_len=36), "expert:8", Options(), "seq_len=36 is not divisible by 2*expert=16"),
     BadInput(dict(batch=3), "fsdp:2,expert:4", Options(),
              "batch=3 is not divisible by mesh axis dataxfsdp=2"),
@@ -85,6 +88,8 @@ BAD_INPUT = [
 
 def check(cfg, mesh, opts):
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
+  mesh_lib.require_gqa(cfg, NAME, "gathering the latent needs the up-projection's cotangent "
+                       "kept a partial sum over expert")
   mesh_lib.require_divisible("batch", cfg.batch, mesh, BATCH)
   context.check(cfg, mesh, CP)
   fsdp.check(cfg, mesh, FSDP)

@@ -74,7 +74,7 @@ direction: 2 x (AG to [T, D] + RS to [T/EP, D]), the same wire bytes as the 2 al
 the replicated-residual (Megatron) layout, 2r(EP-1)/EP each, with activations at 1/EP; plus the
 [T, K] routing. Attention needs H and KV divisible by EP, the sequence S divisible by EP.
 
-  python run.py --strategy=ep_tp --mesh=data:4,expert:2 --model=deepseek-test --steps=3
+  python run.py --strategy=ep_tp --mesh=data:4,expert:2 --model=deepseek-gqa-test --steps=3
   python run.py --strategy=ep_tp --mesh=expert:2 --devices=2 --batch=1 --seq=8 --opt=capacity=0.5
 """
 import dataclasses
@@ -90,7 +90,7 @@ from measure import cost as cost_lib
 from modeling import model, moe, routing
 from modeling.config import ConfigError
 from parallel.sharding import gather_weight, reduce_scatter
-from strategies import BadInput, Case
+from strategies import MLA_TINY, BadInput, Case
 
 NAME = "ep_tp"
 DATA, EXPERT = mesh_lib.DATA, mesh_lib.EXPERT
@@ -112,10 +112,13 @@ class Options:
 
 SMALL = dict(n_heads=8, n_kv_heads=8, batch=1, seq_len=8)   # 8 tokens; heads divisible by EP=8
 TEST_CASES = [Case("tiny", "data:2,expert:4", dict(n_kv_heads=4)),
-              Case("deepseek-test", "data:4,expert:2"),
-              Case("deepseek-test", "expert:8", SMALL)]         # 1 token per device: inference-like
+              Case("deepseek-gqa-test", "data:4,expert:2"),
+              Case("deepseek-gqa-test", "expert:8", SMALL)]         # 1 token per device: inference-like
 COST_CASES = TEST_CASES
 BAD_INPUT = [
+    BadInput(MLA_TINY, "data:4,expert:2", Options(),
+             "ep_tp does not run attention=mla yet (its attention reads h "
+             "typed reduced over expert, which MLA's replicated down-projections cannot contract); dp, fsdp, ep, pp and shard_exp_on_fsdp do"),
     BadInput({}, "data:2,expert:4", Options(), "n_kv_heads=2 is not divisible by mesh axis expert=4"),
     BadInput(dict(n_heads=8, n_kv_heads=8, n_experts=4), "expert:8", Options(),
              "n_experts=4 is not divisible by mesh axis expert=8"),
@@ -131,6 +134,8 @@ BAD_INPUT = [
 
 
 def check(cfg, mesh, opts):
+  mesh_lib.require_gqa(cfg, NAME, "its attention reads h typed reduced over expert, which "
+                       "MLA's replicated down-projections cannot contract")
   mesh_lib.require_divisible("batch", cfg.batch, mesh, DATA)
   mesh_lib.require_divisible("seq_len", cfg.seq_len, mesh, EXPERT)
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
@@ -138,6 +143,8 @@ def check(cfg, mesh, opts):
   mesh_lib.require_divisible("n_kv_heads", cfg.n_kv_heads, mesh, EXPERT)
   if cfg.n_shared_experts:
     mesh_lib.require_divisible("shared_d_ff", cfg.shared_d_ff, mesh, EXPERT)
+  if cfg.first_k_dense_replace:
+    mesh_lib.require_divisible("dense_d_ff", cfg.dense_d_ff, mesh, EXPERT)
   if cfg.remat.startswith("dots"):     # jax 0.12: "unreduced rule for dynamic_slice is not
     raise ConfigError(f"ep_tp does not compile with --remat={cfg.remat} (jax has no unreduced "
                       "rule for dynamic_slice); use --remat=block")       # implemented"
@@ -148,8 +155,10 @@ def check(cfg, mesh, opts):
 def param_specs(cfg, mesh):
   return model.param_specs(cfg, {
       "attn_q": P(None, EXPERT, None), "attn_kv": P(None, EXPERT, None),  # column-parallel
+      "attn_q_b": P(None, EXPERT, None), "attn_kv_b": P(None, EXPERT, None),  # MLA, by head
       "attn_o": P(EXPERT, None, None),                                       # row-parallel
       "shared_in": P(None, EXPERT), "shared_out": P(EXPERT, None),
+      "dense_in": P(None, EXPERT), "dense_out": P(EXPERT, None),
       "expert_in": P(EXPERT, None, None), "expert_out": P(EXPERT, None, None)})  # e whole
 
 
@@ -247,12 +256,13 @@ def cost(cfg, mesh, opts):
                                   grads=dict.fromkeys(model.NORMS, ((EXPERT,), (DATA,))))
   term = functools.partial(cost_lib.term, mesh)
   return (weights + cost_lib.stats_terms(cfg, mesh, TOKENS)
-          + term("all-gather", "fwd", "normed h x2, routing ids + weights",
-                 n_layers * (2 * act + ids + rk), EXPERT, cost_lib.RECOMPUTED)
+          + term("all-gather", "fwd", "normed h x2, routing ids + weights (MoE layers)",
+                 n_layers * 2 * act + cfg.n_moe_layers * (ids + rk), EXPERT, cost_lib.RECOMPUTED)
           + term("reduce-scatter", "fwd", "attn wo", n_layers * act / ep, EXPERT,
                  cost_lib.BLOCK_ONLY)
-          + term("reduce-scatter", "fwd", "MoE + shared", n_layers * act / ep, EXPERT)
+          + term("reduce-scatter", "fwd", "MoE + shared, or the dense FFN", n_layers * act / ep,
+                 EXPERT)
           + term("all-gather", "bwd", "cotangents of the two reduce-scatters", n_layers * 2 * act,
                  EXPERT)
           + term("reduce-scatter", "bwd", "cotangents of the gathered h x2 and weights",
-                 n_layers * (2 * act + rk) / ep, EXPERT))
+                 (n_layers * 2 * act + cfg.n_moe_layers * rk) / ep, EXPERT))

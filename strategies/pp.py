@@ -1,18 +1,23 @@
 """pp — pipeline parallelism over `stage`, expert parallelism inside each stage.
 
-Mesh axes: (stage, data, expert), stage outermost. P = |stage| stages of L/P contiguous layers;
+Mesh axes: (stage, data, expert), stage outermost. P = |stage| stages of L/P contiguous MoE
+layers (L = n_layers - first_k_dense_replace);
 M = cfg.microbatches (--microbatches) microbatches per step; EP = |expert|.
 
 | tensor                                   | sharding                                          |
 |------------------------------------------|---------------------------------------------------|
-| layer params [L, ...]                    | L over stage: stage s holds layers s*L/P..(s+1)*L/P-1 |
+| MoE layer params [L, ...]                | L over stage: stage s holds layers s*L/P..(s+1)*L/P-1 |
+| dense prefix params [L_dense, ...]       | replicated                                        |
 | experts wi_0/wi_1 [L, E, D, F], wo       | (stage, expert, None, None): e = E/EP per device  |
 | attn, norms, router, bias, shared [L, ..]| (stage, ...), replicated over (data, expert)      |
 | embed, final_norm, unembed               | replicated                                        |
 | tokens / targets / positions [B, S]      | ((data, expert), None), replicated over stage     |
 | a microbatch between stages [b/M, S, D]  | per device: its b = B/(data*expert) rows, 1/M     |
 
-The whole model is one full-manual shard_map (`loss`). Stage 0 embeds microbatch t at time t;
+The whole model is one full-manual shard_map (`loss`). Every device embeds its rows and runs the
+leading dense layers (DeepSeek's, as MaxText runs them: before the pipeline, replicated over
+stage; stages > 0 discard theirs, so it costs P x their FLOPs and one [b, S, D] per dense layer
+of activation memory). Stage 0 feeds microbatch t at time t;
 stage s runs its L/P layers (model.block, scanned) on what stage s-1 sent at t-1; every stage
 ppermutes its output to s+1 after each time step; the last stage keeps the M outputs and
 computes the head. Inside a stage the MoE is ep.py's moe_body with its padded all-to-all over
@@ -89,7 +94,7 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               Case("tiny", "stage:4,data:2", dict(n_layers=4, batch=16, microbatches=8)),
               Case("deepseek-test", "stage:2,data:2,expert:2", dict(microbatches=2)),
               Case("deepseek-test", "stage:4,expert:2",
-                   dict(n_layers=4, microbatches=4, capacity_factor=1.0)),
+                   dict(n_layers=5, microbatches=4, capacity_factor=1.0)),
               # Muon's Newton-Schulz maps over each stage's own layers (modeling/optim.py)
               Case("tiny", "stage:2,expert:4", dict(optimizer="muon"))]
 COST_CASES = TEST_CASES[:3]
@@ -103,7 +108,8 @@ BAD_INPUT = [
 
 
 def check(cfg, mesh, opts):
-  mesh_lib.require_divisible("n_layers", cfg.n_layers, mesh, STAGE)
+  mesh_lib.require_divisible("n_layers - first_k_dense_replace" if cfg.first_k_dense_replace
+                             else "n_layers", cfg.n_moe_layers, mesh, STAGE)
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)
   mesh_lib.require_microbatches(cfg, mesh, batch_spec(cfg, mesh))  # B % (M x data x expert)
@@ -140,15 +146,52 @@ def loss(params, batch, *, cfg, mesh):
       params, *(batch[k] for k in keys))
 
 
+def logits(params, batch, *, cfg, mesh):
+  """The model's logits [B, S, V] under the pipeline (no loss; for inference and the Hugging
+  Face parity tests): the last stage's head, summed over stage (the other stages add zeros)."""
+  def body(p, tokens, positions):
+    outs, _, p = _stages(p, tokens, positions, cfg=cfg, n_stage=mesh.shape[STAGE],
+                      ep_size=mesh.shape[EXPERT])
+    h = model.rms_norm(outs, p["final_norm"], cfg.norm_eps)         # [M, b/M, S, D]
+    out = jnp.einsum("mbsd,dv->mbsv", h, p["unembed"]).astype(jnp.float32)
+    last = jax.lax.axis_index(STAGE) == mesh.shape[STAGE] - 1
+    out = jax.lax.psum(jnp.where(last, out, 0.0), STAGE)
+    return einops.rearrange(out, "m mb s v -> (m mb) s v")          # [b, S, V]
+  bspec = batch_spec(cfg, mesh)
+  return jax.shard_map(body, in_specs=(param_specs(cfg, mesh), bspec, bspec),
+                       out_specs=P(TOKENS, None, None))(params, batch["tokens"], batch["positions"])
+
+
 def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
   """One device. tokens / targets / positions [b, S] local rows; p: this stage's layers."""
+  m, all_axes = cfg.microbatches, (STAGE,) + TOKENS
+  outs, stats, p = _stages(p, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size)
+  last = jax.lax.axis_index(STAGE) == n_stage - 1
+  tgt = einops.rearrange(targets, "(m mb) s -> m mb s", m=m)        # [M, b/M, S]
+  h = model.rms_norm(outs, p["final_norm"], cfg.norm_eps)           # [M, b/M, S, D]
+  logits = jnp.einsum("mbsd,dv->mbsv", h, p["unembed"]).astype(jnp.float32)
+  ce = jnp.sum(jax.nn.logsumexp(logits, axis=-1)
+               - jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0])
+  n_tokens = cfg.batch * cfg.seq_len
+  ce = jax.lax.psum(jnp.where(last, ce, 0.0), all_axes) / n_tokens
+  aux, z = routing.aux_losses(stats, n_tokens, cfg.n_experts)       # [L/P] from the step's stats
+  aux, z, dropped = (jax.lax.psum(jnp.sum(v), STAGE) for v in (aux, z, stats["dropped"]))
+  total = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
+  return total, {"loss": total, "ce_loss": ce, "aux_loss": aux, "z_loss": z, "dropped": dropped,
+                 "counts": stats["counts"]}
+
+
+def _stages(p, tokens, positions, *, cfg, n_stage, ep_size):
+  """The GPipe time loop on one device -> (the last stage's outputs [M, b/M, S, D] (zeros on
+  the other stages), this stage's router stats summed over the microbatches {name: [L/P, ..]},
+  p cast and varying: the head reads its final_norm and unembed)."""
   m, all_axes = cfg.microbatches, (STAGE,) + TOKENS
   b, s = tokens.shape
   mb = b // m
   # microbatch i = this device's rows i*b/M .. (i+1)*b/M - 1 (contiguous; train.microbatches
   # interleaves instead: the step's statistics are summed over all microbatches either way)
   split = lambda a: einops.rearrange(a, "(m mb) s -> m mb s", m=m)   # [M, b/M, S]
-  tok, tgt, pos = split(tokens), split(targets), split(positions)
+  pos = split(positions)
   stage = jax.lax.axis_index(STAGE)
   first, last = stage == 0, stage == n_stage - 1
   # varying over every axis before the time loop: each device accumulates its weight grads over
@@ -160,6 +203,10 @@ def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
   f32_sum = cfg.grad_reduce_dtype == "float32"
   p = jax.tree.map(lambda a: sharding.to_varying(a, all_axes), p if f32_sum else cast(p))
   p = cast(p) if f32_sum else p
+  # the leading dense layers (DeepSeek) before the pipeline, on every device for its own rows
+  # (stages > 0 compute it too and discard it: their gradient of it is zero)
+  x0 = model.dense_prefix(p["embed"][tokens], p, positions, cfg, model.Layout())   # [b, S, D]
+  x0 = einops.rearrange(x0, "(m mb) s d -> m mb s d", m=m)          # [M, b/M, S, D]
   lay = model.Layout(moe=functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
                                            token_axes=TOKENS, transport=ep.a2a_exchange))
 
@@ -172,7 +219,7 @@ def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
     mi = t - stage                                                  # this stage's microbatch
     valid = (mi >= 0) & (mi < m)
     mc = jnp.clip(mi, 0, m - 1)
-    x = jnp.where(first, p["embed"][tok[jnp.minimum(t, m - 1)]], recv)   # [b/M, S, D]
+    x = jnp.where(first, x0[jnp.minimum(t, m - 1)], recv)          # [b/M, S, D]
     y, st = run_stage(x, pos[mc])                                   # st: {name: [L/P, ...]}
     stats = jax.tree.map(lambda a, v: a + jnp.where(valid, v, 0), stats, st)
     outs = outs.at[mc].set(jnp.where(valid & last, y, outs[mc]))    # the last stage keeps them
@@ -185,18 +232,7 @@ def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
                        jax.eval_shape(run_stage, zeros((mb, s, cfg.d_model)), pos[0])[1])
   carry = (zeros((mb, s, cfg.d_model)), zeros((m, mb, s, cfg.d_model)), stat0)
   (_, outs, stats), _ = jax.lax.scan(step, carry, jnp.arange(m + n_stage - 1))
-
-  h = model.rms_norm(outs, p["final_norm"], cfg.norm_eps)           # [M, b/M, S, D]
-  logits = jnp.einsum("mbsd,dv->mbsv", h, p["unembed"]).astype(jnp.float32)
-  ce = jnp.sum(jax.nn.logsumexp(logits, axis=-1)
-               - jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0])
-  n_tokens = cfg.batch * cfg.seq_len
-  ce = jax.lax.psum(jnp.where(last, ce, 0.0), all_axes) / n_tokens
-  aux, z = routing.aux_losses(stats, n_tokens, cfg.n_experts)       # [L/P] from the step's stats
-  aux, z, dropped = (jax.lax.psum(jnp.sum(v), STAGE) for v in (aux, z, stats["dropped"]))
-  total = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
-  return total, {"loss": total, "ce_loss": ce, "aux_loss": aux, "z_loss": z, "dropped": dropped,
-                 "counts": stats["counts"]}
+  return outs, stats, p
 
 
 def activation_shardings(cfg, mesh, opts):

@@ -181,5 +181,5 @@ def cost(cfg, mesh, opts):
   buf = n_ep * c * cfg.d_model * cost_lib.act_bytes(cfg)         # one [EP, C, D]
   return (terms
           + cost_lib.term(mesh, "all-to-all", "fwd", "dispatch + combine, counts [EP, e]",
-                          cfg.n_layers * (2 * buf + cfg.n_experts * 4), ep, cost_lib.RECOMPUTED)
-          + cost_lib.term(mesh, "all-to-all", "bwd", "their transposes", cfg.n_layers * 2 * buf, ep))
+                          cfg.n_moe_layers * (2 * buf + cfg.n_experts * 4), ep, cost_lib.RECOMPUTED)
+          + cost_lib.term(mesh, "all-to-all", "bwd", "their transposes", cfg.n_moe_layers * 2 * buf, ep))

@@ -55,7 +55,7 @@ from layout.precision import moe_stored, stored_use
 from measure import cost as cost_lib
 from modeling import model, moe
 from parallel import sharding
-from strategies import BadInput, Case
+from strategies import MLA_TINY, BadInput, Case
 
 NAME = "tp"
 DATA, TENSOR = mesh_lib.DATA, mesh_lib.TENSOR
@@ -67,10 +67,13 @@ GROW_AXIS = TENSOR                    # at scale the model, not the preset, caps
 Options = NoOptions
 _TINY8 = dict(n_heads=8, n_kv_heads=4)   # 8 / 4 heads: the same model on tensor:2 and tensor:4
 TEST_CASES = [Case("tiny", "tensor:2,data:4", _TINY8), Case("tiny", "data:2,tensor:4", _TINY8),
-              Case("deepseek-test", "tensor:2,data:4")]
+              Case("deepseek-gqa-test", "tensor:2,data:4")]
 COST_CASES = TEST_CASES[:2]
 LAYOUTS = ("tiny", ("tensor:2,data:4", "data:2,tensor:4"), _TINY8)
 BAD_INPUT = [
+    BadInput(MLA_TINY, "tensor:2,data:4", Options(),
+             "tp does not run attention=mla yet (its attention reads h typ"
+             "ed reduced over tensor, which MLA's replicated down-projections cannot contract); dp, fsdp, ep, pp and shard_exp_on_fsdp do"),
     BadInput(dict(n_heads=6, n_kv_heads=2), "data:2,tensor:4", Options(),
              "n_heads=6 is not divisible by mesh axis tensor=4"),
     BadInput(dict(n_heads=8, n_kv_heads=2), "data:2,tensor:4", Options(),
@@ -82,21 +85,28 @@ BAD_INPUT = [
 
 
 def check(cfg, mesh, opts):
+  mesh_lib.require_gqa(cfg, NAME, "its attention reads h typed reduced over tensor, which "
+                       "MLA's replicated down-projections cannot contract")
   mesh_lib.require_divisible("batch", cfg.batch, mesh, DATA)
   mesh_lib.require_divisible("n_heads", cfg.n_heads, mesh, TENSOR)
   mesh_lib.require_divisible("n_kv_heads", cfg.n_kv_heads, mesh, TENSOR)
   mesh_lib.require_divisible("d_ff", cfg.d_ff, mesh, TENSOR)
   if cfg.n_shared_experts:
     mesh_lib.require_divisible("shared_d_ff", cfg.shared_d_ff, mesh, TENSOR)
+  if cfg.first_k_dense_replace:
+    mesh_lib.require_divisible("dense_d_ff", cfg.dense_d_ff, mesh, TENSOR)
 
 
 def param_specs(cfg, mesh):
   return model.param_specs(cfg, {
       "attn_q": P(None, TENSOR, None), "attn_kv": P(None, TENSOR, None),  # [D, H_t|KV_t, Dh] column
+      "attn_q_b": P(None, TENSOR, None), "attn_kv_b": P(None, TENSOR, None),  # MLA [R, H_t, .]
       "attn_o": P(TENSOR, None, None),                                      # [H_t, Dh, D] row
       "expert_in": P(None, None, TENSOR),                                   # [E, D, F_t] column
       "expert_out": P(None, TENSOR, None),                                  # [E, F_t, D] row
-      "shared_in": P(None, TENSOR), "shared_out": P(TENSOR, None)})  # embed, norms, router: replicated
+      "shared_in": P(None, TENSOR), "shared_out": P(TENSOR, None),
+      "dense_in": P(None, TENSOR), "dense_out": P(TENSOR, None)})
+  # embed, norms, router, MLA's down-projections wq_a / wkv_a: replicated
 
 
 def batch_spec(cfg, mesh):
@@ -157,7 +167,7 @@ def cost(cfg, mesh, opts):
   return (terms
           + cost_lib.term(mesh, "all-reduce", "fwd", "attention wo output", cfg.n_layers * x, TENSOR,
                           cost_lib.BLOCK_ONLY)
-          + cost_lib.term(mesh, "all-reduce", "fwd", "MoE / shared wo outputs",
-                          cfg.n_layers * (1 + sh) * x, TENSOR)
+          + cost_lib.term(mesh, "all-reduce", "fwd", "MoE / shared / dense FFN wo outputs",
+                          (cfg.n_moe_layers * (1 + sh) + cfg.first_k_dense_replace) * x, TENSOR)
           + cost_lib.term(mesh, "all-reduce", "bwd", "d(normed h) of the attention and MLP blocks",
                           cfg.n_layers * 2 * x, TENSOR))

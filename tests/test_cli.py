@@ -82,6 +82,10 @@ def _run(*args, timeout=300):
     (["--strategy=dp", "--restore=latest"], "--restore needs --checkpoint_dir"),
     (["--compare=dp", "--hlo_stats"], "--hlo_stats is for --strategy"),
     (["--strategy=fsdp", "--model=deepseek-v3"], "model deepseek-v3 would allocate"),
+    (["--strategy=tp", "--model=deepseek-test", "--mesh=data:4,tensor:2"],
+     "tp does not run attention=mla yet"),
+    (["--model=deepseek-v3", "--layers=3", "--describe"],
+     "first_k_dense_replace=3 must be in [0, n_layers=3) (at least one MoE layer)"),
 ])
 def test_bad_flags_one_line_error(args, message):
   r = _run(*args)
@@ -300,3 +304,12 @@ def test_options_reach_the_strategies_that_have_them():
   assert opts == {"ep": strategies.get("ep").Options(dispatch="none"),
                   "ep_tp": strategies.get("ep_tp").Options(capacity=0.5),
                   "dp": strategies.get("dp").Options()}
+
+
+def test_describe_prints_parameter_counts_without_compiling():
+  r = _run("--model=deepseek-v3", "--describe", timeout=120)
+  assert r.returncode == 0, r.stderr
+  from modeling import model
+  from modeling.config import get_config
+  total, active = model.param_counts(get_config("deepseek-v3"))
+  assert r.stdout.splitlines() == [f"total_params {total}", f"activated_params {active}"]

@@ -78,7 +78,7 @@ def _moe_block(cfg, mesh, opts):
 @pytest.mark.parametrize("model_name,over,capacity,mesh,rows", [
     ("tiny", dict(n_kv_heads=4), 0.5, "data:2,expert:4", 128),   # T*K = 256
     ("tiny", SMALL, 0.0, "expert:8", 8),                          # T*K = 16
-    ("deepseek-test", SMALL, 0.0, "expert:8", 16)])               # T*K = 32
+    ("deepseek-gqa-test", SMALL, 0.0, "expert:8", 16)])               # T*K = 32
 def test_sort_is_sized_by_routed_bound(model_name, over, capacity, mesh, rows):
   """The only sort in the MoE runs on the M-row buffer, not on the T*K gathered copies."""
   cfg, opts = get_config(model_name, **over), EP_TP.Options(capacity=capacity)
@@ -138,10 +138,12 @@ def test_ag_rs_counts_per_layer(case):
   expert = frozenset({"expert"})
   assert {("all-gather", expert), ("reduce-scatter", expert)} <= set(got)
   assert not any(kind == "all-to-all" for kind, _ in got)
-  # per layer: AG of the normed h x2, of expert ids + weights, of the 2 RS cotangents (bwd);
-  # RS of attn wo and MoE + shared (fwd), of the 2 gathered-h cotangents and the weights (bwd)
-  assert got[("all-gather", expert)]["count"] == 6 * cfg.n_layers
-  assert got[("reduce-scatter", expert)]["count"] == 5 * cfg.n_layers
+  # per layer: AG of the normed h x2, of expert ids + weights (MoE layers), of the 2 RS
+  # cotangents (bwd); RS of attn wo and MoE + shared or the dense FFN (fwd), of the 2
+  # gathered-h cotangents and the weights (MoE layers) (bwd)
+  moe, dense = cfg.n_moe_layers, cfg.first_k_dense_replace
+  assert got[("all-gather", expert)]["count"] == 6 * moe + 4 * dense
+  assert got[("reduce-scatter", expert)]["count"] == 5 * moe + 4 * dense
   if job.mesh.shape["data"] > 1:                  # norm-scale grads [D] and scalars only
     norms = (2 * cfg.n_layers + 1) * cfg.d_model * 4
     assert got[("all-reduce", expert)]["bytes"] <= norms + 64 * 4

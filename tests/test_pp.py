@@ -17,7 +17,7 @@ PP = strategies.get("pp")
 CASES = [("tiny", dict(batch=16, microbatches=4), "stage:2,expert:4"),
          ("tiny", dict(n_layers=4, batch=16, microbatches=8), "stage:4,data:2"),
          ("deepseek-test", dict(microbatches=2), "stage:2,data:2,expert:2"),
-         ("deepseek-test", dict(n_layers=4, microbatches=4, capacity_factor=1.0), "stage:4,expert:2")]
+         ("deepseek-test", dict(n_layers=5, microbatches=4, capacity_factor=1.0), "stage:4,expert:2")]
 IDS = ["tiny-s2e4-m4", "tiny-s4d2-m8", "deepseek-s2d2e2-m2", "deepseek-s4e2-m4-cap"]
 
 

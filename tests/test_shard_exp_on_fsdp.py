@@ -39,7 +39,7 @@ def _muon_expert_update(name, mesh_spec, cfg):
 
 def test_muon_expert_update_needs_no_collective():
   cfg = get_config("deepseek-test", optimizer="muon")
-  expert_bytes = 3 * cfg.n_layers * cfg.n_experts * cfg.d_model * cfg.d_ff * 4
+  expert_bytes = 3 * cfg.n_moe_layers * cfg.n_experts * cfg.d_model * cfg.d_ff * 4
   for mesh in (F8, F2E4):
     got = _muon_expert_update(NAME, mesh, cfg)
     assert all(v["count"] == 0 for v in got.values()), (mesh, got)

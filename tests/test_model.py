@@ -1,0 +1,31 @@
+"""The model's declarations against published figures: total and activated-per-token parameter
+counts of the presets at published shapes (modeling.model.param_counts; `run.py --describe`)."""
+import pytest
+
+from modeling import model
+from modeling.config import get_config
+
+# (total, activated per token), as published: Mixtral of Experts (arXiv 2401.04088);
+# DeepSeek-V2-Lite's model card; DeepSeek-V3 technical report (arXiv 2412.19437), MTP excluded
+PUBLISHED = {"mixtral-8x7b": (46.7e9, 12.9e9), "deepseek-v2-lite": (15.7e9, 2.4e9),
+             "deepseek-v3": (671e9, 37e9)}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_parameter_counts_match_publications(name):
+  total, active = model.param_counts(get_config(name))
+  want_total, want_active = PUBLISHED[name]
+  assert abs(total / want_total - 1) <= 0.005, (name, total)
+  assert abs(active / want_active - 1) <= 0.03, (name, active)
+
+
+def test_deepseek_presets_are_the_real_architecture():
+  v3 = get_config("deepseek-v3")
+  leaves = model.param_leaves(v3)
+  roles = {l.role for l in leaves}
+  assert {"attn_q_a", "attn_kv_a", "attn_kv_b", "dense_in"} <= roles and "attn_kv" not in roles
+  dense = model.init_params_shapes(v3)["dense_layers"]["mlp"]["wi_0"].shape
+  assert dense == (3, 7168, 18432)
+  assert model.init_params_shapes(v3)["layers"]["moe"]["wi_0"].shape == (58, 256, 7168, 2048)
+  v2 = model.init_params_shapes(get_config("deepseek-v2-lite"))["layers"]["attn"]
+  assert "wq" in v2 and "wq_a" not in v2 and v2["wkv_b"].shape == (26, 512, 16, 256)
