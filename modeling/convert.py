@@ -1,0 +1,320 @@
+"""Hugging Face Mixtral / DeepSeek-V3 checkpoints -> this suite's config and parameter pytree.
+
+numpy only (no torch, no transformers). A user with a real checkpoint directory:
+
+  import json
+  from modeling import convert
+  from modeling.config import Config
+  hf = json.load(open("ckpt/config.json"))
+  cfg = Config(**convert.config_from_hf(hf, seq_len=4096, batch=8)).validate()
+  params = convert.from_hf(convert.load_safetensors("ckpt"), cfg)   # float32 numpy pytree
+
+`config_from_hf` refuses (ValueError) what the suite does not model: tied embeddings, attention
+biases, scaled RoPE (yarn, llama3, ...), sliding windows, activations other than SiLU, quantized
+(e.g. FP8) checkpoints and other model types. `from_hf` refuses missing or unexpected tensors
+and every shape mismatch, so a wrong config never loads silently. DeepSeek-V3's multi-token
+prediction layers (model.layers.61.* in the release) are no part of the suite's model: drop
+them with `ignore=convert.mtp_prefixes(hf)`.
+
+Conventions. HF's nn.Linear weights are [out, in]; the suite's are [in, out], so every
+projection is transposed, and the head dims are split out of the flat ones:
+  q_proj [H*Dh, D] -> wq [D, H, Dh]; o_proj [D, H*Dh] -> wo [H, Dh, D]
+  kv_b_proj [H*(nope+v), kv_lora] -> wkv_b [kv_lora, H, nope+v] (per head: [nope | v])
+  expert w1 / gate_proj [F, D] -> wi_0[e] [D, F]; w3 / up_proj -> wi_1[e]; w2 / down_proj
+  [D, F] -> wo[e] [F, D]; the router gate [E, D] -> router [D, E]; lm_head [V, D] -> unembed [D, V].
+MLA keeps HF's order inside a head: q = [nope | rope], kv_a_proj_with_mqa out = [kv_lora | rope].
+No RoPE dims are permuted: with rope_interleave the suite de-interleaves the rope parts itself
+(x0, x1, x2, x3, ..) -> (x0, x2, .., x1, x3, ..) before its rotate-half RoPE, as HF does.
+Mixtral's routers have no bias: "bias" is zeros. The pytree's "layers" stacks the MoE layers
+only; "dense_layers" stacks DeepSeek's first first_k_dense_replace dense-FFN layers (absent when
+there are none).
+
+Both transformers layouts of the routed experts load: the per-expert tensors of checkpoints on
+disk (and of transformers v4 in memory: block_sparse_moe.experts.{e}.w1/w2/w3 for Mixtral,
+mlp.experts.{e}.gate_proj/up_proj/down_proj for DeepSeek) and the fused ones of transformers v5's
+state_dict (mlp.experts.gate_up_proj [E, 2F, D] = [gate rows | up rows], mlp.experts.down_proj
+[E, D, F]; v5 renames Mixtral's block_sparse_moe to mlp).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+FAMILIES = ("mixtral", "deepseek_v3")
+
+
+def _refuse(msg: str):
+  raise ValueError(msg)
+
+
+def _rope(hf: dict, default_theta: float) -> float:
+  """rope_theta from a v4 (rope_theta, rope_scaling) or v5 (rope_parameters) config; scaled
+  RoPE refused."""
+  params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  if params and all(isinstance(v, dict) for v in params.values()):
+    _refuse(f"per-layer-type rope_parameters {sorted(params)} are not modelled")
+  kind = params.get("rope_type", params.get("type", "default"))
+  if kind != "default":
+    _refuse(f"rope type {kind!r} is not modelled (the suite's RoPE is unscaled: yarn, llama3, "
+            "... are not); rope_scaling / rope_parameters must be absent or 'default'")
+  if params.get("partial_rotary_factor", 1.0) != 1.0 or hf.get("partial_rotary_factor") not in (
+      None, 1.0):
+    _refuse("partial_rotary_factor is not modelled")
+  theta = params.get("rope_theta", hf.get("rope_theta"))
+  return float(default_theta if theta is None else theta)
+
+
+def config_from_hf(hf: Mapping[str, Any], **overrides) -> dict:
+  """An HF config (config.json as a dict, or PretrainedConfig.to_dict()) -> keyword arguments of
+  modeling.config.Config; `overrides` (run fields: seq_len, batch, dtype, ...) are merged last."""
+  hf = dict(hf)
+  mt = hf.get("model_type")
+  if mt not in FAMILIES:
+    _refuse(f"model_type {mt!r} is not supported; supported: {', '.join(FAMILIES)}")
+  if hf.get("tie_word_embeddings", False):
+    _refuse("tie_word_embeddings=True is not modelled (the suite has a separate unembed)")
+  if hf.get("attention_bias", False):
+    _refuse("attention_bias=True is not modelled (the suite's projections have no bias)")
+  if hf.get("sliding_window") is not None:
+    _refuse(f"sliding_window={hf['sliding_window']} is not modelled (full causal attention only)")
+  if hf.get("hidden_act", "silu") != "silu":
+    _refuse(f"hidden_act={hf['hidden_act']!r} is not modelled (SwiGLU experts: silu)")
+  if hf.get("quantization_config"):
+    method = hf["quantization_config"].get("quant_method", "?")
+    _refuse(f"a quantized checkpoint ({method}) is not loaded: dequantize it to float first")
+  common = dict(vocab=hf["vocab_size"], d_model=hf["hidden_size"],
+                n_heads=hf["num_attention_heads"], n_layers=hf["num_hidden_layers"],
+                top_k=hf["num_experts_per_tok"])
+  if mt == "mixtral":
+    kw = dict(common, n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+              head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+              n_experts=hf["num_local_experts"], d_ff=hf["intermediate_size"], router="softmax",
+              norm_topk_prob=True, rope_theta=_rope(hf, 1e6),
+              norm_eps=float(hf.get("rms_norm_eps", 1e-5)), attention="gqa")
+  else:
+    if hf.get("moe_layer_freq", 1) != 1:
+      _refuse(f"moe_layer_freq={hf['moe_layer_freq']} is not modelled (every layer past "
+              "first_k_dense_replace is MoE)")
+    if hf.get("scoring_func", "sigmoid") != "sigmoid":
+      _refuse(f"scoring_func={hf['scoring_func']!r} is not modelled for deepseek_v3 (sigmoid)")
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc":
+      _refuse(f"topk_method={hf['topk_method']!r} is not modelled (noaux_tc)")
+    kw = dict(common, n_kv_heads=hf["num_attention_heads"], n_experts=hf["n_routed_experts"],
+              d_ff=hf["moe_intermediate_size"], n_shared_experts=hf.get("n_shared_experts") or 0,
+              router="sigmoid", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+              n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+              routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+              rope_theta=_rope(hf, 10000.0), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+              attention="mla", q_lora_rank=hf.get("q_lora_rank") or 0,
+              kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
+              qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+              rope_interleave=bool(hf.get("rope_interleave", True)),
+              first_k_dense_replace=hf.get("first_k_dense_replace") or 0,
+              dense_d_ff=hf["intermediate_size"], head_dim=hf["v_head_dim"])
+  kw.update(overrides)
+  return kw
+
+
+def mtp_prefixes(hf: Mapping[str, Any]) -> tuple:
+  """The name prefixes of DeepSeek-V3's multi-token-prediction layers (after the decoder's
+  num_hidden_layers), for from_hf's `ignore`."""
+  n = hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0
+  return tuple(f"model.layers.{hf['num_hidden_layers'] + i}." for i in range(n))
+
+
+def _get(cfg, name, default=None):
+  if isinstance(cfg, Mapping):
+    return cfg.get(name, default)
+  return getattr(cfg, name, default)
+
+
+class _State:
+  """The HF tensors, taken once each by name with a shape check; leftovers are an error."""
+
+  def __init__(self, state: Mapping[str, np.ndarray], ignore: Iterable[str]):
+    ignore = tuple(ignore)
+    self.state = state
+    self.left = {n for n in state
+                 if not n.endswith("rotary_emb.inv_freq") and not n.startswith(ignore)}
+    self.missing = []
+
+  def has(self, name: str) -> bool:
+    return name in self.state
+
+  def take(self, name: str, shape: tuple) -> np.ndarray:
+    if name not in self.state:
+      self.missing.append(name)
+      return np.zeros(shape, np.float32)
+    a = np.asarray(self.state[name])
+    if tuple(a.shape) != tuple(shape):
+      _refuse(f"{name}: shape {tuple(a.shape)} but the config needs {tuple(shape)}")
+    self.left.discard(name)
+    return a.astype(np.float32)
+
+  def finish(self):
+    if self.missing:
+      _refuse(f"{len(self.missing)} tensor(s) the config needs are missing: "
+              + ", ".join(self.missing[:4]) + (", ..." if len(self.missing) > 4 else ""))
+    if self.left:
+      left = sorted(self.left, key=_natural)
+      _refuse(f"{len(left)} unexpected tensor(s) for this config: " + ", ".join(left[:4])
+              + (", ..." if len(left) > 4 else ""))
+
+
+def _natural(name: str):
+  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _linear(st: _State, name: str, d_in: int, out: tuple) -> np.ndarray:
+  """nn.Linear weight [prod(out), d_in] -> [d_in, *out]."""
+  return st.take(name, (int(np.prod(out)), d_in)).T.reshape((d_in,) + tuple(out))
+
+
+def _attention(st: _State, p: str, cfg) -> dict:
+  d, h = _get(cfg, "d_model"), _get(cfg, "n_heads")
+  if _get(cfg, "attention", "gqa") == "gqa":
+    kv, dh = _get(cfg, "n_kv_heads"), _get(cfg, "head_dim")
+    return {"wq": _linear(st, p + "q_proj.weight", d, (h, dh)),
+            "wk": _linear(st, p + "k_proj.weight", d, (kv, dh)),
+            "wv": _linear(st, p + "v_proj.weight", d, (kv, dh)),
+            "wo": _linear(st, p + "o_proj.weight", h * dh, (d,)).reshape(h, dh, d)}
+  qr, kvr = _get(cfg, "q_lora_rank") or 0, _get(cfg, "kv_lora_rank")
+  nope, rope, v = (_get(cfg, n) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+  out = {}
+  if qr:
+    out["wq_a"] = _linear(st, p + "q_a_proj.weight", d, (qr,))
+    out["q_norm"] = st.take(p + "q_a_layernorm.weight", (qr,))
+    out["wq_b"] = _linear(st, p + "q_b_proj.weight", qr, (h, nope + rope))
+  else:
+    out["wq"] = _linear(st, p + "q_proj.weight", d, (h, nope + rope))
+  out["wkv_a"] = _linear(st, p + "kv_a_proj_with_mqa.weight", d, (kvr + rope,))
+  out["kv_norm"] = st.take(p + "kv_a_layernorm.weight", (kvr,))
+  out["wkv_b"] = _linear(st, p + "kv_b_proj.weight", kvr, (h, nope + v))
+  out["wo"] = _linear(st, p + "o_proj.weight", h * v, (d,)).reshape(h, v, d)
+  return out
+
+
+def _swiglu(st: _State, p: str, d: int, f: int, names=("gate_proj", "up_proj", "down_proj")):
+  g, u, o = names
+  return {"wi_0": _linear(st, f"{p}{g}.weight", d, (f,)),
+          "wi_1": _linear(st, f"{p}{u}.weight", d, (f,)),
+          "wo": _linear(st, f"{p}{o}.weight", f, (d,))}
+
+
+def _moe(st: _State, p: str, cfg, mixtral: bool) -> dict:
+  d, e, f = _get(cfg, "d_model"), _get(cfg, "n_experts"), _get(cfg, "d_ff")
+  out = {"router": _linear(st, p + "gate.weight", d, (e,))}
+  out["bias"] = (np.zeros((e,), np.float32) if mixtral
+                 else st.take(p + "gate.e_score_correction_bias", (e,)))
+  if st.has(p + "experts.gate_up_proj"):                      # transformers v5 fused layout
+    gate_up = st.take(p + "experts.gate_up_proj", (e, 2 * f, d))
+    out["wi_0"] = np.ascontiguousarray(gate_up[:, :f].transpose(0, 2, 1))
+    out["wi_1"] = np.ascontiguousarray(gate_up[:, f:].transpose(0, 2, 1))
+    out["wo"] = np.ascontiguousarray(st.take(p + "experts.down_proj", (e, d, f)).transpose(0, 2, 1))
+  else:                                                       # per expert (checkpoints, v4)
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    per = [_swiglu(st, f"{p}experts.{i}.", d, f, names) for i in range(e)]
+    out.update({k: np.stack([x[k] for x in per]) for k in ("wi_0", "wi_1", "wo")})
+  return out
+
+
+def from_hf(state: Mapping[str, np.ndarray], cfg, *, ignore: Iterable[str] = ()) -> dict:
+  """An HF state dict (name -> array) -> the suite's float32 numpy param pytree for `cfg` (a
+  modeling.config.Config, or the dict config_from_hf returns). `ignore`: name prefixes to skip
+  (e.g. mtp_prefixes(hf)). Raises ValueError on a missing, unexpected or misshaped tensor."""
+  st = _State(state, ignore)
+  d, v, n_layers = _get(cfg, "d_model"), _get(cfg, "vocab"), _get(cfg, "n_layers")
+  n_dense = _get(cfg, "first_k_dense_replace", 0) or 0
+  mixtral = _get(cfg, "router") == "softmax" and _get(cfg, "attention", "gqa") == "gqa"
+  if not 0 <= n_dense <= n_layers:
+    _refuse(f"first_k_dense_replace={n_dense} outside [0, n_layers={n_layers}]")
+  dense, moe = [], []
+  for i in range(n_layers):
+    p = f"model.layers.{i}."
+    layer = {"attn_norm": st.take(p + "input_layernorm.weight", (d,)),
+             "mlp_norm": st.take(p + "post_attention_layernorm.weight", (d,)),
+             "attn": _attention(st, p + "self_attn.", cfg)}
+    if i < n_dense:
+      layer["mlp"] = _swiglu(st, p + "mlp.", d, _get(cfg, "dense_d_ff"))
+      dense.append(layer)
+      continue
+    m = p + ("block_sparse_moe." if any(n.startswith(p + "block_sparse_moe.") for n in state)
+             else "mlp.")
+    layer["moe"] = _moe(st, m, cfg, mixtral)
+    n_shared = _get(cfg, "n_shared_experts", 0) or 0
+    if n_shared:
+      layer["shared"] = _swiglu(st, m + "shared_experts.", d, n_shared * _get(cfg, "d_ff"))
+    moe.append(layer)
+  params = {"embed": st.take("model.embed_tokens.weight", (v, d)),
+            "final_norm": st.take("model.norm.weight", (d,)),
+            "unembed": np.ascontiguousarray(st.take("lm_head.weight", (v, d)).T)}
+  st.finish()
+  if dense:
+    params["dense_layers"] = _tree_stack(dense)
+  if moe:
+    params["layers"] = _tree_stack(moe)
+  return params
+
+
+def _tree_stack(trees: list):
+  if isinstance(trees[0], dict):
+    return {k: _tree_stack([t[k] for t in trees]) for k in trees[0]}
+  return np.stack(trees).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- safetensors
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": "bf16",
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+           "BOOL": np.bool_}
+
+
+def _safetensor_files(paths) -> list:
+  if isinstance(paths, (str, os.PathLike)):
+    paths = [paths]
+  files = []
+  for p in map(os.fspath, paths):
+    if os.path.isdir(p):
+      index = os.path.join(p, "model.safetensors.index.json")
+      if os.path.exists(index):
+        with open(index) as fh:
+          shards = sorted(set(json.load(fh)["weight_map"].values()))
+      else:
+        shards = sorted(n for n in os.listdir(p) if n.endswith(".safetensors"))
+      if not shards:
+        _refuse(f"no .safetensors files in {p}")
+      files += [os.path.join(p, n) for n in shards]
+    else:
+      files.append(p)
+  return files
+
+
+def load_safetensors(paths) -> dict:
+  """A .safetensors file, a list of them, or a checkpoint directory (its index or every shard)
+  -> {name: float32 numpy array}. Reads the format directly (8-byte header length, JSON header,
+  raw little-endian data), so bfloat16 checkpoints load without torch; FP8 ones are refused."""
+  out = {}
+  for path in _safetensor_files(paths):
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    n = int(np.frombuffer(raw[:8].tobytes(), "<u8")[0])
+    header = json.loads(raw[8:8 + n].tobytes())
+    base = 8 + n
+    for name, info in header.items():
+      if name == "__metadata__":
+        continue
+      kind = _DTYPES.get(info["dtype"])
+      if kind is None:
+        _refuse(f"{path}: {name} has dtype {info['dtype']}, not loaded (dequantize first)")
+      lo, hi = info["data_offsets"]
+      buf = raw[base + lo:base + hi]
+      if kind == "bf16":
+        a = (np.frombuffer(buf.tobytes(), "<u2").astype(np.uint32) << 16).view(np.float32)
+      else:
+        a = np.frombuffer(buf.tobytes(), np.dtype(kind).newbyteorder("<"))
+      if name in out:
+        _refuse(f"{name} is in more than one shard")
+      out[name] = a.reshape(info["shape"]).astype(np.float32)
+  return out
