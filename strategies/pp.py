@@ -50,7 +50,8 @@ Collectives per step (x = expert; T_mb = b/M*S tokens per device per microbatch)
                the expert outputs; all-reduce over (data, x) of the router statistics
   backward: 3. collective-permute over stage of the activation cotangents, M+P-1 steps
             4. the all-to-all transposes; weight grads: layer params all-reduced over (data, x)
-               (the experts over data), embed / final_norm / unembed over (stage, data, x)
+               (the experts over data), embed / final_norm / unembed and the dense prefix's
+               params over (stage, data, x)
   once    : the loss sums: CE over (stage, data, x), aux / z / dropped over stage; grad norm.
 HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
 (kind, axes) set equals it, and tests/test_pp.py holds both to the program, both ways):
@@ -59,7 +60,8 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
   all-reduce over (data, expert): router statistics per microbatch, layer-param grads
   all-reduce over data: expert grads
   all-reduce over stage: aux / z / dropped sums
-  all-reduce over (stage, data, expert): embed / final_norm / unembed grads, CE sum, grad norm
+  all-reduce over (stage, data, expert): embed / final_norm / unembed / dense-prefix grads, CE
+    sum, grad norm
 When to use: the model's layers do not fit on one EP group (pipeline across nodes over slow
 links: only [b/M, S, D] activations cross a stage boundary), with M >= P microbatches to keep
 the bubble small. Cost: the bubble, (M+P-1)/M x the activation memory, and P-1 idle stages
@@ -152,8 +154,7 @@ def logits(params, batch, *, cfg, mesh):
   def body(p, tokens, positions):
     outs, _, p = _stages(p, tokens, positions, cfg=cfg, n_stage=mesh.shape[STAGE],
                       ep_size=mesh.shape[EXPERT])
-    h = model.rms_norm(outs, p["final_norm"], cfg.norm_eps)         # [M, b/M, S, D]
-    out = jnp.einsum("mbsd,dv->mbsv", h, p["unembed"]).astype(jnp.float32)
+    out = _head(outs, p, cfg)                                       # [M, b/M, S, V]
     last = jax.lax.axis_index(STAGE) == mesh.shape[STAGE] - 1
     out = jax.lax.psum(jnp.where(last, out, 0.0), STAGE)
     return einops.rearrange(out, "m mb s v -> (m mb) s v")          # [b, S, V]
@@ -168,8 +169,7 @@ def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
   outs, stats, p = _stages(p, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size)
   last = jax.lax.axis_index(STAGE) == n_stage - 1
   tgt = einops.rearrange(targets, "(m mb) s -> m mb s", m=m)        # [M, b/M, S]
-  h = model.rms_norm(outs, p["final_norm"], cfg.norm_eps)           # [M, b/M, S, D]
-  logits = jnp.einsum("mbsd,dv->mbsv", h, p["unembed"]).astype(jnp.float32)
+  logits = _head(outs, p, cfg)                                      # [M, b/M, S, V]
   ce = jnp.sum(jax.nn.logsumexp(logits, axis=-1)
                - jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0])
   n_tokens = cfg.batch * cfg.seq_len
@@ -179,6 +179,12 @@ def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
   total = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
   return total, {"loss": total, "ce_loss": ce, "aux_loss": aux, "z_loss": z, "dropped": dropped,
                  "counts": stats["counts"]}
+
+
+def _head(outs, p, cfg):
+  """[M, b/M, S, D] -> float32 logits [M, b/M, S, V]."""
+  h = model.rms_norm(outs, p["final_norm"], cfg.norm_eps)
+  return jnp.einsum("mbsd,dv->mbsv", h, p["unembed"]).astype(jnp.float32)
 
 
 def _stages(p, tokens, positions, *, cfg, n_stage, ep_size):
