@@ -86,6 +86,20 @@ def require_gqa(cfg, strategy: str, why: str) -> None:
                       "shard_exp_on_fsdp do")
 
 
+def require_head_split(cfg, mesh, axis: str, expert_ff: bool = False) -> None:
+  """Megatron's column / row split over `axis` (tp, ep_tp): attention heads, KV heads, the
+  routed experts' width d_ff if they are split too (expert_ff: tp), and the dense SwiGLUs'
+  widths (shared expert, leading dense layers) divisible by it."""
+  require_divisible("n_heads", cfg.n_heads, mesh, axis)
+  require_divisible("n_kv_heads", cfg.n_kv_heads, mesh, axis)
+  if expert_ff:
+    require_divisible("d_ff", cfg.d_ff, mesh, axis)
+  if cfg.n_shared_experts:
+    require_divisible("shared_d_ff", cfg.shared_d_ff, mesh, axis)
+  if cfg.first_k_dense_replace:
+    require_divisible("dense_d_ff", cfg.dense_d_ff, mesh, axis)
+
+
 def require_microbatches(cfg, mesh, bspec) -> None:
   """Each microbatch is sharded like the whole batch: B % (M x the batch axes' size) == 0."""
   if cfg.microbatches <= 1:

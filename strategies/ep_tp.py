@@ -139,12 +139,7 @@ def check(cfg, mesh, opts):
   mesh_lib.require_divisible("batch", cfg.batch, mesh, DATA)
   mesh_lib.require_divisible("seq_len", cfg.seq_len, mesh, EXPERT)
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
-  mesh_lib.require_divisible("n_heads", cfg.n_heads, mesh, EXPERT)
-  mesh_lib.require_divisible("n_kv_heads", cfg.n_kv_heads, mesh, EXPERT)
-  if cfg.n_shared_experts:
-    mesh_lib.require_divisible("shared_d_ff", cfg.shared_d_ff, mesh, EXPERT)
-  if cfg.first_k_dense_replace:
-    mesh_lib.require_divisible("dense_d_ff", cfg.dense_d_ff, mesh, EXPERT)
+  mesh_lib.require_head_split(cfg, mesh, EXPERT)
   if cfg.remat.startswith("dots"):     # jax 0.12: "unreduced rule for dynamic_slice is not
     raise ConfigError(f"ep_tp does not compile with --remat={cfg.remat} (jax has no unreduced "
                       "rule for dynamic_slice); use --remat=block")       # implemented"

@@ -88,13 +88,7 @@ def check(cfg, mesh, opts):
   mesh_lib.require_gqa(cfg, NAME, "its attention reads h typed reduced over tensor, which "
                        "MLA's replicated down-projections cannot contract")
   mesh_lib.require_divisible("batch", cfg.batch, mesh, DATA)
-  mesh_lib.require_divisible("n_heads", cfg.n_heads, mesh, TENSOR)
-  mesh_lib.require_divisible("n_kv_heads", cfg.n_kv_heads, mesh, TENSOR)
-  mesh_lib.require_divisible("d_ff", cfg.d_ff, mesh, TENSOR)
-  if cfg.n_shared_experts:
-    mesh_lib.require_divisible("shared_d_ff", cfg.shared_d_ff, mesh, TENSOR)
-  if cfg.first_k_dense_replace:
-    mesh_lib.require_divisible("dense_d_ff", cfg.dense_d_ff, mesh, TENSOR)
+  mesh_lib.require_head_split(cfg, mesh, TENSOR, expert_ff=True)
 
 
 def param_specs(cfg, mesh):

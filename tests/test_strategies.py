@@ -30,16 +30,12 @@ def _rows(attr):
   return out
 
 
-GQA_ONLY = ("tp", "ep_tp", "cp", "ep_as_cp")    # refuse attention=mla (their BAD_INPUT)
-
-
 def test_every_strategy_declares_its_table():
   for n in NAMES:
     s = strategies.get(n)
     assert len(s.TEST_CASES) >= 2 and s.COST_CASES and s.BAD_INPUT, n
     assert len({c.mesh for c in s.TEST_CASES}) >= min(2, len(s.AXES)), (n, "two meshes")
-    deepseek = "deepseek-gqa-test" if n in GQA_ONLY else "deepseek-test"
-    assert {c.model for c in s.TEST_CASES} >= {"tiny", deepseek} or n == "ep_tp", n
+    assert {c.model for c in s.TEST_CASES} >= {"tiny", parity.deepseek_model(n)} or n == "ep_tp", n
     assert hasattr(s, "COMPARE_MESH") and hasattr(s, "Options"), n
 
 
