@@ -79,13 +79,6 @@ def require_divisible(dim_name: str, dim: int, mesh, axes) -> None:
     raise ConfigError(f"{dim_name}={dim} is not divisible by mesh axis {label}={n}")
 
 
-def require_gqa(cfg, strategy: str, why: str) -> None:
-  """One-line error for a strategy whose attention layout is built for GQA only."""
-  if cfg.mla:
-    raise ConfigError(f"{strategy} does not run attention=mla yet ({why}); dp, fsdp, ep, pp and "
-                      "shard_exp_on_fsdp do")
-
-
 def require_head_split(cfg, mesh, axis: str, expert_ff: bool = False) -> None:
   """Megatron's column / row split over `axis` (tp, ep_tp): attention heads, KV heads, the
   routed experts' width d_ff if they are split too (expert_ff: tp), and the dense SwiGLUs'

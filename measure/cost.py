@@ -221,6 +221,15 @@ def kv_values(cfg) -> int:
           else 2 * cfg.n_kv_heads * cfg.head_dim)
 
 
+def attn_gather_values(cfg) -> int:
+  """Values per token a sequence- or tensor-parallel attention gathers (gather_in): the normed
+  h (GQA, D), or MLA's latents after its token-local down-projections (normed c_Q, or h when
+  q_lora_rank = 0, then normed c_KV and the RoPE key; modeling.model.mla)."""
+  if not cfg.mla:
+    return cfg.d_model
+  return (cfg.q_lora_rank or cfg.d_model) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+
 def cp_terms(cfg, mesh, cp_axis: str, batch_axes) -> list[Term]:
   """K and V (MLA: the latent and RoPE key) all-gathered over cp_axis per layer (fwd), their
   gradients reduce-scattered over it (bwd, model._gather_kv), kv_pos gathered once, and with

@@ -197,12 +197,6 @@ PRESETS: dict[str, Config] = {
                             router="sigmoid", n_group=4, topk_group=2, n_shared_experts=1,
                             routed_scaling_factor=2.5, norm_topk_prob=True,
                             bias_update_rate=1e-3, d_ff=64),
-    # deepseek-test with GQA attention: for the strategies that do not take MLA yet (cp, ep_as_cp,
-    # tp, ep_tp), the routing, shared expert and dense prefix of deepseek-test
-    "deepseek-gqa-test": Config(n_layers=3, first_k_dense_replace=1, dense_d_ff=96,
-                                n_experts=16, top_k=4, router="sigmoid", n_group=4, topk_group=2,
-                                n_shared_experts=1, routed_scaling_factor=2.5,
-                                norm_topk_prob=True, bias_update_rate=1e-3, d_ff=64),
     # DeepSeek-V2-Lite's architecture at test size: MLA with a direct query projection, softmax
     # router without groups or top-k renormalisation, two shared experts
     "deepseek-v2-test": Config(attention="mla", n_heads=4, n_kv_heads=4, q_lora_rank=0,

@@ -12,8 +12,8 @@ A strategy does not rewrite the model. It hands `forward` a `Layout`:
   x      out_sharding of the residual stream [B, S, D] (needed where a contraction dim is sharded,
          e.g. the row-parallel attention output under TP)
   kv     sharding K/V [B, T, KV, Dh] and kv_pos [B, T] are resharded to before attention (CP
-         all-gathers them over the context axis here; dK/dV come back reduce-scattered); GQA
-         only: the strategies that set kv refuse attention=mla
+         all-gathers them over the context axis here; dK/dV come back reduce-scattered); MLA
+         gathers its latent [B, T, Rkv + rope] to the same (batch, T) instead
   use    (role, w) -> w, applied to every non-routed weight right before its use (FSDP all-gather);
          role: its entry in ROLES (w is one layer's slice inside the layer scan)
   moe    (p_moe, x [B, S, D], positions [B, S]) -> (y, stats): a MoE layer's routed FFN, where the strategy
@@ -21,8 +21,10 @@ A strategy does not rewrite the model. It hands `forward` a `Layout`:
   loss   optional (params, batch) -> (loss, metrics) replacing loss_fn for a strategy that runs
          the whole model its own way (pp: a pipeline schedule in one shard_map).
   gather_in / scatter_out / row_out: sequence parallelism (Megatron-SP, ep_tp).
-         gather_in: normed h (residual layout x) -> what attention, moe and the dense SwiGLUs
-           (shared expert, dense layer FFN) read (ep_tp: the all-gather over the sequence axis);
+         gather_in: normed h (residual layout x) -> what moe and the dense SwiGLUs (shared
+           expert, dense layer FFN) read, and what attention reads (GQA: h; MLA: its latents,
+           after the token-local down-projections) (ep_tp: the all-gather over the sequence axis;
+           tp: typed reduced over tensor);
          row_out: out_sharding of the row-parallel projections attn wo and the SwiGLUs' wo
            (ep_tp: typed unreduced); moe's y must come in the same layout, as it is added to
            shared wo;
@@ -305,12 +307,14 @@ def _softmax_causal(scores, q_pos, k_pos):
 
 
 def attention(p, x, positions, cfg: Config, lay: Layout):
-  """Causal self-attention of cfg.attention. x [B, S, D] -> [B, S, D]."""
+  """Causal self-attention of cfg.attention. x [B, S, D], the normed residual in its own layout
+  (Layout.x) -> [B, S, D]; the attention gathers what it reads (lay.gather_in)."""
   return (mla if cfg.mla else gqa)(p, x, positions, cfg, lay)
 
 
 def gqa(p, x, positions, cfg: Config, lay: Layout):
-  """Causal GQA attention. x [B, S, D] -> [B, S, D]."""
+  """Causal GQA attention. x [B, S, D] -> [B, S, D]; q, k and v all read the gathered x."""
+  x = lay.gather_in(x)
   wq, wk, wv, wo = (use(lay, r, p[n], x.dtype) for n, r in (("wq", "attn_q"), ("wk", "attn_kv"),
                                                            ("wv", "attn_kv"), ("wo", "attn_o")))
   kv, dh = cfg.n_kv_heads, cfg.head_dim
@@ -342,27 +346,46 @@ def mla(p, x, positions, cfg: Config, lay: Layout):
     k_n, v = rms_norm(c) @ wkv_b                              [B, T, H, nope | v]
     scores = (q_n . k_n + rope(q_r) . rope(k_r)) / sqrt(nope + rope): k_r is one key for all
              heads (the decoupled RoPE key), its rotation shared.
-  Per token the latent (c, k_r) is Rkv + rope values, the up-projected K/V H x (nope + rope + v):
-  576 against 40,960 at DeepSeek-V3's shape. No layout with Layout.kv (context parallelism) runs
-  MLA yet: cp and ep_as_cp refuse it (strategies' check)."""
+  The down-projections are token-local: they run in the residual layout (Layout.x), and what the
+  heads read is gathered after them. lay.gather_in takes the latents: normed c_Q (or x when
+  q_lora_rank = 0), normed c_KV and rotated k_r, Rq + Rkv + rope = 2,112 values per token at
+  DeepSeek-V3's shape against D = 7,168 (tp, ep_tp). Layout.kv's gather over the sequence (CP)
+  takes normed c_KV and k_r only: Rkv + rope = 576 per token, against H x (nope + v) + rope =
+  32,832 for the up-projected K and V. K and V are up-projected from the gathered latent, typed
+  reduced over the sequence axes (sharding.partial_einsum): their cotangents stay partial sums
+  until the latent's own reduce-scatter."""
   nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
   w = lambda n, role: use(lay, role, p[n], x.dtype)
+  pos_x = positions if lay.x is None else jax.reshard(positions, P(*tuple(lay.x)[:2]))  # as x
   if cfg.q_lora_rank:
     cq = jnp.einsum("bsd,dr->bsr", x, w("wq_a", "attn_q_a"))                   # [B, S, Rq]
-    cq = rms_norm(cq, lay.use("q_norm", p["q_norm"]), LATENT_NORM_EPS)
-    q = jnp.einsum("bsr,rhk->bshk", cq, w("wq_b", "attn_q_b"))                 # [B, S, H, qk]
+    q_in = rms_norm(cq, lay.use("q_norm", p["q_norm"]), LATENT_NORM_EPS)
   else:
-    q = jnp.einsum("bsd,dhk->bshk", x, w("wq", "attn_q"))                      # [B, S, H, qk]
-  q_n = q[..., :nope]                                                          # [B, S, H, nope]
-  q_r = rope(q[..., nope:], positions, cfg.rope_theta, cfg.rope_interleave)    # [B, S, H, rope]
+    q_in = x                                                                   # [B, S, D]
   ckv = jnp.einsum("bsd,dc->bsc", x, w("wkv_a", "attn_kv_a"))                  # [B, S, Rkv + rope]
   c = rms_norm(ckv[..., :r], lay.use("kv_norm", p["kv_norm"]), LATENT_NORM_EPS)  # [B, S, Rkv]
-  k_r = rope(ckv[..., r:], positions, cfg.rope_theta, cfg.rope_interleave)     # [B, S, rope]
-  kv = jnp.einsum("bsr,rhk->bshk", c, w("wkv_b", "attn_kv_b"))                 # [B, S, H, nope + v]
-  k_n, v = kv[..., :nope], kv[..., nope:]                                      # [B, S, H, nope|v]
+  k_r = rope(ckv[..., r:], pos_x, cfg.rope_theta, cfg.rope_interleave)         # [B, S, rope]
+  # one gather of all the heads read: [B, S, Rq|D + Rkv + rope] (tp: typed reduced; ep_tp: + AG)
+  lat = lay.gather_in(jnp.concatenate([q_in, c, k_r], axis=-1))
+  q_in, lat = lat[..., :q_in.shape[-1]], lat[..., q_in.shape[-1]:]            # lat [B, S, Rkv + rope]
+  wq = w("wq_b", "attn_q_b") if cfg.q_lora_rank else w("wq", "attn_q")         # [Rq|D, H, qk]
+  q = jnp.einsum("bsr,rhk->bshk", q_in, wq)                                    # [B, S, H, qk]
+  q_n = q[..., :nope]                                                          # [B, S, H, nope]
+  q_r = rope(q[..., nope:], positions, cfg.rope_theta, cfg.rope_interleave)    # [B, S, H, rope]
+  wkv_b = w("wkv_b", "attn_kv_b")                                              # [Rkv, H, nope + v]
+  k_pos = positions
+  if lay.kv is None:
+    kv = jnp.einsum("btr,rhk->bthk", lat[..., :r], wkv_b)                      # [B, T, H, nope + v]
+  else:                                                # CP: gather the latent, not K and V
+    seq_axes = sharding.dim_axes(jax.typeof(lat).sharding.spec, 1)
+    lat = _gather_kv(lat, P(*tuple(lay.kv)[:2], None))                         # [B, T, Rkv + rope]
+    kv = sharding.partial_einsum("btr,rhk->bthk", lat[..., :r], wkv_b, seq_axes)  # [B, T, H, nope + v]
+    k_pos = jax.reshard(positions, lay.kv_pos)                                 # [B, T]
+  k_r = lat[..., r:]                                                           # [B, T, rope]
+  k_n, v = kv[..., :nope], kv[..., nope:]                                      # [B, T, H, nope|v]
   scores = (jnp.einsum("bshk,bthk->bhst", q_n, k_n)
             + jnp.einsum("bshk,btk->bhst", q_r, k_r)).astype(jnp.float32) / np.sqrt(cfg.qk_head_dim)
-  probs = _softmax_causal(scores, positions, positions).astype(v.dtype)      # [B, H, S, T=S]
+  probs = _softmax_causal(scores, positions, k_pos).astype(v.dtype)          # [B, H, S, T]
   o = jnp.einsum("bhst,bthv->bshv", probs, v)                                  # [B, S, H, v]
   return jnp.einsum("bshv,hvd->bsd", o, w("wo", "attn_o"), out_sharding=lay.row)  # [B, S, D]
 
@@ -379,7 +402,7 @@ def swiglu(p, x, lay: Layout, roles=("shared_in", "shared_out")):
 def block(x, lp, positions, cfg: Config, lay: Layout):
   """One decoder layer. x [B, S, D], lp: one layer's params -> (x [B, S, D], its router stats);
   a dense layer (lp has "mlp", no "moe") returns no stats."""
-  h = lay.gather_in(rms_norm(x, lay.use("attn_norm", lp["attn_norm"]), cfg.norm_eps))
+  h = rms_norm(x, lay.use("attn_norm", lp["attn_norm"]), cfg.norm_eps)      # residual layout
   x = x + lay.scatter_out(attention(lp["attn"], h, positions, cfg, lay))
   h = lay.gather_in(rms_norm(x, lay.use("mlp_norm", lp["mlp_norm"]), cfg.norm_eps))
   if "mlp" in lp:                                                   # a leading dense layer

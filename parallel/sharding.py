@@ -135,6 +135,58 @@ def reduce_scatter(y: jax.Array, out_spec: P) -> jax.Array:
   return jax.shard_map(body, in_specs=spec, out_specs=P(*out_entries))(y)
 
 
+def partial_einsum(subscripts: str, a: jax.Array, b: jax.Array, axes: Sequence[str]) -> jax.Array:
+  """einsum(subscripts, a, b), typed *reduced* over `axes`, for an operand gathered over them:
+  MLA's latent all-gathered over the sequence axes (CP), up-projected to K and V [B, T, H, .].
+  The queries of each device read all of K / V, so the cotangent comes back a partial sum over
+  `axes` (typed unreduced), and dot_general takes no unreduced operand: the backward contracts it
+  in a full-manual shard_map, each device with its own partial, and hands back each operand's
+  cotangent unreduced over that operand's reduced axes (the latent's: `axes`, from its gather; a
+  weight's: the token axes of its use), which the gathers' own backwards sum once. Checked when
+  traced: every axis an operand is reduced over must be one its local cotangent is a partial sum
+  over (`axes`, or an axis splitting a dim its backward contracts), else the sum would be wrong."""
+  ins, out = subscripts.split("->")
+  sa, sb = ins.split(",")
+  axes = frozenset(axes)
+
+  def spec(t):
+    s = jax.typeof(t).sharding.spec
+    return P(*(s.partitions + (None,) * (t.ndim - len(s.partitions))), reduced=s.reduced)
+  a_spec, b_spec = spec(a), spec(b)
+
+  @jax.custom_vjp
+  def f(a, b):
+    y = jnp.einsum(subscripts, a, b)
+    return jax.reshard(y, P(*jax.typeof(y).sharding.spec.partitions, reduced=axes))
+
+  def fwd(a, b):
+    return f(a, b), (a, b)
+
+  def bwd(res, ct):
+    a, b = res
+    ct_spec = jax.typeof(ct).sharding.spec
+    for name, sub, s, other in (("a", sa, a_spec, (sb, b_spec)), ("b", sb, b_spec, (sa, a_spec))):
+      partial = axes | {x for subs, sp in ((out, ct_spec), other)
+                        for ch, e in zip(subs, sp.partitions) if ch not in sub for x in entry_axes(e)}
+      if not s.reduced <= partial:
+        raise ValueError(f"partial_einsum {subscripts}: {name} is reduced over "
+                         f"{sorted(s.reduced - partial)}, which its cotangent is not summed over")
+
+    def body(ct, a, b):                                   # each device's partial products
+      return (jnp.einsum(f"{out},{sb}->{sa}", ct, b).astype(a.dtype),
+              jnp.einsum(f"{sa},{out}->{sb}", a, ct).astype(b.dtype))
+
+    plain = lambda s: P(*s.partitions)
+    unreduced = lambda s: P(*s.partitions, unreduced=s.reduced)
+    a, b = jax.reshard(a, plain(a_spec)), jax.reshard(b, plain(b_spec))   # values, not types
+    # check_vma=False: the cotangent comes in unreduced, a type a dot_general does not take
+    return jax.shard_map(body, in_specs=(ct_spec, plain(a_spec), plain(b_spec)),
+                         out_specs=(unreduced(a_spec), unreduced(b_spec)), check_vma=False)(ct, a, b)
+
+  f.defvjp(fwd, bwd)
+  return f(a, b)
+
+
 def put(tree, specs, mesh):
   """Place a numpy pytree (the same global values on every process) with a matching pytree of
   PartitionSpecs (None = replicated). Each process fills only its addressable shards, so this

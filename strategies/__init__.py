@@ -62,10 +62,6 @@ class BadInput(NamedTuple):
   opts: object
   message: str
 
-# tiny's overrides for MLA attention (the BAD_INPUT of a strategy that does not take it yet)
-MLA_TINY = dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                v_head_dim=8)
-
 # Order = the order of the comparison table.
 NAMES = ["reference", "dp", "fsdp", "tp", "ep", "cp", "ep_as_cp", "shard_exp_on_fsdp", "ep_tp", "pp"]
 

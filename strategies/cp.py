@@ -9,6 +9,7 @@ Mesh axes: (data, fsdp, context)
 | tokens / targets / positions [B, S]     | (B_(data,fsdp), S_context), load-balanced order   |
 | residual x [B, S, D], q [B, S, H, Dh]   | (B_(data,fsdp), S_context, ..)                    |
 | k / v [B, T, KV, Dh], kv_pos [B, T]     | (B_(data,fsdp), T, ..): all-gathered over context |
+| MLA latent c_KV + k_r [B, T, Rkv + rope]| the same: gathered instead of K/V, then up-projected|
 | MoE                                     | all experts local, on each device's own tokens    |
 
 Load balancing: the global sequence is cut into 2cp chunks and context rank i holds chunks i and
@@ -25,6 +26,11 @@ Collectives per layer (c = context, f = fsdp, d = data; kv bytes = B_(d,f)*S*KV*
   backward: 4. reduce-scatter over c of dK and dV (2 x kv/c bytes): every context rank's queries
                read all of K/V, so each holds a partial dK/dV; model._gather_kv reduce-scatters it
                explicitly (XLA:CPU would write the transpose of the gather as all-reduce + slice)
+  MLA: 2 and 4 move the normed latent c_KV and the rotated RoPE key instead (Rkv + rope values
+  per token, 576 at DeepSeek-V3's shape, where the up-projected K and V would be H x (nope + v)
+  + rope = 32,832: 57x fewer bytes); each rank up-projects the whole gathered latent (an extra
+  B*T*Rkv*H*(nope + v) multiply-adds per layer), its K/V typed reduced over c so that dK/dV stay
+  partial sums until the latent's one reduce-scatter (sharding.partial_einsum)
             5. FSDP gradient (gather_weight): reduce-scatter over f of each weight gradient,
                then all-reduce over (d, c) of the 1/f shard
             6. norm-scale gradients: all-reduce over c, then over (d, f)
@@ -34,7 +40,7 @@ and the cost model's (kind, axes) set must equal it):
   all-gather over context: K, V, kv_pos (and the capacity rule's ints)
   all-gather over fsdp: weight matrices before use
   reduce-scatter over fsdp: weight-matrix gradients
-  reduce-scatter over context: dK, dV
+  reduce-scatter over context: dK, dV (MLA: d(latent))
   all-reduce over context: norm-scale grad partials
   all-reduce over (data, context): the 1/f weight-gradient shards after the scatter
   all-reduce over (data, fsdp): norm-scale grads
@@ -54,7 +60,7 @@ from layout import context, fsdp, mesh as mesh_lib
 from layout.options import NoOptions
 from measure import cost as cost_lib
 from modeling import model
-from strategies import MLA_TINY, BadInput, Case
+from strategies import BadInput, Case
 
 NAME = "cp"
 AXES = (mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.CONTEXT)
@@ -66,21 +72,16 @@ COMPARE_MESH = None
 Options = NoOptions
 TEST_CASES = [Case("tiny", "context:4,data:2"), Case("tiny", "fsdp:2,context:2,data:2"),
               # the capacity rule: CP must gather the sequence's expert ids
-              Case("deepseek-gqa-test", "fsdp:2,context:2,data:2", dict(capacity_factor=1.0))]
+              Case("deepseek-test", "fsdp:2,context:2,data:2", dict(capacity_factor=1.0))]
 COST_CASES = TEST_CASES
 LAYOUTS = ("tiny", ("context:4,data:2", "fsdp:2,context:2,data:2"))
-BAD_INPUT = [
-    BadInput(MLA_TINY, "context:2,data:4", Options(),
-             "cp does not run attention=mla yet (gathering the latent need"
-             "s the up-projection's cotangent kept a partial sum over context); dp, fsdp, ep, pp and shard_exp_on_fsdp do"),BadInput(dict(seq_len=36), "context:4,data:2", Options(),
+BAD_INPUT = [BadInput(dict(seq_len=36), "context:4,data:2", Options(),
                       "seq_len=36 is not divisible by 2*context=8"),
              BadInput(dict(batch=3), "context:4,data:2", Options(),
                       "batch=3 is not divisible by mesh axis dataxfsdp=2")]
 
 
 def check(cfg, mesh, opts):
-  mesh_lib.require_gqa(cfg, NAME, "gathering the latent needs the up-projection's cotangent "
-                       "kept a partial sum over context")
   mesh_lib.require_divisible("batch", cfg.batch, mesh, BATCH)
   context.check(cfg, mesh, CP)
   fsdp.check(cfg, mesh, mesh_lib.FSDP)

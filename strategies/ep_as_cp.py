@@ -8,6 +8,7 @@ Mesh axes: (data, fsdp, expert). The expert axis is the one playing CP.
 | tokens / targets / positions [B, S]     | (B_(data,fsdp), S_expert), load-balanced order      |
 | residual x [B, S, D], q [B, S, H, Dh]   | (B_(data,fsdp), S_expert, ..)                       |
 | k / v [B, T, KV, Dh], kv_pos [B, T]     | (B_(data,fsdp), T, ..): all-gathered over expert    |
+|   MLA: latent c_KV + k_r [B, T, Rkv+rope]| the same, gathered instead of K/V (as cp.py)        |
 | weights, experts                        | as ep.py: matrices D over fsdp; experts [E_expert,   |
 |                                         |   D_fsdp, F], gathered over fsdp before the MoE     |
 | dispatch / combine buffer               | [N_src, EP, C, D] @ P((data,fsdp), expert)          |
@@ -25,7 +26,7 @@ fsdp:2,expert:4 gives each device a quarter of one sequence (a fractional per-de
 Collectives per layer (d/f/x = the data/fsdp/expert axes; kv = B_loc*S*KV*Dh*4; C as in ep.py, b_loc the
 sequences a device holds parts of)
   forward : 1. all-gather over f of the weight matrices and experts (as ep.py)
-            2. all-gather over x of K and V (2 x kv)                          [critical path]
+            2. all-gather over x of K and V (2 x kv; MLA: its latent, as cp.py)  [critical path]
             3. "dispatch_a2a" / "combine_a2a": all-to-all over x of the counts and of
                [EP, C, D] twice                                               [critical path]
             4. router statistics all-reduced over (d, f, x); with capacity_factor > 0 the
@@ -58,7 +59,7 @@ from layout import context, fsdp, mesh as mesh_lib
 from layout.options import NoOptions
 from measure import cost as cost_lib
 from modeling import model
-from strategies import MLA_TINY, BadInput, Case, ep
+from strategies import BadInput, Case, ep
 
 NAME = "ep_as_cp"
 DATA, FSDP, EXPERT = mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.EXPERT
@@ -72,13 +73,10 @@ Options = NoOptions
 SEED_MESH = "fsdp:2,expert:2,data:2"          # MaxText #3656's FSDP=2 + EP-as-CP=2 (+ data=2)
 # tiny batch 2: 2 sequences on 8 devices, a quarter of a sequence each, with the capacity rule,
 # which needs the whole sequence (expert ids and positions all-gathered over expert)
-TEST_CASES = [Case("deepseek-gqa-test", SEED_MESH),
+TEST_CASES = [Case("deepseek-test", SEED_MESH),
               Case("tiny", "fsdp:2,expert:4", dict(batch=2, capacity_factor=1.0))]
 COST_CASES = TEST_CASES
 BAD_INPUT = [
-    BadInput(MLA_TINY, "expert:2,data:4", Options(),
-             "ep_as_cp does not run attention=mla yet (gathering the laten"
-             "t needs the up-projection's cotangent kept a partial sum over expert); dp, fsdp, ep, pp and shard_exp_on_fsdp do"),
     BadInput(dict(seq_len=36), "expert:8", Options(), "seq_len=36 is not divisible by 2*expert=16"),
     BadInput(dict(batch=3), "fsdp:2,expert:4", Options(),
              "batch=3 is not divisible by mesh axis dataxfsdp=2"),
@@ -88,8 +86,6 @@ BAD_INPUT = [
 
 def check(cfg, mesh, opts):
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
-  mesh_lib.require_gqa(cfg, NAME, "gathering the latent needs the up-projection's cotangent "
-                       "kept a partial sum over expert")
   mesh_lib.require_divisible("batch", cfg.batch, mesh, BATCH)
   context.check(cfg, mesh, CP)
   fsdp.check(cfg, mesh, FSDP)

@@ -9,6 +9,8 @@ data shard, T/EP of them per device in the residual stream.
 |------------------------------------------|------------------------------------------|
 | attn wq/wk/wv [D, H|KV, Dh]              | (None, expert, None)   column-parallel   |
 | attn wo [H, Dh, D]                       | (expert, None, None)   row-parallel      |
+| MLA wq_b [Rq, H, qk], wkv_b [Rkv, H, .]  | (None, expert, None)   column-parallel   |
+| MLA wq_a [D, Rq], wkv_a [D, Rkv + rope]  | replicated, run on the T/EP local tokens |
 | shared wi_0/wi_1 [D, Fs], wo [Fs, D]     | (None, expert), (expert, None)           |
 | routed wi_0/wi_1 [E, D, F], wo [E, F, D] | (expert, None, None)   e whole experts   |
 | embed, unembed, norms, router, bias      | replicated                               |
@@ -28,6 +30,10 @@ MaxText #3600 shards D of these activations instead; the bytes are the same (an 
 reduce-scatter of [T, D] per block), but D-sharding needs an all-reduce of the norm statistics
 and a sharded router contraction, while sequence sharding keeps both local. AG + RS of [T, D]
 moves the same bytes as the one all-reduce of the replicated (Megatron) layout.
+MLA: its down-projections are token-local, so they run on the T/EP local tokens before the
+gather, and attention's all-gather moves the latents (normed c_Q, or h if q_lora_rank = 0,
+normed c_KV and rotated k_r: Rq + Rkv + rope = 2,112 values per token at DeepSeek-V3's shape,
+against D = 7,168) instead of h.
 
 Routed MoE per device (named scopes): route the T/EP local tokens -> "route_ag": all-gather
 their expert ids and combine weights [T, K] over expert (the tokens come gathered) -> "compact":
@@ -44,6 +50,7 @@ C_e = ceil(cf*S*K/E) slots per sequence and expert), about cf*T*K/EP rows, with 
 
 Collectives per layer ([T, D] = one data shard's activations, f32; named scopes in quotes)
   forward : 1. "seq_ag": all-gather over expert of the normed h before q/k/v: [T/EP, D] -> [T, D]
+               (MLA: of the latents, [T/EP, Rq + Rkv + rope] -> [T, ..])
             2. "combine_rs": reduce-scatter over expert of attention wo {U_expert} -> [T/EP, D]
             3. "seq_ag": all-gather over expert of the normed h before the MoE / shared expert
             4. "route_ag": all-gather over expert of expert ids + weights [T, K] (+ the raw ids
@@ -53,9 +60,10 @@ Collectives per layer ([T, D] = one data shard's activations, f32; named scopes 
   backward: the mirror: all-gather over expert of the cotangents of 2 and 5; reduce-scatter over
             expert of the cotangent of 1 (q, k, v partials summed first: one op, not three), of
             3 (MoE tokens, routing slice, shared wi_0/wi_1 summed first) and of the weights of 4
-            ([T/EP, K]). Gradients: expert-sharded weights all-reduced over data; embed, unembed
-            (use -> gather_weight with grad_axes (data, expert): one op, where XLA splits the sum
-            into an expert and a data all-reduce, twice the bytes) and the router (shard_map
+            ([T/EP, K]). Gradients: expert-sharded weights all-reduced over data; embed, unembed,
+            MLA's wq_a / wkv_a (use -> gather_weight with grad_axes (data, expert): one op,
+            where XLA splits the sum into an expert and a data all-reduce, twice the bytes;
+            REPLICATED_MATRICES) and the router (shard_map
             input) over (data, expert); norm scales [D] (gather_weight's reduced type cannot
             meet an elementwise product) in XLA's split: over expert, then over data.
 HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
@@ -65,7 +73,7 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
   all-reduce over expert: norm-scale grads [D] (first half of XLA's split); no activation is
     all-reduced
   all-reduce over data: expert-sharded weight grads, norm-scale grads [D] (second half)
-  all-reduce over (data, expert): embed / unembed / router grads, router stats, overflow, loss
+  all-reduce over (data, expert): embed / unembed / MLA down-projection / router grads, router stats, overflow, loss
     sums, grad norm (with |data| = 1 these run over expert: data parallelism of replicated
     weights)
 When to use: few tokens per step (inference-like) with many experts: no all-to-all, each
@@ -74,7 +82,7 @@ direction: 2 x (AG to [T, D] + RS to [T/EP, D]), the same wire bytes as the 2 al
 the replicated-residual (Megatron) layout, 2r(EP-1)/EP each, with activations at 1/EP; plus the
 [T, K] routing. Attention needs H and KV divisible by EP, the sequence S divisible by EP.
 
-  python run.py --strategy=ep_tp --mesh=data:4,expert:2 --model=deepseek-gqa-test --steps=3
+  python run.py --strategy=ep_tp --mesh=data:4,expert:2 --model=deepseek-test --steps=3
   python run.py --strategy=ep_tp --mesh=expert:2 --devices=2 --batch=1 --seq=8 --opt=capacity=0.5
 """
 import dataclasses
@@ -90,7 +98,7 @@ from measure import cost as cost_lib
 from modeling import model, moe, routing
 from modeling.config import ConfigError
 from parallel.sharding import gather_weight, reduce_scatter
-from strategies import MLA_TINY, BadInput, Case
+from strategies import BadInput, Case
 
 NAME = "ep_tp"
 DATA, EXPERT = mesh_lib.DATA, mesh_lib.EXPERT
@@ -102,6 +110,9 @@ X_SPEC = P(DATA, EXPERT, None)          # residual [B, S, D]: sequence-parallel
 FULL = P(DATA, None, None)              # gathered h [B, S, D]
 TOKENS = (DATA, EXPERT)                 # the token axes = the grad axes
 ROW = P(DATA, None, None, unreduced={EXPERT})   # row-parallel outputs before the RS
+# replicated weight matrices whose gradient sums over every token: embed, unembed and MLA's
+# down-projections (they run on the sequence-parallel tokens)
+REPLICATED_MATRICES = ("embed", "unembed", "attn_q_a", "attn_kv_a")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,13 +123,10 @@ class Options:
 
 SMALL = dict(n_heads=8, n_kv_heads=8, batch=1, seq_len=8)   # 8 tokens; heads divisible by EP=8
 TEST_CASES = [Case("tiny", "data:2,expert:4", dict(n_kv_heads=4)),
-              Case("deepseek-gqa-test", "data:4,expert:2"),
-              Case("deepseek-gqa-test", "expert:8", SMALL)]         # 1 token per device: inference-like
+              Case("deepseek-test", "data:4,expert:2"),
+              Case("deepseek-test", "expert:8", SMALL)]         # 1 token per device: inference-like
 COST_CASES = TEST_CASES
 BAD_INPUT = [
-    BadInput(MLA_TINY, "data:4,expert:2", Options(),
-             "ep_tp does not run attention=mla yet (its attention reads h "
-             "typed reduced over expert, which MLA's replicated down-projections cannot contract); dp, fsdp, ep, pp and shard_exp_on_fsdp do"),
     BadInput({}, "data:2,expert:4", Options(), "n_kv_heads=2 is not divisible by mesh axis expert=4"),
     BadInput(dict(n_heads=8, n_kv_heads=8, n_experts=4), "expert:8", Options(),
              "n_experts=4 is not divisible by mesh axis expert=8"),
@@ -134,8 +142,6 @@ BAD_INPUT = [
 
 
 def check(cfg, mesh, opts):
-  mesh_lib.require_gqa(cfg, NAME, "its attention reads h typed reduced over expert, which "
-                       "MLA's replicated down-projections cannot contract")
   mesh_lib.require_divisible("batch", cfg.batch, mesh, DATA)
   mesh_lib.require_divisible("seq_len", cfg.seq_len, mesh, EXPERT)
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
@@ -219,8 +225,8 @@ def layout(cfg, mesh, opts):
     with jax.named_scope("combine_rs"):
       return reduce_scatter(y, X_SPEC)
 
-  def use(role, w):             # embed / unembed: one gradient all-reduce over (data, expert)
-    if role in ("embed", "unembed"):
+  def use(role, w):             # one gradient all-reduce over (data, expert), not XLA's split
+    if role in REPLICATED_MATRICES:
       return gather_weight(w, P(), TOKENS, **precision(cfg, role))
     return cast_stored(w, role, cfg, TOKENS)       # float32: w as stored
 
@@ -242,6 +248,8 @@ def cost(cfg, mesh, opts):
   n_layers = cfg.n_layers
   t = cfg.batch // mesh.shape[DATA] * cfg.seq_len
   act = cost_lib.nbytes((t, cfg.d_model), cost_lib.act_bytes(cfg))  # one gathered [T, D]
+  # per layer: attention's gather (h, or MLA's latents) + the MLP's h
+  gathered = act * (cost_lib.attn_gather_values(cfg) + cfg.d_model) // cfg.d_model
   rk = cost_lib.nbytes((t, cfg.top_k))                              # one [T, K] of routing
   ids = (2 if cfg.capacity_factor > 0 else 1) * rk                  # expert ids (+ raw, capacity)
   ep = mesh.shape[EXPERT]
@@ -251,13 +259,14 @@ def cost(cfg, mesh, opts):
                                   grads=dict.fromkeys(model.NORMS, ((EXPERT,), (DATA,))))
   term = functools.partial(cost_lib.term, mesh)
   return (weights + cost_lib.stats_terms(cfg, mesh, TOKENS)
-          + term("all-gather", "fwd", "normed h x2, routing ids + weights (MoE layers)",
-                 n_layers * 2 * act + cfg.n_moe_layers * (ids + rk), EXPERT, cost_lib.RECOMPUTED)
+          + term("all-gather", "fwd", "attention's h or MLA latents, the MLP's h, routing ids + "
+                 "weights (MoE layers)", n_layers * gathered + cfg.n_moe_layers * (ids + rk),
+                 EXPERT, cost_lib.RECOMPUTED)
           + term("reduce-scatter", "fwd", "attn wo", n_layers * act / ep, EXPERT,
                  cost_lib.BLOCK_ONLY)
           + term("reduce-scatter", "fwd", "MoE + shared, or the dense FFN", n_layers * act / ep,
                  EXPERT)
           + term("all-gather", "bwd", "cotangents of the two reduce-scatters", n_layers * 2 * act,
                  EXPERT)
-          + term("reduce-scatter", "bwd", "cotangents of the gathered h x2 and weights",
-                 (n_layers * 2 * act + cfg.n_moe_layers * rk) / ep, EXPERT))
+          + term("reduce-scatter", "bwd", "cotangents of the gathered h / latents and weights",
+                 (n_layers * gathered + cfg.n_moe_layers * rk) / ep, EXPERT))

@@ -34,13 +34,6 @@ def _np(tree):
   return jax.tree.map(lambda a: np.asarray(jax.device_get(a)), tree)
 
 
-def deepseek_model(name: str) -> str:
-  """The DeepSeek test model strategy `name` runs: deepseek-test (MLA), or deepseek-gqa-test for
-  a strategy that refuses MLA (one of its BAD_INPUT rows is strategies.MLA_TINY)."""
-  refuses = any(b.overrides is strategies.MLA_TINY for b in strategies.get(name).BAD_INPUT)
-  return "deepseek-gqa-test" if refuses else "deepseek-test"
-
-
 def make_mesh(name: str, mesh_spec: str | None):
   return mesh_lib.for_strategy(strategies.get(name), mesh_spec)
 

@@ -82,8 +82,8 @@ def _run(*args, timeout=300):
     (["--strategy=dp", "--restore=latest"], "--restore needs --checkpoint_dir"),
     (["--compare=dp", "--hlo_stats"], "--hlo_stats is for --strategy"),
     (["--strategy=fsdp", "--model=deepseek-v3"], "model deepseek-v3 would allocate"),
-    (["--strategy=tp", "--model=deepseek-test", "--mesh=data:4,tensor:2"],
-     "tp does not run attention=mla yet"),
+    (["--strategy=tp", "--model=deepseek-test", "--mesh=data:1,tensor:8"],
+     "n_heads=4 is not divisible by mesh axis tensor=8"),
     (["--model=deepseek-v3", "--layers=3", "--describe"],
      "first_k_dense_replace=3 must be in [0, n_layers=3) (at least one MoE layer)"),
 ])

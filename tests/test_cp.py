@@ -12,7 +12,7 @@ from tests import parity
 NAME = "cp"
 TINY = get_config("tiny")
 # deepseek with the capacity rule: the path where CP must gather the sequence's expert ids
-DEEPSEEK_CAP = get_config("deepseek-gqa-test", capacity_factor=1.0)
+DEEPSEEK_CAP = get_config("deepseek-test", capacity_factor=1.0)
 MESHES = ("context:4,data:2", "fsdp:2,context:2,data:2")
 
 

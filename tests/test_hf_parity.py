@@ -31,6 +31,7 @@ CASES = [("mixtral", "reference", None), ("mixtral", "ep", "expert:2"),
          ("mixtral", "tp", "tensor:2"), ("mixtral", "pp", "stage:2,expert:2"),
          ("deepseek_v3", "reference", None), ("deepseek_v3", "ep", "expert:2"),
          ("deepseek_v3", "fsdp", "fsdp:2"), ("deepseek_v3", "pp", "stage:2,expert:2"),
+         ("deepseek_v3", "tp", "tensor:2"), ("deepseek_v3", "cp", "context:2"),
          ("deepseek_v3_noqlora", "reference", None), ("deepseek_v3_noqlora", "ep", "expert:2")]
 
 
@@ -50,7 +51,7 @@ def load(name: str):
 
 def logits(name: str, cfg, params, batch, mesh_spec):
   """The suite's logits [B, S, V] for `params` under strategy `name` (its Layout; pp: its
-  pipeline's own logits entry point)."""
+  pipeline's own logits entry point; cp: its load-balanced token order, undone after)."""
   strat = strategies.get(name)
   n = math.prod(mesh_lib.parse_mesh_spec(mesh_spec).values()) if mesh_spec else None
   mesh = mesh_lib.for_strategy(strat, mesh_spec, n)
@@ -62,13 +63,16 @@ def logits(name: str, cfg, params, batch, mesh_spec):
                                            tree, specs)
     p = put(params, strat.param_specs(cfg, mesh))
     bspec = strat.batch_spec(cfg, mesh)
-    b = {k: jax.device_put(v, NamedSharding(mesh, bspec)) for k, v in batch.items()}
+    order = np.arange(cfg.seq_len)
+    if hasattr(strat, "prepare_batch"):                     # cp: positions travel with tokens
+      order = strat.prepare_batch({"i": order[None]}, cfg, mesh)["i"][0]
+    b = {k: jax.device_put(v[:, order], NamedSharding(mesh, bspec)) for k, v in batch.items()}
     if name == "pp":
       fn = lambda p, b: strat.logits(p, b, cfg=cfg, mesh=mesh)
     else:
       lay = strat.layout(cfg, mesh, strat.Options())
       fn = lambda p, b: model.forward(p, b, cfg, lay)[0]
-    return np.asarray(jax.jit(fn)(p, b))
+    return np.asarray(jax.jit(fn)(p, b))[:, np.argsort(order)]
 
 
 @pytest.mark.parametrize("fixture,strategy,mesh", CASES,

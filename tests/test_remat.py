@@ -11,7 +11,7 @@ from tests import parity
 CASES = [("ep", "tiny", "data:2,expert:4", "block"),
          ("fsdp", "tiny", "data:2,fsdp:4", "block"),
          ("fsdp", "deepseek-test", "data:2,fsdp:4", "dots_saveable"),
-         ("ep_as_cp", "deepseek-gqa-test", "data:2,expert:4", "block"),
+         ("ep_as_cp", "deepseek-test", "data:2,expert:4", "block"),
          ("ep_tp", "tiny", "data:4,expert:2", "block"),
          ("pp", "tiny", "data:1,stage:2,expert:4", "block")]          # pp's own stage scan
 

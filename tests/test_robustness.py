@@ -37,7 +37,7 @@ CASES = [("ep", dict(capacity_factor=1.0), "data:2,expert:4", None),
 
 @pytest.mark.parametrize("name,over,mesh,opts", CASES, ids=[c[0] for c in CASES])
 def test_zero_token_experts_with_poisoned_buffers(name, over, mesh, opts):
-  cfg = get_config(parity.deepseek_model(name), weight_decay=0.1, **over)
+  cfg = get_config("deepseek-test", weight_decay=0.1, **over)
   got = parity.check(name, cfg, mesh, steps=2, opts=opts, init=dead_expert_init, poison=True)
   want = parity.reference(cfg, 2, init=dead_expert_init)
   init = dead_expert_init(cfg)

@@ -9,7 +9,7 @@ from tests import parity
 NAME = "tp"
 # tiny has 4 heads / 2 kv heads; 8 / 4 lets the same model run on tensor:2 and tensor:4
 TINY8 = get_config("tiny", n_heads=8, n_kv_heads=4)
-DEEPSEEK = get_config("deepseek-gqa-test")
+DEEPSEEK = get_config("deepseek-test")
 MESHES = ("tensor:2,data:4", "data:2,tensor:4")
 
 
