@@ -46,6 +46,8 @@ flags.DEFINE_enum("optimizer", "adamw", ["adamw", "muon"], "optimizer")
 flags.DEFINE_float("lr", None, "learning rate")
 flags.DEFINE_float("adam_eps", None, "Adam epsilon (default from the preset, 1e-8)")
 flags.DEFINE_float("capacity_factor", 0.0, "expert capacity factor; 0 = dropless")
+flags.DEFINE_string("aux_loss_kind", None, "load-balance loss: batch (f, P over the step's tokens) "
+                    "| sequence (per sequence, DeepSeek-V3's); default from the preset")
 flags.DEFINE_integer("seed", 0, "init and data seed")
 flags.DEFINE_string("gmm", "ragged_dot", "grouped-matmul backend: ragged_dot (= auto) | padded | "
                     "custom | scan (exact, one expert at a time: for compile-only memory studies "
@@ -244,7 +246,7 @@ def make_config():
               gmm_backend=F.gmm, microbatches=F.microbatches,
               remat=F.remat, dtype=F.dtype, grad_reduce_dtype=F.grad_reduce_dtype)
   for flag, key in (("batch", "batch"), ("seq", "seq_len"), ("layers", "n_layers"), ("lr", "lr"),
-                    ("adam_eps", "adam_eps")):
+                    ("adam_eps", "adam_eps"), ("aux_loss_kind", "aux_loss_kind")):
     if getattr(F, flag) is not None:
       over[key] = getattr(F, flag)
   from modeling import gmm
@@ -390,6 +392,7 @@ def train_one(cfg, opts) -> None:
                           "batch": cfg.batch, "seq_len": cfg.seq_len, "layers": cfg.n_layers,
                           "remat": cfg.remat, "microbatches": cfg.microbatches,
                           "capacity_factor": cfg.capacity_factor, "seed": cfg.seed,
+                          "aux_loss_kind": cfg.aux_loss_kind,
                           "optimizer": cfg.optimizer, "options": vars(opts),
                           "compile_only": F.compile_only, "jax": jax.__version__}) + "\n")
     out.close()

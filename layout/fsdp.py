@@ -58,7 +58,8 @@ def moe_all_local(cfg, x_spec: P, grad_axes, cp_axis: str | None = None):
             for k, v in p.items()}
     specs = {k: jax.typeof(v).sharding.spec for k, v in full.items()}
     body = lambda p, x, pos: moe.moe_local(p, x, pos, cfg, token_axes=tuple(grad_axes),
-                                           gather_sequence=gather_seq)
+                                           gather_sequence=gather_seq,
+                                           seq_axes=(cp_axis,) if cp_axis else ())
     return jax.shard_map(body, in_specs=(specs, x_spec, pos_spec),
                          out_specs=(x_spec, P()))(full, x, positions)   # y [B, S, D] @ x_spec
   return moe_fn

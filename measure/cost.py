@@ -256,8 +256,20 @@ def _size(mesh, axes) -> int:
   return math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
 
 
-def stats_terms(cfg, mesh, token_axes) -> list[Term]:
-  """Router statistics (counts, prob sums [E], z, dropped per MoE layer) and the loss sums,
-  all-reduced over the token axes (global statistics: the aux loss is layout-independent)."""
-  return term(mesh, "all-reduce", "fwd", "router stats + loss sums",
-              (cfg.n_moe_layers * (2 * cfg.n_experts + 2) + 1) * F32, token_axes)
+def stats_values(cfg) -> int:
+  """Router statistics per MoE layer: counts [E], z, dropped, and the batch-wise loss's prob sums
+  [E] or the sequence-wise loss's sum (routing.sequence_aux_sum)."""
+  return cfg.n_experts + 2 + (1 if cfg.aux_loss_kind == "sequence" else cfg.n_experts)
+
+
+def stats_terms(cfg, mesh, token_axes, seq_axes=()) -> list[Term]:
+  """Router statistics and the loss sums, all-reduced over the token axes (global statistics:
+  the aux loss is layout-independent); with the sequence-wise loss and a sequence split over
+  seq_axes, first each sequence's counts and prob sums [b, E] over seq_axes."""
+  out = term(mesh, "all-reduce", "fwd", "router stats + loss sums",
+             (cfg.n_moe_layers * stats_values(cfg) + 1) * F32, token_axes)
+  if cfg.aux_loss_kind == "sequence" and seq_axes:
+    b = cfg.batch // _size(mesh, tuple(a for a in _tuple(token_axes) if a not in seq_axes))
+    out += term(mesh, "all-reduce", "fwd", "per-sequence counts + prob sums [b, E]",
+                cfg.n_moe_layers * 2 * b * cfg.n_experts * F32, seq_axes)
+  return out

@@ -189,14 +189,15 @@ PRESETS: dict[str, Config] = {
     # Mixtral-style: softmax top-2 over 8 experts, no shared expert
     "mixtral-test": Config(n_experts=8, top_k=2, router="softmax", norm_topk_prob=True),
     # DeepSeek-V3's architecture at test size: MLA with a query down-projection, one leading
-    # dense layer, sigmoid router with correction bias, group-limited top-k, a shared expert
+    # dense layer, sigmoid router with correction bias, group-limited top-k, a shared expert, the
+    # sequence-wise balance loss
     "deepseek-test": Config(attention="mla", n_heads=4, n_kv_heads=4, q_lora_rank=32,
                             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                             v_head_dim=16, rope_interleave=True, n_layers=3,
                             first_k_dense_replace=1, dense_d_ff=96, n_experts=16, top_k=4,
                             router="sigmoid", n_group=4, topk_group=2, n_shared_experts=1,
                             routed_scaling_factor=2.5, norm_topk_prob=True,
-                            bias_update_rate=1e-3, d_ff=64),
+                            bias_update_rate=1e-3, aux_loss_kind="sequence", d_ff=64),
     # DeepSeek-V2-Lite's architecture at test size: MLA with a direct query projection, softmax
     # router without groups or top-k renormalisation, two shared experts
     "deepseek-v2-test": Config(attention="mla", n_heads=4, n_kv_heads=4, q_lora_rank=0,

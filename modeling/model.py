@@ -448,20 +448,22 @@ def forward(params, batch, cfg: Config, lay: Layout):
 def loss_fn(params, batch, cfg: Config, lay: Layout, counts=None, n_tokens=None):
   """-> (loss, metrics). Mean next-token CE over all tokens + aux_coef*aux + z_coef*z.
 
-  One microbatch of a step (runtime.train, gradient accumulation): counts [L, E] are the WHOLE
-  step's router counts (f of the aux loss, pass 1) and n_tokens the step's tokens; CE, P and z
-  are this microbatch's sums over n_tokens, so the microbatch losses sum to the step's loss."""
+  One microbatch of a step (runtime.train, gradient accumulation): n_tokens is the step's tokens
+  and counts [L, E] the WHOLE step's router counts (f of the batch-wise aux loss, pass 1; None
+  for the sequence-wise loss, complete within each microbatch); CE, P, the sequence-wise sums
+  and z are this microbatch's over n_tokens, so the microbatch losses sum to the step's loss."""
   logits, stats = forward(params, batch, cfg, lay)
   logits = logits.astype(jnp.float32)
   tgt = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
   nll = jax.nn.logsumexp(logits, axis=-1) - tgt                                # [B, S]
-  if counts is None:
+  if n_tokens is None:
     ce = jnp.mean(nll)
     n_tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
-    aux, z = routing.aux_losses(stats, n_tokens, cfg.n_experts)                # [L] each
+    aux, z = routing.aux_losses(stats, n_tokens, cfg)                          # [L] each
   else:
     ce = jnp.sum(nll) / n_tokens
-    aux, z = routing.aux_losses({**stats, "counts": counts}, n_tokens, cfg.n_experts)
+    aux, z = routing.aux_losses(stats if counts is None else {**stats, "counts": counts},
+                                n_tokens, cfg)
   aux, z = jnp.sum(aux), jnp.sum(z)
   loss = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
   metrics = {"loss": loss, "ce_loss": ce, "aux_loss": aux, "z_loss": z,

@@ -57,11 +57,13 @@ def experts_ffn(p: dict, rows: jax.Array, ids: jax.Array, n: int, backend: str) 
 
 
 def route_tokens(p: dict, x: jax.Array, positions: jax.Array, cfg: Config,
-                 experts_all=None, positions_all=None):
+                 experts_all=None, positions_all=None, seq_axes=()):
   """Route local tokens x [B, S, D] -> (Routing over T=B*S, keep [T, K], stats (local sums)).
 
   experts_all / positions_all: see routing.capacity_keep; pass a callable instead to gather the
   whole sequences lazily (only needed when capacity_factor > 0).
+  seq_axes: the mesh axes splitting S (inside a shard_map), over which the sequence-wise loss's
+  per-sequence statistics are summed (routing.sequence_aux_sum; aux_loss_kind "sequence").
   """
   b, s, d = x.shape
   r = routing.route(x.reshape(b * s, d), p["router"], p["bias"], cfg)
@@ -75,21 +77,27 @@ def route_tokens(p: dict, x: jax.Array, positions: jax.Array, cfg: Config,
   else:
     keep = jnp.ones(r.experts.shape, jnp.bool_)
   r = r._replace(weights=jnp.where(keep, r.weights, 0.0))
-  return r, keep, routing.router_stats(r, keep, cfg.n_experts)
+  stats = routing.router_stats(r, keep, cfg.n_experts)
+  if cfg.aux_loss_kind == "sequence":                  # replaces the batch-wise P
+    del stats["prob_sum"]
+    stats["seq_aux_sum"] = routing.sequence_aux_sum(r, b, cfg, seq_axes)
+  return r, keep, stats
 
 
 def moe_local(p: dict, x: jax.Array, positions: jax.Array, cfg: Config, *,
-              token_axes=(), gather_sequence=None):
+              token_axes=(), gather_sequence=None, seq_axes=()):
   """The whole MoE on local tokens with ALL experts local (dp / fsdp / cp bodies, inside shard_map).
 
   x [b, s, D] local tokens; p = {router [D, E], bias [E], wi_0, wi_1 [E, D, F], wo [E, F, D]}.
   token_axes: mesh axes the tokens are sharded over; router stats are psum'd over them.
   gather_sequence: callable (experts_local, positions_local) -> whole-sequence versions, needed by
   the capacity rule when the sequence itself is sharded (cp).
+  seq_axes: the token axes splitting the sequence (cp), for the sequence-wise loss.
   Returns (y [b, s, D], stats with global sums).
   """
   b, s, d = x.shape
-  r, keep, stats = route_tokens(p, x, positions, cfg, experts_all=gather_sequence)
+  r, keep, stats = route_tokens(p, x, positions, cfg, experts_all=gather_sequence,
+                                seq_axes=seq_axes)
   xs, gs, order = permute(x.reshape(b * s, d), r.experts, keep, cfg.n_experts)   # [T*K, D]
   ys = swiglu_experts(xs, gs, p, cfg.gmm_backend)                                # [T*K, D]
   y = unpermute(ys, order, r.weights).reshape(b, s, d)

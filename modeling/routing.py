@@ -15,8 +15,16 @@ sigmoid router (DeepSeek-V3)
   w      = s[idx] / sum(s[idx]) (if norm_topk_prob) * routed_scaling_factor    (unbiased s)
   p      = s / sum_e s        (normalised affinities, used by the aux loss)
 
-load-balance aux loss (over the GLOBAL batch, so it is layout-independent)
+load-balance aux loss, aux_loss_kind "batch" (over the GLOBAL batch: layout-independent)
   f_e = (assignments to e) / T_global, P_e = sum_t p[t, e] / T_global,  aux = E * sum_e f_e P_e
+  (Switch / Mixtral; f sums to K)
+sequence-wise balance loss, aux_loss_kind "sequence" (DeepSeek-V3, eqs. 17-20), per sequence s
+of S tokens, then averaged over the step's sequences:
+  f_se = E / (K * S) * (assignments of s's tokens to e),  P_se = sum_{t in s} p[t, e] / S
+  aux = mean_s sum_e f_se P_se      (f sums to E per sequence; alpha = aux_loss_coef, 1e-4 in V3)
+  Each sequence's statistics are complete within it: a strategy that splits the sequence (cp,
+  ep_as_cp, ep_tp) sums its [b, E] partials over the sequence axes before the product; a
+  microbatch needs nothing from the others (no pass-1 counts under gradient accumulation).
 router z-loss: z = mean_t logsumexp(logits_t)^2
 aux-loss-free bias update after each step: b_e += gamma * sign(mean_e(load) - load_e)
 
@@ -118,11 +126,36 @@ def router_stats(r: Routing, keep: jax.Array, n_experts: int) -> dict:
   }
 
 
-def aux_losses(stats: dict, n_tokens: int, n_experts: int) -> tuple[jax.Array, jax.Array]:
-  """stats hold GLOBAL sums, [..., E] per layer -> (load-balance aux loss, z-loss) per layer."""
-  f = jax.lax.stop_gradient(stats["counts"]) / n_tokens
-  p = stats["prob_sum"] / n_tokens
-  return n_experts * jnp.sum(f * p, axis=-1), stats["z_sum"] / n_tokens
+def sequence_aux_sum(r: Routing, n_seq: int, cfg: Config, seq_axes=()) -> jax.Array:
+  """sum over this device's n_seq sequences of sum_e f_se P_se (the sequence-wise loss above).
+  r routes this device's [n_seq, s] tokens, s = S / |seq_axes| of each sequence: the [b, E]
+  partials are summed over seq_axes (inside a shard_map) first. Every rank of seq_axes then holds
+  the same sum, so each counts 1/|seq_axes| of it: summed over all token axes with the other
+  statistics, each sequence counts once."""
+  e, k, s = cfg.n_experts, cfg.top_k, cfg.seq_len
+  counts = jnp.sum(jax.nn.one_hot(r.experts, e, dtype=jnp.float32), axis=1)   # [T, E]
+  counts = jnp.sum(counts.reshape(n_seq, -1, e), axis=1)                      # [b, E]
+  probs = jnp.sum(r.probs.reshape(n_seq, -1, e), axis=1)                      # [b, E]
+  n = 1
+  if seq_axes:
+    counts, probs = jax.lax.psum((counts, probs), tuple(seq_axes))
+    n = jax.lax.axis_size(tuple(seq_axes))
+  f = e / (k * s) * jax.lax.stop_gradient(counts)
+  out = jnp.sum(f * probs / s) / n
+  # varying again over seq_axes, as the other statistics, for their psum over all token axes
+  return jax.lax.pcast(out, tuple(seq_axes), to="varying") if seq_axes else out
+
+
+def aux_losses(stats: dict, n_tokens: int, cfg: Config) -> tuple[jax.Array, jax.Array]:
+  """stats hold GLOBAL sums, [..., E] per layer -> (load-balance aux loss, z-loss) per layer:
+  batch-wise from counts / prob_sum, or sequence-wise from seq_aux_sum (present when
+  cfg.aux_loss_kind == "sequence") over the n_tokens / seq_len sequences."""
+  if "seq_aux_sum" in stats:
+    aux = stats["seq_aux_sum"] * (cfg.seq_len / n_tokens)
+  else:
+    f = jax.lax.stop_gradient(stats["counts"]) / n_tokens
+    aux = cfg.n_experts * jnp.sum(f * stats["prob_sum"] / n_tokens, axis=-1)
+  return aux, stats["z_sum"] / n_tokens
 
 
 def update_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:

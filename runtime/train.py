@@ -68,29 +68,38 @@ def accumulated_grads(params, batch, cfg, lay: model.Layout):
   same values as one pass over the whole batch (up to summation order).
   pass 1: forward of every microbatch (no grad) -> the step's router counts [L, E];
   pass 2: value_and_grad per microbatch with those counts as the aux loss's f, every loss term a
-          microbatch sum over the step's tokens; losses and grads summed in the scan carry."""
+          microbatch sum over the step's tokens; losses and grads summed in the scan carry.
+  The sequence-wise loss (aux_loss_kind "sequence") is complete within each microbatch: no pass
+  1, and the step's counts (the bias update's load) are summed in pass 2's carry."""
   mbs = microbatches(batch, cfg.microbatches)                               # [M, B/M, S]
   n_tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
+  per_sequence = cfg.aux_loss_kind == "sequence"
 
   def count(c, mb):
     return c + model.forward(params, mb, cfg, lay)[1]["counts"], None
   # pass 1 unrolled (forward only, nothing kept for a backward: it costs compile time, not
   # memory): as a second lax.scan beside pass 2's, the executable reloaded from the persistent
   # compilation cache crashes XLA:CPU (jax 0.12: rendezvous "id < num_threads" check failure)
-  counts = jnp.zeros((cfg.n_moe_layers, cfg.n_experts), jnp.float32)
-  for i in range(cfg.microbatches):
-    counts = count(counts, jax.tree.map(lambda a: a[i], mbs))[0]
-  counts = jax.lax.stop_gradient(counts)                                    # [L_moe, E], global
+  zero_counts = jnp.zeros((cfg.n_moe_layers, cfg.n_experts), jnp.float32)
+  counts = None
+  if not per_sequence:
+    counts = zero_counts
+    for i in range(cfg.microbatches):
+      counts = count(counts, jax.tree.map(lambda a: a[i], mbs))[0]
+    counts = jax.lax.stop_gradient(counts)                                  # [L_moe, E], global
 
   def grad_one(carry, mb):
     (_, m), g = jax.value_and_grad(model.loss_fn, has_aux=True)(params, mb, cfg, lay,
                                                                 counts, n_tokens)
-    m = {k: v for k, v in m.items() if k != "counts"}
+    if not per_sequence:
+      m = {k: v for k, v in m.items() if k != "counts"}
     return jax.tree.map(jnp.add, carry, (m, g)), None
   zero_m = {k: jnp.zeros((), jnp.float32)
             for k in ("loss", "ce_loss", "aux_loss", "z_loss", "dropped")}
+  if per_sequence:
+    zero_m["counts"] = zero_counts
   (m, grads), _ = jax.lax.scan(grad_one, (zero_m, jax.tree.map(jnp.zeros_like, params)), mbs)
-  return {**m, "counts": counts}, grads
+  return {**m, "counts": m["counts"] if per_sequence else counts}, grads
 
 
 def make_train_step(cfg, lay: model.Layout, opt: optim.Optimizer, with_grads: bool = False):

@@ -119,4 +119,4 @@ def cost(cfg, mesh, opts):
   return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), TOKENS,
                                 gathered=cost_lib.fsdp_gathered(TOKENS),
                                 grads=cost_lib.cp_norm_grads(CP, BATCH))
-          + cost_lib.cp_terms(cfg, mesh, CP, BATCH) + cost_lib.stats_terms(cfg, mesh, TOKENS))
+          + cost_lib.cp_terms(cfg, mesh, CP, BATCH) + cost_lib.stats_terms(cfg, mesh, TOKENS, (CP,)))

@@ -201,19 +201,22 @@ def moe_ep(p, x, positions, cfg, *, ep_axes, transport=None, gather_sequence=Non
   ep_axes = tuple(ep_axes)
   body = functools.partial(moe_body, cfg=cfg, ep_axes=ep_axes, ep=mesh_lib.axis_size(mesh, *ep_axes),
                            token_axes=_token_axes(x_spec), transport=transport or a2a_exchange,
-                           gather_sequence=gather_sequence)
+                           gather_sequence=gather_sequence, seq_axes=dim_axes(x_spec, 1))
   y, stats = jax.shard_map(body, mesh=mesh,
                            in_specs=(jax.tree.map(_spec, p), x_spec, P(*tuple(x_spec)[:2])),
                            out_specs=(x_spec, P()))(p, x, positions)   # y [B, S, D] @ x_spec
   return y.astype(x.dtype), stats
 
 
-def moe_body(p, x, positions, *, cfg, ep_axes, ep, token_axes, transport, gather_sequence=None):
-  """One device: local tokens x [b, s, D] -> (y [b, s, D], stats summed over token_axes).
+def moe_body(p, x, positions, *, cfg, ep_axes, ep, token_axes, transport, gather_sequence=None,
+             seq_axes=()):
+  """One device: local tokens x [b, s, D] -> (y [b, s, D], stats summed over token_axes; seq_axes:
+  those of them splitting S, for the sequence-wise loss).
   route -> plan -> transport (the copies through their experts and back) -> weighted combine."""
   b, s, d = x.shape
   t, k = b * s, cfg.top_k
-  r, keep, stats = moe.route_tokens(p, x, positions, cfg, experts_all=gather_sequence)  # [T, K]
+  r, keep, stats = moe.route_tokens(p, x, positions, cfg, experts_all=gather_sequence,
+                                    seq_axes=seq_axes)                   # [T, K]
   c = dispatch.send_rows(cfg, b, s, ep)                 # C: rows for one shard, never exceeded
   plan = dispatch.make_plan(r.experts, keep, cfg.n_experts, ep)          # copy (t, k) -> dst, slot
   ycopy = transport(p, x.reshape(t, d), plan, c, cfg=cfg, ep_axes=ep_axes, ep=ep)  # [T*K, D]
@@ -341,7 +344,8 @@ def cost(cfg, mesh, opts, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
       P(EXPERT, None, None), tuple(a for a in token_axes if a != EXPERT))
   gathered = {**cost_lib.fsdp_gathered(token_axes), **dict.fromkeys(model.EXPERTS, expert_use)}
   terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), token_axes, gathered, grads)
-           + cost_lib.stats_terms(cfg, mesh, token_axes))
+           + cost_lib.stats_terms(cfg, mesh, token_axes,
+                                  tuple(a for a in token_axes if a not in batch_axes)))
   b_loc = cfg.batch // mesh_lib.axis_size(mesh, *batch_axes)
   t_loc = cfg.batch * cfg.seq_len // mesh_lib.axis_size(mesh, *token_axes)
   c = dispatch.send_rows(cfg, b_loc, t_loc // b_loc, e)

@@ -185,7 +185,7 @@ def moe_local_experts(p, x, positions, cfg, n_local: int, rows: int):
   x_loc = jax.lax.dynamic_slice_in_dim(x, i * s_loc, s_loc, axis=1)   # [b, S/EP, D] own tokens
   pos_loc = jax.lax.dynamic_slice_in_dim(positions, i * s_loc, s_loc, axis=1)
   r, keep, stats = moe.route_tokens(                                  # [T/EP, K], local stats
-      p, x_loc, pos_loc, cfg, experts_all=lambda e, _: (ag(e), positions))
+      p, x_loc, pos_loc, cfg, experts_all=lambda e, _: (ag(e), positions), seq_axes=(EXPERT,))
   with jax.named_scope("route_ag"):
     experts = ag(jnp.where(keep, r.experts, -1).reshape(b, s_loc, k)).reshape(t, k)  # [T, K]
     w_all = ag(r.weights.reshape(b, s_loc, k)).reshape(t * k)                        # [T*K]
@@ -258,7 +258,7 @@ def cost(cfg, mesh, opts):
   weights = cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), TOKENS,
                                   grads=dict.fromkeys(model.NORMS, ((EXPERT,), (DATA,))))
   term = functools.partial(cost_lib.term, mesh)
-  return (weights + cost_lib.stats_terms(cfg, mesh, TOKENS)
+  return (weights + cost_lib.stats_terms(cfg, mesh, TOKENS, (EXPERT,))
           + term("all-gather", "fwd", "attention's h or MLA latents, the MLP's h, routing ids + "
                  "weights (MoE layers)", n_layers * gathered + cfg.n_moe_layers * (ids + rk),
                  EXPERT, cost_lib.RECOMPUTED)

@@ -41,6 +41,12 @@ before the load-balance and z losses are formed, and the losses of the L/P layer
 summed over stage: the step's statistics, as the single-device reference computes them; the
 aux-loss-free bias update uses the whole step's counts [L, E] (out over stage). Never an average
 of per-microbatch losses.
+The sequence-wise loss (aux_loss_kind "sequence", DeepSeek-V3's) needs no such sum: each
+microbatch's sequences are whole, so its loss term is final when its forward ends. A schedule
+that starts a microbatch's backward before the last microbatch's forward (1F1B, interleaved)
+can run it exactly; the batch-wise loss's f would need every microbatch's counts first (a
+forward pass over all of them, as runtime.train's gradient accumulation does), or change to a
+per-microbatch statistic. The bias update's counts are summed after the step either way.
 
 Collectives per step (x = expert; T_mb = b/M*S tokens per device per microbatch):
   forward : 1. collective-permute over stage of the activation [b/M, S, D], every time step
@@ -174,7 +180,7 @@ def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
                - jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0])
   n_tokens = cfg.batch * cfg.seq_len
   ce = jax.lax.psum(jnp.where(last, ce, 0.0), all_axes) / n_tokens
-  aux, z = routing.aux_losses(stats, n_tokens, cfg.n_experts)       # [L/P] from the step's stats
+  aux, z = routing.aux_losses(stats, n_tokens, cfg)       # [L/P] from the step's stats
   aux, z, dropped = (jax.lax.psum(jnp.sum(v), STAGE) for v in (aux, z, stats["dropped"]))
   total = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
   return total, {"loss": total, "ce_loss": ce, "aux_loss": aux, "z_loss": z, "dropped": dropped,
@@ -258,7 +264,7 @@ def cost(cfg, mesh, opts):
   buf = ep_size * c * cfg.d_model * cost_lib.act_bytes(cfg)       # [EP, C, D]
   runs = steps * local_layers                                       # moe_body calls per step
   term = functools.partial(cost_lib.term, mesh)
-  stats = (2 * cfg.n_experts + 2) * cost_lib.F32
+  stats = cost_lib.stats_values(cfg) * cost_lib.F32
   return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), AXES)
           + term("collective-permute", "fwd", "activations to the next stage", steps * act, STAGE)
           + term("collective-permute", "bwd", "cotangents to the previous stage", steps * act,

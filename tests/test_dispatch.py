@@ -51,7 +51,7 @@ def exchange(monkeypatch, xs, experts, keep, n_experts, body=A2A):
   cfg = get_config("tiny", n_experts=n_experts, top_k=k)                # dropless: C = T*min(K, L)
   seen = {}
 
-  def route(p, x, positions, cfg, experts_all=None):
+  def route(p, x, positions, cfg, experts_all=None, seq_axes=()):
     w = jnp.where(p["keep"], 1000.0 ** jnp.arange(k), 0.0)
     return routing.Routing(p["experts"], w, None, None), p["keep"], {}
 

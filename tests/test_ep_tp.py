@@ -144,8 +144,10 @@ def test_ag_rs_counts_per_layer(case):
   moe, dense = cfg.n_moe_layers, cfg.first_k_dense_replace
   assert got[("all-gather", expert)]["count"] == 6 * moe + 4 * dense
   assert got[("reduce-scatter", expert)]["count"] == 5 * moe + 4 * dense
-  if job.mesh.shape["data"] > 1:                  # norm-scale grads [D] and scalars only
+  if job.mesh.shape["data"] > 1:   # norm-scale grads, the sequence-wise loss's [b, E], scalars
     norms = sum(4 * np.prod(l.shape) for l in model.param_leaves(cfg) if l.role in model.NORMS)
+    if cfg.aux_loss_kind == "sequence":
+      norms += moe * 2 * cfg.batch // job.mesh.shape["data"] * cfg.n_experts * 4
     assert got[("all-reduce", expert)]["bytes"] <= norms + 64 * 4
   else:                                            # + the replicated weights' grads and stats
     shapes = jax.tree.leaves(model.init_params_shapes(cfg), is_leaf=lambda l: hasattr(l, "shape"))

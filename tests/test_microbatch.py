@@ -1,6 +1,8 @@
 """Gradient accumulation (--microbatches=M): losses, aux loss, every gradient and the post-step
 params equal the single-device reference's single pass (M = 1), for ep, fsdp, ep_as_cp and
-ep_tp; the per-microbatch aux loss (local f) that this design avoids is measurably wrong."""
+ep_tp; the per-microbatch aux loss (local f) that this design avoids is measurably wrong. The
+sequence-wise loss (deepseek-test's) runs without pass 1: ep_as_cp's case, its sequences split
+over expert as well."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -32,8 +32,9 @@ def test_permute_bytes_exact(model_name, over, mesh):
 def test_microbatch_aux_loss_is_not_a_mean_of_microbatch_losses():
   """The bug class pp avoids: the mean of per-microbatch load-balance losses is not the step's
   (f and P are products of sums over the whole batch). On deepseek-test with 4 microbatches
-  the two differ by far more than the parity tolerance, so test_parity tells them apart."""
-  cfg = get_config("deepseek-test")
+  the two differ by far more than the parity tolerance, so test_parity tells them apart. (The
+  sequence-wise loss, deepseek-test's own, is a mean over sequences: the two agree.)"""
+  cfg = get_config("deepseek-test", aux_loss_kind="batch")
   params = jax.tree.map(jnp.asarray, model.init_params(cfg))
   b = {k: jnp.asarray(v) for k, v in data.batch(0, cfg.batch, cfg.seq_len, cfg.vocab,
                                                   cfg.seed).items()}
@@ -42,3 +43,8 @@ def test_microbatch_aux_loss_is_not_a_mean_of_microbatch_losses():
   quarter = lambda i: {k: v[2 * i:2 * i + 2] for k, v in b.items()}
   mean = np.mean([model.loss_fn(params, quarter(i), cfg, lay)[1]["aux_loss"] for i in range(4)])
   assert abs(mean - whole) > 100 * parity.LOSS_RTOL * abs(whole), (mean, whole)
+  cfg = cfg.replace(aux_loss_kind="sequence")
+  lay = model.reference_layout(cfg)
+  whole = model.loss_fn(params, b, cfg, lay)[1]["aux_loss"]
+  mean = np.mean([model.loss_fn(params, quarter(i), cfg, lay)[1]["aux_loss"] for i in range(4)])
+  np.testing.assert_allclose(mean, whole, rtol=1e-6)

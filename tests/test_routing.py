@@ -83,7 +83,7 @@ def test_aux_and_z_loss(inputs):
   cfg = get_config("tiny", n_experts=16, top_k=2)
   r = routing.route(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), cfg)
   keep = jnp.ones(r.experts.shape, bool)
-  aux, z = routing.aux_losses(routing.router_stats(r, keep, 16), x.shape[0], 16)
+  aux, z = routing.aux_losses(routing.router_stats(r, keep, 16), x.shape[0], cfg)
   logits = x @ w
   p = _np_softmax(logits)
   idx = _np_topk(p, 2)
@@ -103,8 +103,8 @@ def test_aux_loss_is_global_not_mean_of_shards(inputs):
   total = jax.tree.map(lambda a, c: a + c, *halves)
   r = routing.route(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), cfg)
   full = routing.router_stats(r, jnp.ones((24, 2), bool), 16)
-  np.testing.assert_allclose(float(routing.aux_losses(total, 24, 16)[0]),
-                             float(routing.aux_losses(full, 24, 16)[0]), rtol=1e-6)
+  np.testing.assert_allclose(float(routing.aux_losses(total, 24, cfg)[0]),
+                             float(routing.aux_losses(full, 24, cfg)[0]), rtol=1e-6)
 
 
 def test_bias_update():
@@ -129,3 +129,24 @@ def test_capacity_value():
   cfg = get_config("tiny", capacity_factor=1.25)                    # S=32, K=2, E=8
   assert routing.expert_slots(cfg, 32) == 10                           # ceil(1.25*32*2/8)
   assert routing.expert_slots(get_config("tiny"), 32) == 0
+
+
+def test_sequence_aux_loss_matches_formula():
+  """DeepSeek-V3's sequence-wise loss, from the routing of B sequences: mean over sequences of
+  sum_e (E / (K S) count_se) (sum_t p_te / S), against numpy; and it is not the batch-wise one."""
+  cfg = get_config("deepseek-test", batch=4, seq_len=8)
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((cfg.batch * cfg.seq_len, cfg.d_model)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((cfg.d_model, cfg.n_experts)), jnp.float32)
+  r = routing.route(x, w, jnp.zeros(cfg.n_experts), cfg)
+  got = routing.sequence_aux_sum(r, cfg.batch, cfg) / cfg.batch
+  e, k, s = cfg.n_experts, cfg.top_k, cfg.seq_len
+  ids, probs = np.asarray(r.experts).reshape(cfg.batch, s, k), np.asarray(r.probs).reshape(cfg.batch, s, e)
+  want = np.mean([np.sum(e / (k * s) * np.bincount(ids[b].ravel(), minlength=e)
+                         * probs[b].sum(0) / s) for b in range(cfg.batch)])
+  np.testing.assert_allclose(float(got), want, rtol=1e-6)
+  stats = routing.router_stats(r, jnp.ones(r.experts.shape, bool), e)
+  batch = routing.aux_losses(stats, cfg.batch * s, cfg.replace(aux_loss_kind="batch"))[0]
+  seq = routing.aux_losses({**stats, "seq_aux_sum": got * cfg.batch}, cfg.batch * s, cfg)[0]
+  np.testing.assert_allclose(float(seq), want, rtol=1e-6)
+  assert abs(float(batch) * k - float(seq)) > 1e-3 * float(seq)    # per sequence is not global
