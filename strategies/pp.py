@@ -100,7 +100,9 @@ TOKENS = (DATA, EXPERT)                         # the batch axes (replicated ove
 Options = NoOptions
 TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               Case("tiny", "stage:4,data:2", dict(n_layers=4, batch=16, microbatches=8)),
-              Case("deepseek-test", "stage:2,data:2,expert:2", dict(microbatches=2)),
+              # two dense layers before the pipeline: 2 MoE layers, 1 per stage, not n_layers / 2
+              Case("deepseek-test", "stage:2,data:2,expert:2",
+                   dict(n_layers=4, first_k_dense_replace=2, microbatches=2)),
               Case("deepseek-test", "stage:4,expert:2",
                    dict(n_layers=5, microbatches=4, capacity_factor=1.0)),
               # Muon's Newton-Schulz maps over each stage's own layers (modeling/optim.py)
@@ -257,7 +259,7 @@ def activation_shardings(cfg, mesh, opts):
 def cost(cfg, mesh, opts):
   """Per-device collective bytes per step (measure/cost.py; the docstring's schedule)."""
   p, ep_size = mesh.shape[STAGE], mesh.shape[EXPERT]
-  steps, local_layers = cfg.microbatches + p - 1, cfg.n_layers // p
+  steps, local_layers = cfg.microbatches + p - 1, cfg.n_moe_layers // p    # MoE layers a stage holds
   mb = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS) // cfg.microbatches
   act = mb * cfg.seq_len * cfg.d_model * cost_lib.act_bytes(cfg)  # one [b/M, S, D]
   c = dispatch.send_rows(cfg, mb, cfg.seq_len, ep_size)
