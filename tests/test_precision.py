@@ -18,16 +18,17 @@ MESHES = [(n, {"fsdp": "data:2,fsdp:4", "cp": "data:2,context:4",
           for n in strategies.NAMES if n != "reference"]
 IDS = [m[0] for m in MESHES]
 TINY = get_config("tiny")
+DEEPSEEK = get_config("deepseek-test")   # MLA, a dense layer, groups, a shared expert, bias update
 
 
 @pytest.mark.parametrize("name,mesh", MESHES, ids=IDS)
 def test_bf16_parity(name, mesh):
-  parity.check_bf16(name, TINY, mesh)
+  parity.check_bf16(name, DEEPSEEK, mesh)
 
 
 @pytest.mark.parametrize("name,mesh", MESHES, ids=IDS)
 def test_bf16_contract_and_cost_model(name, mesh):
-  cfg = parity.bf16_config(TINY)
+  cfg = parity.bf16_config(DEEPSEEK)
   parity.assert_contract(name, cfg, mesh)
   parity.assert_cost_model(name, cfg, mesh)
 
@@ -80,11 +81,6 @@ def test_bf16_with_remat_and_microbatches():
   router statistics): still the bf16 reference's losses, gradients and updates."""
   parity.check_bf16("ep", TINY.replace(remat="block", microbatches=2, batch=16),
                     "data:2,expert:4")
-
-
-def test_bf16_deepseek_shape():
-  """Sigmoid router, groups, a shared expert and the bias update, in bf16."""
-  parity.check_bf16("ep", get_config("deepseek-test"), "data:2,expert:4")
 
 
 def test_bf16_memory_drops():
