@@ -34,7 +34,8 @@ def test_bf16_contract_and_cost_model(name, mesh):
 
 
 def _bytes(name, mesh, **kw) -> dict:
-  j = parity.job(name, parity.bf16_config(TINY).replace(**kw), mesh)
+  """bf16 (or **kw) collective bytes per (kind, axes): the bf16 run is test_bf16_parity's compile."""
+  j = parity.job(name, parity.bf16_config(DEEPSEEK).replace(**kw), dict(MESHES)[name])
   return {k: v["bytes"] for k, v in hlo.collective_stats_by_axes(j.hlo, j.mesh).items()}
 
 
