@@ -289,13 +289,17 @@ def rope(x, positions, theta, interleave=False):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def _kv_gather_axes(a, spec) -> tuple:
+  """The axes that split a's sequence dim [B, S@cp, ...] and not spec's: what _gather_kv gathers."""
+  return tuple(x for x in sharding.dim_axes(jax.typeof(a).sharding.spec, 1)
+               if x not in sharding.dim_axes(spec, 1))
+
+
 def _gather_kv(a, spec):
   """K or V [B, S@cp, ...] -> spec (whole along the sequence): an all-gather over the axes that
   split S. Every such rank's queries read all of K/V, so the cotangent is a partial sum over
   those axes: gather_weight's backward reduce-scatters it (XLA:CPU alone would all-reduce)."""
-  seq_axes = sharding.dim_axes(jax.typeof(a).sharding.spec, 1)
-  return sharding.gather_weight(a, spec, tuple(x for x in seq_axes
-                                               if x not in sharding.dim_axes(spec, 1)))
+  return sharding.gather_weight(a, spec, _kv_gather_axes(a, spec))
 
 
 def _softmax_causal(scores, q_pos, k_pos):
@@ -377,9 +381,10 @@ def mla(p, x, positions, cfg: Config, lay: Layout):
   if lay.kv is None:
     kv = jnp.einsum("btr,rhk->bthk", lat[..., :r], wkv_b)                      # [B, T, H, nope + v]
   else:                                                # CP: gather the latent, not K and V
-    seq_axes = sharding.dim_axes(jax.typeof(lat).sharding.spec, 1)
-    lat = _gather_kv(lat, P(*tuple(lay.kv)[:2], None))                         # [B, T, Rkv + rope]
-    kv = sharding.partial_einsum("btr,rhk->bthk", lat[..., :r], wkv_b, seq_axes)  # [B, T, H, nope + v]
+    spec = P(*tuple(lay.kv)[:2], None)
+    gathered = _kv_gather_axes(lat, spec)            # K/V stay partial sums over these
+    lat = _gather_kv(lat, spec)                                                # [B, T, Rkv + rope]
+    kv = sharding.partial_einsum("btr,rhk->bthk", lat[..., :r], wkv_b, gathered)  # [B, T, H, nope + v]
     k_pos = jax.reshard(positions, lay.kv_pos)                                 # [B, T]
   k_r = lat[..., r:]                                                           # [B, T, rope]
   k_n, v = kv[..., :nope], kv[..., nope:]                                      # [B, T, H, nope|v]
