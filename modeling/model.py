@@ -32,6 +32,9 @@ A strategy does not rewrite the model. It hands `forward` a `Layout`:
            residual layout (ep_tp: the reduce-scatter).
          Defaults: identity, identity, row_out = x: the forward of every other strategy is the
          same program as without these hooks.
+  moe_in_residual: moe reads the normed h in the residual layout x, not gather_in's, and returns
+         y in that layout; only the shared expert goes through gather_in / row_out / scatter_out
+         (ep_tp's exchange=folded: the MoE exchanges the sequence-parallel tokens itself).
 The reference passes Layout() with moe=the dense oracle and no shardings.
 """
 from __future__ import annotations
@@ -70,6 +73,7 @@ class Layout:
   gather_in: Callable = _identity
   scatter_out: Callable = _identity
   row_out: Any = None
+  moe_in_residual: bool = False
   loss: Callable | None = None
 
   @property
@@ -409,9 +413,16 @@ def block(x, lp, positions, cfg: Config, lay: Layout):
   a dense layer (lp has "mlp", no "moe") returns no stats."""
   h = rms_norm(x, lay.use("attn_norm", lp["attn_norm"]), cfg.norm_eps)      # residual layout
   x = x + lay.scatter_out(attention(lp["attn"], h, positions, cfg, lay))
-  h = lay.gather_in(rms_norm(x, lay.use("mlp_norm", lp["mlp_norm"]), cfg.norm_eps))
+  h = rms_norm(x, lay.use("mlp_norm", lp["mlp_norm"]), cfg.norm_eps)      # residual layout
   if "mlp" in lp:                                                   # a leading dense layer
-    return x + lay.scatter_out(swiglu(lp["mlp"], h, lay, ("dense_in", "dense_out"))), None
+    return x + lay.scatter_out(swiglu(lp["mlp"], lay.gather_in(h), lay,
+                                      ("dense_in", "dense_out"))), None
+  if lay.moe_in_residual:                      # the MoE in the residual layout, the shared alone
+    y, stats = lay.moe(lp["moe"], h, positions)
+    if "shared" in lp:
+      y = y + lay.scatter_out(swiglu(lp["shared"], lay.gather_in(h), lay))
+    return x + y, stats
+  h = lay.gather_in(h)
   y, stats = lay.moe(lp["moe"], h, positions)
   if "shared" in lp:
     y = y + swiglu(lp["shared"], h, lay)

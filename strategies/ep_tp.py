@@ -1,6 +1,8 @@
 """ep_tp — the expert axis is tensor parallelism for attention / shared expert, and expert
 parallelism for the routed MoE, which uses the AG-RS ("ring of experts") exchange: no all-to-all.
 MaxText #3600 (POC), plus the fix its text asks for: sort/permute/gmm sized by routed tokens.
+Option exchange=folded (issue #25; MaxText #4910, Megatron's parallel folding): the routed MoE
+is ep.py's all-to-all over the same axis, on the sequence-parallel tokens (below).
 
 Mesh axes: (data, expert). EP = |expert|, e = E / EP local experts, T = (B/|data|)*S tokens of a
 data shard, T/EP of them per device in the residual stream.
@@ -20,6 +22,7 @@ data shard, T/EP of them per device in the residual stream.
 | q [B, S, H, Dh], k/v [B, S, KV, Dh]      | (data, None, expert, None)               |
 | attn wo / MoE + shared out [B, S, D]     | (data, None, None) {U_expert} -> RS      |
 | MoE buffer xs [M, D] (per device)        | local: the copies routed to its e experts|
+| folded: send / recv [EP, C, D] per device| by destination / source shard (ep.py)    |
 
 Token layout (Megatron-SP). The residual is sequence-parallel: each device keeps T/EP tokens, so
 the norms, the router and the CE run on 1/EP of the tokens (no redundant routing) and the
@@ -76,6 +79,41 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
   all-reduce over (data, expert): embed / unembed / MLA down-projection / router grads, router stats, overflow, loss
     sums, grad norm (with |data| = 1 these run over expert: data parallelism of replicated
     weights)
+HLO contract, exchange=folded:
+  all-gather over expert: normed h / MLA latents before attention, h before the shared expert
+    and the dense FFN, cotangents of the reduce-scatters; capacity_factor > 0: expert ids
+    [b, S, K] and positions [b, S] (int32, the capacity rule's whole sequences)
+  reduce-scatter over expert: attn wo, shared / dense FFN outputs, cotangents of gathered h
+  all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
+  all-reduce over expert: norm-scale grads [D] (first half of XLA's split); the sequence-wise
+    loss's [b, E]
+  all-reduce over data: expert-sharded weight grads, norm-scale grads [D] (second half)
+  all-reduce over (data, expert): embed / unembed / MLA down-projection / router grads, router
+    stats, loss sums, grad norm
+
+Folded exchange (--opt=exchange=folded). Attention (and the shared expert) stay tensor-parallel
+as above; the routed MoE never gathers: model.block hands it the normed h in the residual layout
+(Layout.moe_in_residual), and ep.moe_ep routes each device's T/EP local tokens, packs their
+copies by destination shard into send [EP, C, D] ("dispatch_a2a": all-to-all over expert),
+runs the e local experts ("expert_gmm"), returns them ("combine_a2a") and combines them into
+y [B, S@expert, D], already in the residual layout: no all-gather of tokens or routing, no
+reduce-scatter. C = dispatch.send_rows for b sequences x S/EP positions: the dropless worst
+case (T/EP)*min(K, e), or with capacity_factor the b*e*C_e bound (nothing is dropped by the
+exchange; `dropped` is the capacity rule's count). The capacity rule orders whole sequences,
+so with capacity_factor > 0 the expert ids and positions are all-gathered (ints, as ep_as_cp).
+The shared expert keeps its tensor-parallel weights (Fs over expert): it needs every token of
+the data shard, so it keeps its own AG of h and RS of its output per MoE layer; a model without
+one (Mixtral) has no MLP gather at all.
+Per-device wire bytes of the routed exchange per MoE layer, forward (the backward mirrors it):
+  ring   AG of h + RS of y, [T, D] each: 2*T*D*(EP-1)/EP (+ the [T, K] ids and weights)
+  folded dispatch + combine of [EP, C, D]: 2*EP*C*D*(EP-1)/EP = 2*(T/EP)*K*D*(EP-1)/EP * pad,
+         pad = EP*C / ((T/EP)*K), the buffer over the routed copies
+  folded/ring = pad*K/EP: before padding folded moves less when EP > K. These padded buffers
+  have pad = min(EP*min(K, e)/K, cf*EP) (the per-sequence bound does not shrink with S/EP), so
+  here folded moves min(K, e) (dropless) or min(K, e, cf*K) times ring's bytes; an exchange of
+  the routed rows only (ep's ragged transport, GPU/TPU) would have pad = 1. With a shared
+  expert ring's AG-RS is needed anyway (the MoE shares it): folded's all-to-alls come on top.
+
 When to use: few tokens per step (inference-like) with many experts: no all-to-all, each
 device holds E/EP experts, H/EP heads and T/EP tokens of the residual. Cost per layer and
 direction: 2 x (AG to [T, D] + RS to [T/EP, D]), the same wire bytes as the 2 all-reduces of
@@ -84,6 +122,7 @@ the replicated-residual (Megatron) layout, 2r(EP-1)/EP each, with activations at
 
   python run.py --strategy=ep_tp --mesh=data:4,expert:2 --model=deepseek-test --steps=3
   python run.py --strategy=ep_tp --mesh=expert:2 --devices=2 --batch=1 --seq=8 --opt=capacity=0.5
+  python run.py --strategy=ep_tp --mesh=data:4,expert:2 --model=mixtral-test --opt=exchange=folded
 """
 import dataclasses
 import functools
@@ -92,13 +131,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from layout import buffers, compact, mesh as mesh_lib, options
+from layout import buffers, compact, context, dispatch, mesh as mesh_lib, options
 from layout.precision import cast_stored, moe_stored, precision
 from measure import cost as cost_lib
 from modeling import model, moe, routing
 from modeling.config import ConfigError
 from parallel.sharding import gather_weight, reduce_scatter
-from strategies import BadInput, Case
+from strategies import BadInput, Case, ep
 
 NAME = "ep_tp"
 DATA, EXPERT = mesh_lib.DATA, mesh_lib.EXPERT
@@ -119,12 +158,22 @@ REPLICATED_MATRICES = ("embed", "unembed", "attn_q_a", "attn_kv_a")
 class Options:
   capacity: float = options.number(0.0, "compaction buffer as a fraction of the worst case "
                                    "(0 = the worst case, dropless)", lo=0.0, hi=1.0)
+  exchange: str = options.choice("ring", ("ring", "folded"),
+                                 "the routed MoE's exchange: AG-RS of the gathered tokens (ring) "
+                                 "or ep's all-to-all of the sequence-parallel tokens (folded)")
 
 
 SMALL = dict(n_heads=8, n_kv_heads=8, batch=1, seq_len=8)   # 8 tokens; heads divisible by EP=8
+FOLDED = Options(exchange="folded")
 TEST_CASES = [Case("tiny", "data:2,expert:4", dict(n_kv_heads=4)),
               Case("deepseek-test", "data:4,expert:2"),
-              Case("deepseek-test", "expert:8", SMALL)]         # 1 token per device: inference-like
+              Case("deepseek-test", "expert:8", SMALL),         # 1 token per device: inference-like
+              # folded: no shared expert and the capacity rule (whole sequences: ids gathered);
+              # DeepSeek dropless, shared expert and dense layer; 1 token per device, recomputed
+              Case("mixtral-test", "data:2,expert:4", dict(n_kv_heads=4, capacity_factor=1.0),
+                   FOLDED),
+              Case("deepseek-test", "data:4,expert:2", opts=FOLDED),
+              Case("deepseek-test", "expert:8", {**SMALL, "remat": "block"}, FOLDED)]
 COST_CASES = TEST_CASES
 BAD_INPUT = [
     BadInput({}, "data:2,expert:4", Options(), "n_kv_heads=2 is not divisible by mesh axis expert=4"),
@@ -138,7 +187,10 @@ BAD_INPUT = [
              "ep_tp does not compile with --remat=dots_saveable (jax has no unreduced rule for "
              "dynamic_slice); use --remat=block"),
     BadInput(dict(n_kv_heads=4), "data:2,expert:4", Options(capacity=1.5),
-             "ep_tp option capacity=1.5: must be a finite number in [0, 1]")]
+             "ep_tp option capacity=1.5: must be a finite number in [0, 1]"),
+    BadInput(dict(n_kv_heads=4), "data:2,expert:4", Options(capacity=0.5, exchange="folded"),
+             "ep_tp option capacity=0.5 sizes the ring exchange; exchange=folded sizes its "
+             "all-to-all buffers by capacity_factor")]
 
 
 def check(cfg, mesh, opts):
@@ -151,6 +203,14 @@ def check(cfg, mesh, opts):
                       "rule for dynamic_slice); use --remat=block")       # implemented"
   if not 0 <= opts.capacity <= 1:
     raise ConfigError(f"ep_tp option capacity={opts.capacity}: must be a finite number in [0, 1]")
+  if opts.exchange == "folded" and opts.capacity:
+    raise ConfigError(f"ep_tp option capacity={opts.capacity} sizes the ring exchange; "
+                      "exchange=folded sizes its all-to-all buffers by capacity_factor")
+
+
+def contract_variant(opts):
+  """Which HLO contract block of the docstring this exchange compiles to."""
+  return None if opts.exchange == "ring" else f"exchange={opts.exchange}"
 
 
 def param_specs(cfg, mesh):
@@ -230,43 +290,77 @@ def layout(cfg, mesh, opts):
       return gather_weight(w, P(), TOKENS, **precision(cfg, role))
     return cast_stored(w, role, cfg, TOKENS)       # float32: w as stored
 
-  return model.Layout(x=X_SPEC, use=use, moe=moe_fn, gather_in=gather_in,
-                      scatter_out=scatter_out, row_out=ROW)
+  def moe_folded(p, h, positions):       # h [B, S@expert, D] normed, the residual layout
+    p, _ = moe_stored(p, cfg, TOKENS)     # experts [E@expert, D, F] as stored
+    pos = jax.reshard(positions, P(DATA, EXPERT))                  # [B, S@expert]: a local slice
+    return ep.moe_ep(p, h, pos, cfg, ep_axes=(EXPERT,),           # y [B, S@expert, D]
+                     gather_sequence=gather_seq)
+
+  folded = opts.exchange == "folded"
+  gather_seq = context.sequence_gatherer(EXPERT) if cfg.capacity_factor > 0 else None
+  return model.Layout(x=X_SPEC, use=use, moe=moe_folded if folded else moe_fn,
+                      gather_in=gather_in, scatter_out=scatter_out, row_out=ROW,
+                      moe_in_residual=folded)
 
 
 def activation_shardings(cfg, mesh, opts):
   t = cfg.batch // mesh.shape[DATA] * cfg.seq_len
-  return [("residual x [B, S, D]", "(data, expert, None)  sequence-parallel"),
-          ("gathered h [B, S, D]", "(data, None, None) reduced over expert"),
-          ("q [B, S, H, Dh]", "(data, None, expert, None)"),
-          ("moe buffer xs [M, D] per device",
-           f"M={buffer_rows(cfg, mesh, opts)} rows (all copies T*K={t * cfg.top_k})")]
+  out = [("residual x [B, S, D]", "(data, expert, None)  sequence-parallel"),
+         ("gathered h [B, S, D]", "(data, None, None) reduced over expert"),
+         ("q [B, S, H, Dh]", "(data, None, expert, None)")]
+  if opts.exchange == "folded":
+    c = send_rows(cfg, mesh)
+    return out + [("dispatch buffer [EP, C, D] per device", f"C={c} rows per destination "
+                   f"(routed copies T/EP*K={t // mesh.shape[EXPERT] * cfg.top_k})")]
+  return out + [("moe buffer xs [M, D] per device",
+                 f"M={buffer_rows(cfg, mesh, opts)} rows (all copies T*K={t * cfg.top_k})")]
+
+
+def send_rows(cfg, mesh) -> int:
+  """exchange=folded: C, ep's rows per destination shard for the T/EP local tokens (b sequences
+  of the data shard, S/EP positions of each)."""
+  return dispatch.send_rows(cfg, cfg.batch // mesh.shape[DATA], cfg.seq_len // mesh.shape[EXPERT],
+                            mesh.shape[EXPERT])
 
 
 def cost(cfg, mesh, opts):
   """Per-device collective bytes per step (measure/cost.py; the docstring's schedule)."""
-  n_layers = cfg.n_layers
+  n_layers, n_moe, folded = cfg.n_layers, cfg.n_moe_layers, opts.exchange == "folded"
   t = cfg.batch // mesh.shape[DATA] * cfg.seq_len
   act = cost_lib.nbytes((t, cfg.d_model), cost_lib.act_bytes(cfg))  # one gathered [T, D]
-  # per layer: attention's gather (h, or MLA's latents) + the MLP's h
-  gathered = act * (cost_lib.attn_gather_values(cfg) + cfg.d_model) // cfg.d_model
+  # the layers whose MLP gathers h and reduce-scatters its output: all (ring); the dense ones
+  # and, with a shared expert, the MoE ones (folded: the shared expert's own)
+  mlp = n_layers if not folded else n_layers - (0 if cfg.n_shared_experts else n_moe)
+  # per layer: attention's gather (h, or MLA's latents), plus the MLP's h where it has one
+  gathered = n_layers * act * cost_lib.attn_gather_values(cfg) // cfg.d_model + mlp * act
   rk = cost_lib.nbytes((t, cfg.top_k))                              # one [T, K] of routing
   ids = (2 if cfg.capacity_factor > 0 else 1) * rk                  # expert ids (+ raw, capacity)
-  ep = mesh.shape[EXPERT]
+  route = 0 if folded else n_moe * rk                               # ring: the weights [T, K]
+  ep_size = mesh.shape[EXPERT]
   # weights: expert-split ones' grads over data; embed / unembed (gather_weight) and the router
   # (shard_map input) over (data, expert); XLA splits the norm scales' sum: expert, then data
   weights = cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), TOKENS,
                                   grads=dict.fromkeys(model.NORMS, ((EXPERT,), (DATA,))))
   term = functools.partial(cost_lib.term, mesh)
-  return (weights + cost_lib.stats_terms(cfg, mesh, TOKENS, (EXPERT,))
-          + term("all-gather", "fwd", "attention's h or MLA latents, the MLP's h, routing ids + "
-                 "weights (MoE layers)", n_layers * gathered + cfg.n_moe_layers * (ids + rk),
-                 EXPERT, cost_lib.RECOMPUTED)
-          + term("reduce-scatter", "fwd", "attn wo", n_layers * act / ep, EXPERT,
-                 cost_lib.BLOCK_ONLY)
-          + term("reduce-scatter", "fwd", "MoE + shared, or the dense FFN", n_layers * act / ep,
-                 EXPERT)
-          + term("all-gather", "bwd", "cotangents of the two reduce-scatters", n_layers * 2 * act,
-                 EXPERT)
-          + term("reduce-scatter", "bwd", "cotangents of the gathered h / latents and weights",
-                 (n_layers * gathered + cfg.n_moe_layers * rk) / ep, EXPERT))
+  terms = (weights + cost_lib.stats_terms(cfg, mesh, TOKENS, (EXPERT,))
+           + term("all-gather", "fwd", "attention's h or MLA latents, the MLP's h, routing ids + "
+                  "weights (ring's MoE layers)", gathered + (0 if folded else n_moe * ids) + route,
+                  EXPERT, cost_lib.RECOMPUTED)
+           + term("reduce-scatter", "fwd", "attn wo", n_layers * act / ep_size, EXPERT,
+                  cost_lib.BLOCK_ONLY)
+           + term("reduce-scatter", "fwd", "MoE + shared (folded: shared), or the dense FFN",
+                  mlp * act / ep_size, EXPERT)
+           + term("all-gather", "bwd", "cotangents of the reduce-scatters",
+                  (n_layers + mlp) * act, EXPERT)
+           + term("reduce-scatter", "bwd", "cotangents of the gathered h / latents and weights",
+                  (gathered + route) / ep_size, EXPERT))
+  if folded:
+    # ep's exchange of the T/EP local tokens: [EP, C, D] out and back, the counts [EP, e]
+    buf = ep_size * send_rows(cfg, mesh) * cfg.d_model * cost_lib.act_bytes(cfg)
+    terms += (term("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, e] (int32)",
+                   n_moe * (2 * buf + cfg.n_experts * 4), EXPERT, cost_lib.RECOMPUTED)
+              + term("all-to-all", "bwd", "their transposes", n_moe * 2 * buf, EXPERT))
+    if cfg.capacity_factor > 0:          # the capacity rule reads whole sequences (positions CSE'd)
+      terms += term("all-gather", "fwd", "expert ids per layer + positions (capacity)",
+                    (n_moe * cfg.top_k + 1) * t * 4, EXPERT)
+  return terms
