@@ -1,6 +1,8 @@
 """ep_tp beyond the shared table (tests/test_strategies.py): the compaction (hand-worked, sort
 size = the buffer bound, overflow = dropped) and the AG-RS exchange's op counts (all-gather +
-reduce-scatter over expert, no all-to-all, no activation all-reduce)."""
+reduce-scatter over expert, no all-to-all, no activation all-reduce); exchange=folded: the MoE's
+only exchanges are all-to-alls (its traced fwd + bwd), the step's op counts per layer, and bf16
+parity with --remat=block and --microbatches=2 in one compile."""
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr
@@ -19,7 +21,9 @@ from tests import parity
 
 EP_TP = strategies.get("ep_tp")
 SMALL = EP_TP.SMALL
-IDS = ["tiny-d2e4", "deepseek-d4e2", "deepseek-b1s8-e8"]          # EP_TP.TEST_CASES
+IDS = ["tiny-d2e4", "deepseek-d4e2", "deepseek-b1s8-e8",          # EP_TP.TEST_CASES
+       "folded-mixtral-cap-d2e4", "folded-deepseek-d4e2", "folded-deepseek-b1s8-e8-remat"]
+RING, FOLDED = [0, 1, 2], [3, 4, 5]
 
 
 def test_compact_hand_worked():
@@ -127,7 +131,7 @@ def test_overflow_is_dropped_and_counted():
   np.testing.assert_allclose(np.asarray(y), np.concatenate(want), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", [0, 1, 2], ids=IDS)
+@pytest.mark.parametrize("case", RING, ids=IDS[:3])
 def test_ag_rs_counts_per_layer(case):
   """The AG-RS exchange over expert, no all-to-all; what all-reduces over expert alone is the
   norm-scale grads [D] and scalars (with data > 1)."""
@@ -154,3 +158,85 @@ def test_ag_rs_counts_per_layer(case):
     specs = jax.tree.leaves(EP_TP.param_specs(cfg, job.mesh), is_leaf=lambda l: isinstance(l, P))
     replicated = sum(4 * np.prod(l.shape) for l, s in zip(shapes, specs) if not any(s))
     assert got[("all-reduce", expert)]["bytes"] <= replicated + 1024
+
+
+# ----------------------------------------------------------------------------- exchange=folded
+_COLLECTIVES = ("psum", "all_gather", "all_to_all", "reduce_scatter", "ppermute", "pmax", "pmin")
+
+
+def _collectives(jaxpr: Jaxpr, out: list) -> list:
+  """(primitive, axes, operand shapes, dtypes) of every collective in a jaxpr, sub-jaxprs too."""
+  for eqn in jaxpr.eqns:
+    if any(w in eqn.primitive.name for w in _COLLECTIVES):
+      axes = eqn.params.get("axis_name", eqn.params.get("axes"))
+      axes = (axes,) if isinstance(axes, str) else tuple(axes)
+      out.append((eqn.primitive.name, axes, [v.aval.shape for v in eqn.invars],
+                  [v.aval.dtype for v in eqn.invars]))
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        if isinstance(sub, (ClosedJaxpr, Jaxpr)):
+          _collectives(sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub, out)
+  return out
+
+
+@pytest.mark.parametrize("case", FOLDED[:2], ids=IDS[3:5])
+def test_folded_moe_exchanges_only_by_all_to_all(case):
+  """The folded MoE as model.block calls it (the sequence-parallel normed h in, y in the same
+  layout out), traced forward and backward: over expert, the dispatch / counts / combine
+  all-to-alls and their two transposes; otherwise only sums of router statistics, the
+  sequence-wise loss's [b, E], weight gradients (router [D, E]; experts over data alone) and,
+  with the capacity rule, the int expert ids and positions of whole sequences. No token or
+  routing weight is gathered, scattered or all-reduced."""
+  c = EP_TP.TEST_CASES[case]
+  cfg, mesh = c.config(), parity.make_mesh("ep_tp", c.mesh)
+  lay = EP_TP.layout(cfg, mesh, c.opts)
+  assert lay.moe_in_residual
+  with jax.set_mesh(mesh):
+    p, x, pos = _moe_inputs(cfg, mesh)
+
+    def loss(p, x):
+      y, st = lay.moe(p, x, pos)
+      assert jax.typeof(y).sharding.spec == EP_TP.X_SPEC        # back on its sequence shard
+      return jnp.sum(y * y) + jnp.sum(st["counts"])
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(p, x)
+  over_expert = [o for o in _collectives(jaxpr.jaxpr, []) if "expert" in o[1]]
+  assert [o[2][0] for o in over_expert if o[0] == "all_to_all"] == [
+      (mesh.shape["expert"], EP_TP.send_rows(cfg, mesh), cfg.d_model),          # dispatch
+      (mesh.shape["expert"], cfg.n_experts // mesh.shape["expert"]),            # counts
+      *[(mesh.shape["expert"], EP_TP.send_rows(cfg, mesh), cfg.d_model)] * 3]   # combine, 2 bwd
+  for prim, axes, shapes, dtypes in over_expert:
+    if prim == "all_to_all":
+      continue
+    if prim == "all_gather":                      # the capacity rule's ids [b, S/EP, K], positions
+      assert cfg.capacity_factor > 0 and all(jnp.issubdtype(d, jnp.integer) for d in dtypes)
+      continue
+    assert "psum" in prim, (prim, axes, shapes)
+    assert all(np.prod(s) <= cfg.d_model * cfg.n_experts for s in shapes), (prim, axes, shapes)
+
+
+@pytest.mark.parametrize("case", FOLDED, ids=IDS[3:])
+def test_folded_counts_per_layer(case):
+  """The compiled step (the table's compile): over expert, attention's all-gather and
+  reduce-scatter (+ their mirrors) per layer, the MLP's only in the dense layers and for the
+  shared expert; 5 all-to-alls per MoE layer (dispatch, counts, combine, 2 transposes; --remat
+  recomputes the forward's 3); the capacity rule's id gathers (+ positions, once)."""
+  c = EP_TP.TEST_CASES[case]
+  cfg = c.config()
+  job = parity.job("ep_tp", cfg, c.mesh, c.opts)
+  got = hlo.collective_stats_by_axes(job.hlo, job.mesh)
+  expert = frozenset({"expert"})
+  mlp = cfg.first_k_dense_replace + (cfg.n_moe_layers if cfg.n_shared_experts else 0)
+  moe, remat = cfg.n_moe_layers, cfg.remat == "block"
+  assert got[("all-to-all", expert)]["count"] == (5 + 3 * remat) * moe
+  if not remat:
+    capacity = moe + 1 if cfg.capacity_factor > 0 else 0
+    assert got[("all-gather", expert)]["count"] == 2 * (cfg.n_layers + mlp) + capacity
+    assert got[("reduce-scatter", expert)]["count"] == 2 * (cfg.n_layers + mlp)
+
+
+def test_folded_bf16_remat_microbatches():
+  """exchange=folded in bf16 with --remat=block and --microbatches=2, one compile: the bf16
+  reference's losses, gradients and updates, and the folded contract."""
+  cfg = get_config("deepseek-test", remat="block", microbatches=2)
+  parity.check_bf16("ep_tp", cfg, "data:2,expert:4", opts=EP_TP.FOLDED)
+  parity.assert_contract("ep_tp", parity.bf16_config(cfg), "data:2,expert:4", EP_TP.FOLDED)
