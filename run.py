@@ -46,6 +46,10 @@ flags.DEFINE_enum("optimizer", "adamw", ["adamw", "muon"], "optimizer")
 flags.DEFINE_float("lr", None, "learning rate")
 flags.DEFINE_float("adam_eps", None, "Adam epsilon (default from the preset, 1e-8)")
 flags.DEFINE_float("capacity_factor", 0.0, "expert capacity factor; 0 = dropless")
+flags.DEFINE_string("attention", None, "the attention core: xla (scores [B, H, S, T] "
+                    "materialised) | chunked (online softmax over key chunks, memory linear in S) "
+                    "| cudnn (GPU, GQA: jax.nn.dot_product_attention); default from the preset")
+flags.DEFINE_integer("attention_chunk", None, "keys per chunk of --attention=chunked (default 512)")
 flags.DEFINE_string("aux_loss_kind", None, "load-balance loss: batch (f, P over the step's tokens) "
                     "| sequence (per sequence, DeepSeek-V3's); default from the preset")
 flags.DEFINE_integer("seed", 0, "init and data seed")
@@ -246,7 +250,8 @@ def make_config():
               gmm_backend=F.gmm, microbatches=F.microbatches,
               remat=F.remat, dtype=F.dtype, grad_reduce_dtype=F.grad_reduce_dtype)
   for flag, key in (("batch", "batch"), ("seq", "seq_len"), ("layers", "n_layers"), ("lr", "lr"),
-                    ("adam_eps", "adam_eps"), ("aux_loss_kind", "aux_loss_kind")):
+                    ("adam_eps", "adam_eps"), ("aux_loss_kind", "aux_loss_kind"),
+                    ("attention", "attention_impl"), ("attention_chunk", "attention_chunk")):
     if getattr(F, flag) is not None:
       over[key] = getattr(F, flag)
   from modeling import gmm
@@ -393,6 +398,7 @@ def train_one(cfg, opts) -> None:
                           "remat": cfg.remat, "microbatches": cfg.microbatches,
                           "capacity_factor": cfg.capacity_factor, "seed": cfg.seed,
                           "aux_loss_kind": cfg.aux_loss_kind,
+                          "attention": cfg.attention_impl,
                           "optimizer": cfg.optimizer, "options": vars(opts),
                           "compile_only": F.compile_only, "jax": jax.__version__}) + "\n")
     out.close()
@@ -418,6 +424,12 @@ def main(argv):
     from measure import agreement
     cfg = cfg.replace(adam_eps=agreement.PARITY_ADAM_EPS)   # see measure/agreement.py
   _setup_devices(F.devices, dist)
+  if cfg.attention_impl == "cudnn":
+    import jax
+    from modeling.config import ConfigError
+    if jax.default_backend() != "gpu":
+      raise ConfigError(f"--attention=cudnn needs a GPU (this host's backend: "
+                        f"{jax.default_backend()}); use --attention=chunked")
   if F.strategy:
     train_one(cfg, opts[F.strategy])
   else:

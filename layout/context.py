@@ -9,13 +9,35 @@ so every rank has the same causal work (the model masks with the true positions)
 """
 from __future__ import annotations
 
+import dataclasses
 import einops
 import jax
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from layout import mesh as mesh_lib
+from layout import mesh as mesh_lib, options
 from modeling.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """The options of a strategy that splits the sequence (cp; ep_as_cp on expert)."""
+  kv_exchange: str = options.choice(
+      "allgather", ("allgather", "ring"),
+      "how each device's queries reach every key: all-gather K/V (MLA: the latent) over the CP "
+      "axis, or pass the blocks around a ring of collective-permutes (modeling/ring_attention.py)")
+
+
+def check_options(cfg, opts) -> None:
+  """The ring folds each visiting block into the chunked online softmax."""
+  if opts.kv_exchange == "ring" and cfg.attention_impl != "chunked":
+    raise ConfigError(f"kv_exchange=ring folds each visiting K/V block into an online softmax: "
+                      f"it takes --attention=chunked, not {cfg.attention_impl}")
+
+
+def contract_variant(opts):
+  """Which HLO contract block of the strategy's docstring this exchange compiles to."""
+  return None if opts.kv_exchange == "allgather" else "kv_exchange=ring"
 
 
 def check(cfg, mesh, cp_axis: str) -> None:

@@ -26,6 +26,10 @@ AUX_LOSS_KINDS = ("batch",        # f and P over the whole step's tokens (Switch
                   "sequence")     # per sequence, averaged over sequences (DeepSeek-V3's
                                   # complementary sequence-wise balance loss)
 ATTENTIONS = ("gqa", "mla")
+# --attention: how the softmax(q k^T) v core runs (modeling/attention.py)
+ATTENTION_IMPLS = ("xla",         # the [B, H, S, T] scores materialised: the oracle
+                   "chunked",     # online softmax over key chunks: memory linear in S
+                   "cudnn")       # jax.nn.dot_product_attention's cuDNN kernel (GPU, GQA)
 
 
 def _model(default):
@@ -80,6 +84,8 @@ class Config:
   dense_d_ff: int = _model(0)
   # losses / balancing
   aux_loss_coef: float = _run(0.01)
+  attention_impl: str = _run("chunked")  # ATTENTION_IMPLS
+  attention_chunk: int = _run(512)       # keys per chunk of attention_impl="chunked"
   aux_loss_kind: str = _run("batch")     # AUX_LOSS_KINDS: statistics over the batch or per sequence
   z_loss_coef: float = _run(0.0)
   bias_update_rate: float = _run(0.0)    # gamma of the aux-loss-free bias update (0 = off)
@@ -165,6 +171,11 @@ class Config:
          f"unknown grad_reduce_dtype {self.grad_reduce_dtype!r}; choose from {', '.join(DTYPES)}")
     need(self.aux_loss_kind in AUX_LOSS_KINDS, f"unknown aux_loss_kind {self.aux_loss_kind!r}; "
          f"choose from {', '.join(AUX_LOSS_KINDS)}")
+    need(self.attention_impl in ATTENTION_IMPLS, f"unknown attention {self.attention_impl!r}; "
+         f"choose from {', '.join(ATTENTION_IMPLS)}")
+    need(self.attention_chunk >= 1, f"attention_chunk={self.attention_chunk} must be >= 1")
+    need(self.attention_impl != "cudnn" or not self.mla,
+         "--attention=cudnn takes GQA only (MLA's value and key head dims differ); use chunked")
     need(self.attention in ATTENTIONS,
          f"unknown attention {self.attention!r}; choose from {', '.join(ATTENTIONS)}")
     need(0 <= self.first_k_dense_replace < self.n_layers,
@@ -185,24 +196,25 @@ class Config:
 
 PRESETS: dict[str, Config] = {
     # tests: tiny everything
-    "tiny": Config(),
+    "tiny": Config(attention_chunk=16),   # 2 key chunks at seq_len 32
     # Mixtral-style: softmax top-2 over 8 experts, no shared expert
-    "mixtral-test": Config(n_experts=8, top_k=2, router="softmax", norm_topk_prob=True),
+    "mixtral-test": Config(attention_chunk=16, n_experts=8, top_k=2, router="softmax",
+                           norm_topk_prob=True),
     # DeepSeek-V3's architecture at test size: MLA with a query down-projection, one leading
     # dense layer, sigmoid router with correction bias, group-limited top-k, a shared expert, the
     # sequence-wise balance loss
-    "deepseek-test": Config(attention="mla", n_heads=4, n_kv_heads=4, q_lora_rank=32,
-                            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                            v_head_dim=16, rope_interleave=True, n_layers=3,
+    "deepseek-test": Config(attention="mla", attention_chunk=16, n_heads=4, n_kv_heads=4,
+                            q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                            qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, n_layers=3,
                             first_k_dense_replace=1, dense_d_ff=96, n_experts=16, top_k=4,
                             router="sigmoid", n_group=4, topk_group=2, n_shared_experts=1,
                             routed_scaling_factor=2.5, norm_topk_prob=True,
                             bias_update_rate=1e-3, aux_loss_kind="sequence", d_ff=64),
     # DeepSeek-V2-Lite's architecture at test size: MLA with a direct query projection, softmax
     # router without groups or top-k renormalisation, two shared experts
-    "deepseek-v2-test": Config(attention="mla", n_heads=4, n_kv_heads=4, q_lora_rank=0,
-                               kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                               v_head_dim=16, rope_interleave=True, n_layers=3,
+    "deepseek-v2-test": Config(attention="mla", attention_chunk=16, n_heads=4, n_kv_heads=4,
+                               q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16,
+                               qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, n_layers=3,
                                first_k_dense_replace=1, dense_d_ff=96, n_experts=8, top_k=2,
                                router="softmax", norm_topk_prob=False, n_shared_experts=2,
                                d_ff=32),

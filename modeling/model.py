@@ -6,7 +6,9 @@
          -> scan over the L_moe MoE layers [RMSNorm -> attention -> +res
                                             -> RMSNorm -> MoE FFN (+ shared expert) -> +res]
          -> RMSNorm -> unembed -> next-token cross-entropy (+ aux losses)
-  attention: causal GQA with RoPE (Mixtral), or MLA (DeepSeek: `mla`), cfg.attention.
+  attention: causal GQA with RoPE (Mixtral), or MLA (DeepSeek: `mla`), cfg.attention; its
+  softmax(q k^T) v core is modeling/attention.py's `attend`, cfg.attention_impl (--attention):
+  xla's materialised scores, the chunked online softmax (memory linear in S), or cuDNN.
 
 A strategy does not rewrite the model. It hands `forward` a `Layout`:
   x      out_sharding of the residual stream [B, S, D] (needed where a contraction dim is sharded,
@@ -40,6 +42,7 @@ The reference passes Layout() with moe=the dense oracle and no shardings.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -49,7 +52,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from modeling import moe as moe_lib, routing
+from modeling import attention as attention_lib, moe as moe_lib, ring_attention, routing
 from modeling.config import Config
 from parallel import sharding
 
@@ -68,6 +71,7 @@ class Layout:
   x: Any = None
   kv: Any = None
   kv_pos: Any = None
+  kv_ring: bool = False          # CP's K/V exchange: all-gather (False) or ring (True)
   use: Callable = _identity_use
   moe: Callable | None = None
   gather_in: Callable = _identity
@@ -306,12 +310,17 @@ def _gather_kv(a, spec):
   return sharding.gather_weight(a, spec, _kv_gather_axes(a, spec))
 
 
-def _softmax_causal(scores, q_pos, k_pos):
-  """scores [B, ..., S, T] float32 -> probabilities, causal by true positions q_pos [B, S],
-  k_pos [B, T]."""
-  lead = (slice(None),) + (None,) * (scores.ndim - 3)
-  causal = k_pos[lead + (None, slice(None))] <= q_pos[lead + (slice(None), None)]  # [B, 1.., S, T]
-  return jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
+def _kv_as_is(kv, w):
+  """ring_attend's expand for GQA: the travelling block is K and V themselves."""
+  del w
+  return kv[0], kv[1], None
+
+
+def _mla_expand(lat, w, r: int, nope: int):
+  """ring_attend's expand for MLA: a latent block [b, s, Rkv + rope] up-projected by w = (wkv_b,)
+  to k_n [b, s, H, nope], v [b, s, H, v], and its RoPE key k_r [b, s, rope]."""
+  kv = jnp.einsum("btr,rhk->bthk", lat[..., :r], w[0])                     # [b, s, H, nope + v]
+  return kv[..., :nope], kv[..., nope:], lat[..., r:]
 
 
 def attention(p, x, positions, cfg: Config, lay: Layout):
@@ -333,13 +342,16 @@ def gqa(p, x, positions, cfg: Config, lay: Layout):
   q = rope(jnp.einsum("bsd,dkgh->bskgh", x, wq), positions, cfg.rope_theta)    # [B, S, KV, G, Dh]
   k = rope(jnp.einsum("bsd,dkh->bskh", x, wk), positions, cfg.rope_theta)      # [B, S, KV, Dh]
   v = jnp.einsum("bsd,dkh->bskh", x, wv)                                       # [B, S, KV, Dh]
-  k_pos = positions
-  if lay.kv is not None:                                                       # CP: gather K/V
-    k, v = _gather_kv(k, lay.kv), _gather_kv(v, lay.kv)                     # [B, T, KV, Dh]
-    k_pos = jax.reshard(positions, lay.kv_pos)                                 # [B, T]
-  scores = jnp.einsum("bskgh,btkh->bkgst", q, k).astype(jnp.float32) / np.sqrt(dh)
-  probs = _softmax_causal(scores, positions, k_pos).astype(v.dtype)          # [B, KV, G, S, T]
-  o = jnp.einsum("bkgst,btkh->bskgh", probs, v)                                # [B, S, KV, G, Dh]
+  k_pos, scale = positions, 1 / np.sqrt(dh)
+  if lay.kv is not None and lay.kv_ring:                      # CP: K/V blocks around the ring
+    o = ring_attention.ring_attend(q, (k, v), (), _kv_as_is, positions, positions, scale,
+                                   cfg.attention_chunk, _kv_gather_axes(k, lay.kv))
+  else:
+    if lay.kv is not None:                                                     # CP: gather K/V
+      k, v = _gather_kv(k, lay.kv), _gather_kv(v, lay.kv)                   # [B, T, KV, Dh]
+      k_pos = jax.reshard(positions, lay.kv_pos)                               # [B, T]
+    o = attention_lib.attend(q, k, v, positions, k_pos, scale, cfg.attention_impl,
+                             cfg.attention_chunk)                              # [B, S, KV, G, Dh]
   return jnp.einsum("bskgh,kghd->bsd", o, wo, out_sharding=lay.row)            # [B, S, D]
 
 
@@ -381,6 +393,13 @@ def mla(p, x, positions, cfg: Config, lay: Layout):
   q_n = q[..., :nope]                                                          # [B, S, H, nope]
   q_r = rope(q[..., nope:], positions, cfg.rope_theta, cfg.rope_interleave)    # [B, S, H, rope]
   wkv_b = w("wkv_b", "attn_kv_b")                                              # [Rkv, H, nope + v]
+  scale = 1 / np.sqrt(cfg.qk_head_dim)
+  if lay.kv is not None and lay.kv_ring:              # CP: latent blocks around the ring
+    o = ring_attention.ring_attend(
+        q_n[:, :, :, None], lat, (wkv_b,), functools.partial(_mla_expand, r=r, nope=nope),
+        positions, positions, scale, cfg.attention_chunk,
+        _kv_gather_axes(lat, P(*tuple(lay.kv)[:2], None)), q_r=q_r[:, :, :, None])[:, :, :, 0]
+    return jnp.einsum("bshv,hvd->bsd", o, w("wo", "attn_o"), out_sharding=lay.row)  # [B, S, D]
   k_pos = positions
   if lay.kv is None:
     kv = jnp.einsum("btr,rhk->bthk", lat[..., :r], wkv_b)                      # [B, T, H, nope + v]
@@ -392,10 +411,10 @@ def mla(p, x, positions, cfg: Config, lay: Layout):
     k_pos = jax.reshard(positions, lay.kv_pos)                                 # [B, T]
   k_r = lat[..., r:]                                                           # [B, T, rope]
   k_n, v = kv[..., :nope], kv[..., nope:]                                      # [B, T, H, nope|v]
-  scores = (jnp.einsum("bshk,bthk->bhst", q_n, k_n)
-            + jnp.einsum("bshk,btk->bhst", q_r, k_r)).astype(jnp.float32) / np.sqrt(cfg.qk_head_dim)
-  probs = _softmax_causal(scores, positions, k_pos).astype(v.dtype)          # [B, H, S, T]
-  o = jnp.einsum("bhst,bthv->bshv", probs, v)                                  # [B, S, H, v]
+  # every head its own KV head (KV = H, G = 1), and the one shared RoPE key
+  o = attention_lib.attend(q_n[:, :, :, None], k_n, v, positions, k_pos,
+                           scale, cfg.attention_impl, cfg.attention_chunk,
+                           q_r=q_r[:, :, :, None], k_r=k_r)[:, :, :, 0]        # [B, S, H, v]
   return jnp.einsum("bshv,hvd->bsd", o, w("wo", "attn_o"), out_sharding=lay.row)  # [B, S, D]
 
 

@@ -46,6 +46,31 @@ and the cost model's (kind, axes) set must equal it):
   all-reduce over (data, fsdp): norm-scale grads
   all-reduce over (data, fsdp, context): router statistics, loss sums, grad norm
 
+HLO contract, kv_exchange=ring (K/V, MLA: the latent, travel instead of being gathered):
+  collective-permute over context: the K/V blocks (MLA: latent) and their positions, n - 1 sends
+    per layer forward; backward again, with the float32 d(K/V) sums, and one more send home
+  all-gather over context: expert ids + positions (capacity_factor > 0; every ring case sets it)
+  all-gather over fsdp: weight matrices before use
+  reduce-scatter over fsdp: weight-matrix gradients
+  all-reduce over context: norm-scale grad partials
+  all-reduce over (data, context): the 1/f weight-gradient shards after the scatter
+  all-reduce over (data, fsdp): norm-scale grads
+  all-reduce over (data, fsdp, context): router statistics, loss sums, grad norm
+
+K/V exchange (--opt=kv_exchange=allgather|ring; modeling/ring_attention.py draws the ring).
+n = |context|, kv = one device's K/V block (MLA: latent) of a layer, in the compute dtype:
+  allgather (default, MaxText's): forward one all-gather, n - 1 blocks in on each device's
+    wire; backward the reduce-scatter of d(K/V), n - 1 blocks out. Each device holds the whole
+    sequence's K/V (n blocks) and scores its queries against it in one chunked-attention pass.
+  ring: forward n - 1 collective-permutes of a block; backward n - 1 again plus n of its
+    float32 d(kv) sum: (3n - 2)/(2n - 2) the all-gather's wire bytes in float32, (4n - 2)/(2n - 2)
+    in bf16 (1.67x and 2.33x at n = 4). Each device holds 2 blocks (its own and the visitor):
+    K/V memory O(S/n), and on hardware each send hides behind the previous block's attention.
+  Pick ring when the gathered K/V of a layer does not fit (long S, GQA with many KV heads) or
+  when attention compute per block exceeds a send; the all-gather otherwise: fewer, larger
+  messages and fewer bytes. With MLA the gathered latent is small (576 values per token at
+  DeepSeek-V3's shape), so the all-gather stays the better choice far into long contexts.
+
 The MoE needs no exchange: routing is per token, so local tokens are routed, permuted and run
 through all (gathered) experts where they are.
 Pick it for long sequences whose activations (or attention) do not fit at the batch a device can
@@ -57,7 +82,6 @@ with S*KV*Dh per layer (cheap with GQA), on top of FSDP's weight traffic.
 from jax.sharding import PartitionSpec as P
 
 from layout import context, fsdp, mesh as mesh_lib
-from layout.options import NoOptions
 from measure import cost as cost_lib
 from modeling import model
 from strategies import BadInput, Case
@@ -69,10 +93,17 @@ CP = mesh_lib.CONTEXT
 BATCH = (mesh_lib.DATA, mesh_lib.FSDP)           # the axes splitting B
 TOKENS = (mesh_lib.DATA, mesh_lib.FSDP, CP)      # every axis tokens are split over (= grad axes)
 COMPARE_MESH = None
-Options = NoOptions
+
+Options = context.Options            # kv_exchange=allgather|ring: the K/V exchange (layout/context.py)
+contract_variant = context.contract_variant
 TEST_CASES = [Case("tiny", "context:4,data:2"), Case("tiny", "fsdp:2,context:2,data:2"),
-              # the capacity rule: CP must gather the sequence's expert ids
-              Case("deepseek-test", "fsdp:2,context:2,data:2", dict(capacity_factor=1.0))]
+              # kv_exchange=ring, GQA and MLA (its latent around the ring), with the capacity
+              # rule's drops: CP must gather the sequence's expert ids. MLA's all-gathered latent:
+              # ep_as_cp's table and cp's bf16 case (tests/test_precision.py)
+              Case("tiny", "context:4,data:2", dict(capacity_factor=1.0),
+                   Options(kv_exchange="ring")),
+              Case("deepseek-test", "context:8", dict(capacity_factor=1.0),
+                   Options(kv_exchange="ring"))]
 COST_CASES = TEST_CASES
 LAYOUTS = ("tiny", ("context:4,data:2", "fsdp:2,context:2,data:2"))
 BAD_INPUT = [BadInput(dict(seq_len=36), "context:4,data:2", Options(),
@@ -84,6 +115,7 @@ BAD_INPUT = [BadInput(dict(seq_len=36), "context:4,data:2", Options(),
 def check(cfg, mesh, opts):
   mesh_lib.require_divisible("batch", cfg.batch, mesh, BATCH)
   context.check(cfg, mesh, CP)
+  context.check_options(cfg, opts)
   fsdp.check(cfg, mesh, mesh_lib.FSDP)
 
 
@@ -102,8 +134,8 @@ def prepare_batch(b, cfg, mesh):
 def layout(cfg, mesh, opts):
   x_spec = P(BATCH, CP, None)                                       # [B, S, D] @ (.., context, None)
   kv, kv_pos = context.kv_specs(BATCH)                              # [B, T, KV, Dh] @ (.., None, ..)
-  return model.Layout(x=x_spec, kv=kv, kv_pos=kv_pos, use=fsdp.use(TOKENS, cfg),
-                      moe=fsdp.moe_all_local(cfg, x_spec, TOKENS, cp_axis=CP))
+  return model.Layout(x=x_spec, kv=kv, kv_pos=kv_pos, kv_ring=opts.kv_exchange == "ring",
+                      use=fsdp.use(TOKENS, cfg), moe=fsdp.moe_all_local(cfg, x_spec, TOKENS, cp_axis=CP))
 
 
 def activation_shardings(cfg, mesh, opts):
@@ -119,4 +151,4 @@ def cost(cfg, mesh, opts):
   return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), TOKENS,
                                 gathered=cost_lib.fsdp_gathered(TOKENS),
                                 grads=cost_lib.cp_norm_grads(CP, BATCH))
-          + cost_lib.cp_terms(cfg, mesh, CP, BATCH) + cost_lib.stats_terms(cfg, mesh, TOKENS, (CP,)))
+          + cost_lib.cp_terms(cfg, mesh, CP, BATCH, ring=opts.kv_exchange == "ring") + cost_lib.stats_terms(cfg, mesh, TOKENS, (CP,)))

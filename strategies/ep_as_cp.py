@@ -49,14 +49,27 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
   all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
   all-reduce over data: expert grad shards
   all-reduce over (data, fsdp, expert): router stats, loss sums, grad norm
+HLO contract, kv_exchange=ring (cp.py's ring, on expert; without the capacity rule, as tested
+in bf16: with capacity_factor > 0 the expert ids + positions add an all-gather over expert):
+  collective-permute over expert: the K/V blocks (MLA: latent) and their positions around the
+    ring, n - 1 sends per layer forward; backward again with the float32 d(K/V) sums, +1 home
+  all-gather over fsdp: weight matrices and experts (fwd)
+  reduce-scatter over fsdp: their gradients
+  all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
+  all-reduce over expert: norm-scale grads, summed over the sequence axis first (XLA's split)
+  all-reduce over (data, fsdp): then over the batch axes
+  all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
+  all-reduce over data: expert grad shards
+  all-reduce over (data, fsdp, expert): router stats, loss sums, grad norm
+K/V exchange: --opt=kv_exchange=allgather|ring, the bytes and when each wins as in cp.py.
 
   python run.py --strategy=ep_as_cp --mesh=fsdp:2,expert:2,data:2 --steps=3
   python run.py --strategy=ep_as_cp --mesh=fsdp:2,expert:4 --batch=2
+  python run.py --strategy=ep_as_cp --mesh=data:2,expert:4 --opt=kv_exchange=ring
 """
 from jax.sharding import PartitionSpec as P
 
 from layout import context, fsdp, mesh as mesh_lib
-from layout.options import NoOptions
 from measure import cost as cost_lib
 from modeling import model
 from strategies import BadInput, Case, ep
@@ -69,7 +82,8 @@ BATCH = (DATA, FSDP)
 CP = EXPERT
 TOKENS = (DATA, FSDP, EXPERT)                 # axes tokens are split over (= grad axes)
 COMPARE_MESH = None
-Options = NoOptions
+Options = context.Options                     # kv_exchange=allgather|ring, as cp.py's
+contract_variant = context.contract_variant
 SEED_MESH = "fsdp:2,expert:2,data:2"          # MaxText #3656's FSDP=2 + EP-as-CP=2 (+ data=2)
 # tiny batch 2: 2 sequences on 8 devices, a quarter of a sequence each, with the capacity rule,
 # which needs the whole sequence (expert ids and positions all-gathered over expert)
@@ -88,6 +102,7 @@ def check(cfg, mesh, opts):
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, BATCH)
   context.check(cfg, mesh, CP)
+  context.check_options(cfg, opts)
   fsdp.check(cfg, mesh, FSDP)
 
 
@@ -111,7 +126,8 @@ def layout(cfg, mesh, opts):
   def moe_fn(p, x, positions):                                      # ep.py's exchange, S split
     return ep.moe_ep(ep.moe_weights(p, TOKENS, cfg), x, positions, cfg, ep_axes=(EXPERT,),
                      gather_sequence=gather_seq)
-  return model.Layout(x=x_spec, kv=kv, kv_pos=kv_pos, use=fsdp.use(TOKENS, cfg), moe=moe_fn)
+  return model.Layout(x=x_spec, kv=kv, kv_pos=kv_pos, kv_ring=opts.kv_exchange == "ring",
+                      use=fsdp.use(TOKENS, cfg), moe=moe_fn)
 
 
 def dispatch_buffer_type(cfg, mesh):
@@ -132,4 +148,4 @@ def activation_shardings(cfg, mesh, opts):
 def cost(cfg, mesh, opts):
   return (ep.cost(cfg, mesh, ep.Options(), token_axes=TOKENS, batch_axes=BATCH,
                   grads=cost_lib.cp_norm_grads(CP, BATCH))
-          + cost_lib.cp_terms(cfg, mesh, CP, BATCH))
+          + cost_lib.cp_terms(cfg, mesh, CP, BATCH, ring=opts.kv_exchange == "ring"))

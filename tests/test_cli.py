@@ -19,7 +19,7 @@ def _run(*args, timeout=300):
                         capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("args,message", [
+BAD_FLAGS = [
     (["--strategy=nope"], "unknown strategy 'nope'"),
     (["--strategy=dp", "--mesh=data:4"], "has 4 devices but 8 are available"),
     (["--strategy=dp", "--mesh=data:8", "--batch=12"], "batch=12 is not divisible by mesh axis data=8"),
@@ -84,15 +84,72 @@ def _run(*args, timeout=300):
     (["--strategy=fsdp", "--model=deepseek-v3"], "model deepseek-v3 would allocate"),
     (["--strategy=tp", "--model=deepseek-test", "--mesh=data:1,tensor:8"],
      "n_heads=4 is not divisible by mesh axis tensor=8"),
+    (["--strategy=dp", "--attention=flash"],
+     "unknown attention 'flash'; choose from xla, chunked, cudnn"),
+    (["--strategy=dp", "--attention=cudnn"], "--attention=cudnn needs a GPU"),
+    (["--strategy=dp", "--model=deepseek-test", "--attention=cudnn"],
+     "--attention=cudnn takes GQA only"),
+    (["--strategy=dp", "--attention_chunk=0"], "attention_chunk=0 must be >= 1"),
+    (["--strategy=cp", "--opt=kv_exchange=ring", "--attention=xla"],
+     "kv_exchange=ring folds each visiting K/V block into an online softmax: it takes "
+     "--attention=chunked, not xla"),
+    (["--strategy=dp", "--opt=kv_exchange=ring"],
+     "strategy 'dp' has no option 'kv_exchange' (it is an option of cp, ep_as_cp)"),
     (["--model=deepseek-v3", "--layers=3", "--describe"],
      "first_k_dense_replace=3 must be in [0, n_layers=3) (at least one MoE layer)"),
-])
-def test_bad_flags_one_line_error(args, message):
-  r = _run(*args)
+]
+
+# Every BAD_FLAGS row through run.py's own entry point (`_run`: absl flags, the checks, the
+# `error:` line and the exit status), all in one Python process, so that jax and the suite are
+# imported once rather than once per row; an exception escaping `_run` is written out as the
+# traceback it would print, with exit status 1.
+_DRIVER = """
+import contextlib, io, json, sys, traceback
+import run
+out = []
+for args in json.loads(sys.argv[1]):
+  err = io.StringIO()
+  sys.argv = ["run.py", *args]
+  run.F.unparse_flags()
+  try:
+    with contextlib.redirect_stderr(err):
+      run._run()
+    code = 0
+  except SystemExit as e:
+    code = e.code if isinstance(e.code, int) else 1
+  except BaseException:
+    err.write(traceback.format_exc())
+    code = 1
+  out.append([code, err.getvalue()])
+print("RESULTS " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_flag_results():
+  env = subprocess_env()
+  env["JAX_PLATFORMS"] = "cpu"
+  r = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([a for a, _ in BAD_FLAGS])],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  line = [l for l in r.stdout.splitlines() if l.startswith("RESULTS ")]
+  assert line, r.stdout + r.stderr
+  return json.loads(line[-1].removeprefix("RESULTS "))
+
+
+@pytest.mark.parametrize("row", range(len(BAD_FLAGS)), ids=[m for _, m in BAD_FLAGS])
+def test_bad_flags_one_line_error(bad_flag_results, row):
+  code, stderr = bad_flag_results[row]
+  assert code == 2, stderr
+  lines = [l for l in stderr.strip().splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+  assert BAD_FLAGS[row][1] in lines[0], lines[0]
+
+
+def test_a_bad_flag_in_its_own_process():
+  """One row as a user runs it: its own `python run.py` process (the rows above share one)."""
+  r = _run("--strategy=cp", "--mesh=context:4,data:2", "--seq=36")
   assert r.returncode == 2, r.stderr
-  lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
-  assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-  assert message in lines[0], lines[0]
+  assert r.stderr.strip() == "error: seq_len=36 is not divisible by 2*context=8", r.stderr
 
 
 def test_metrics_file(tmp_path):
@@ -108,6 +165,7 @@ def test_metrics_file(tmp_path):
   s = recs[-1]
   assert s["summary"] is True and s["strategy"] == "reference"
   assert {"mesh", "compile_s", "flops", "memory", "collectives"} <= set(s)
+  assert s["attention"] == "chunked" and s["aux_loss_kind"] == "sequence"
   assert set(s["memory"]) == {"argument_bytes", "output_bytes", "temp_bytes"}
   assert all(set(v) == {"count", "bytes", "wire_bytes"} for v in s["collectives"].values())
   assert "[   3/3] loss" in r.stdout

@@ -17,20 +17,22 @@ MESHES = [(n, {"fsdp": "data:2,fsdp:4", "cp": "data:2,context:4",
                "ep_as_cp": "data:2,expert:4"}.get(n, strategies.get(n).COMPARE_MESH))
           for n in strategies.NAMES if n != "reference"]
 IDS = [m[0] for m in MESHES]
+# ep_as_cp runs its ring K/V exchange here (MLA's latent around the ring in bf16); cp's all-gather
+OPTS = {"ep_as_cp": strategies.get("ep_as_cp").Options(kv_exchange="ring")}
 TINY = get_config("tiny")
 DEEPSEEK = get_config("deepseek-test")   # MLA, a dense layer, groups, a shared expert, bias update
 
 
 @pytest.mark.parametrize("name,mesh", MESHES, ids=IDS)
 def test_bf16_parity(name, mesh):
-  parity.check_bf16(name, DEEPSEEK, mesh)
+  parity.check_bf16(name, DEEPSEEK, mesh, opts=OPTS.get(name))
 
 
 @pytest.mark.parametrize("name,mesh", MESHES, ids=IDS)
 def test_bf16_contract_and_cost_model(name, mesh):
   cfg = parity.bf16_config(DEEPSEEK)
-  parity.assert_contract(name, cfg, mesh)
-  parity.assert_cost_model(name, cfg, mesh)
+  parity.assert_contract(name, cfg, mesh, OPTS.get(name))
+  parity.assert_cost_model(name, cfg, mesh, OPTS.get(name))
 
 
 def _bytes(name, mesh, **kw) -> dict:
@@ -40,18 +42,14 @@ def _bytes(name, mesh, **kw) -> dict:
 
 
 # (strategy, mesh, kind, axes, bf16 / float32 bytes): activations and gathered weights halve
-# (a little over where float32 / int32 rides along: the router, kv_pos, routing ids); the
-# weight gradients' sums stay float32
+# (a little over where float32 / int32 rides along: the router, routing ids); the weight
+# gradients' sums stay float32. Measured against a float32 compile of the same program, for an
+# exchange (ep) and a weight gather (fsdp); every strategy's bf16 bytes per (kind, axes) are
+# held to its cost model, which prices activations at 2 bytes, by the test above
 RATIOS = [("ep", None, "all-to-all", {"expert"}, 0.5, 0.501),                  # tokens (+ counts)
           ("ep", None, "all-reduce", {"expert"}, 1.0, 1.0),                    # grads (+ stats)
           ("fsdp", "data:2,fsdp:4", "all-gather", {"fsdp"}, 0.5, 0.502),       # weights (+ router)
-          ("fsdp", "data:2,fsdp:4", "reduce-scatter", {"fsdp"}, 1.0, 1.0),     # their grads
-          ("tp", "data:4,tensor:2", "all-reduce", {"tensor"}, 0.5, 0.5),       # activations
-          ("tp", "data:4,tensor:2", "all-reduce", {"data"}, 1.0, 1.0),         # grads
-          ("cp", "data:2,context:4", "all-gather", {"context"}, 0.5, 0.51),    # K/V (+ kv_pos)
-          ("cp", "data:2,context:4", "reduce-scatter", {"context"}, 0.5, 0.5),  # dK/dV
-          ("ep_tp", "data:4,expert:2", "reduce-scatter", {"expert"}, 0.5, 0.52),  # (+ routing)
-          ("pp", "data:1,stage:2,expert:4", "collective-permute", {"stage"}, 0.5, 0.5)]
+          ("fsdp", "data:2,fsdp:4", "reduce-scatter", {"fsdp"}, 1.0, 1.0)]     # their grads
 
 
 @pytest.mark.parametrize("name,mesh,kind,axes,lo,hi", RATIOS,

@@ -1,0 +1,288 @@
+"""Exact causal attention with memory linear in the sequence length (plain jax.numpy + lax).
+
+Shapes (the legend of modeling/__init__.py): B batch, S queries, T keys, KV key/value heads,
+G query heads per KV head, Dq query/key head dim, Dv value head dim (may differ from Dq: MLA's
+192 vs 128, never padded), Dr the decoupled RoPE dim (MLA), C the key chunk, n = ceil(T / C).
+
+  q [B, S, KV, G, Dq], k [B, T, KV, Dq], v [B, T, KV, Dv], q_pos [B, S], k_pos [B, T] int32,
+  optional q_r [B, S, KV, G, Dr] and k_r [B, T, Dr] (ONE RoPE key shared by all heads):
+
+    s[b,s,k,g,t] = scale * (q[b,s,k,g] . k[b,t,k] + q_r[b,s,k,g] . k_r[b,t])   float32
+    s            = -1e30 where k_pos[b,t] > q_pos[b,s]   (causal by TRUE positions: any order)
+    o[b,s,k,g]   = sum_t softmax_t(s)[b,s,k,g,t] v[b,t,k]                       [B, S, KV, G, Dv]
+
+impl="xla": the formula as written (the oracle): the [B, KV, G, S, T] scores and probabilities
+  are materialised and autodiff keeps them for the backward: O(S T) memory.
+
+impl="chunked": an online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al.) over
+  the key / value chunks k_c, v_c of C keys, a lax.scan with float32 carries per query row
+    m   = running max of s                             [B, S, KV, G]
+    l   = running sum of exp(s - m)                     [B, S, KV, G]
+    acc = running sum of exp(s - m) v                   [B, S, KV, G, Dv]
+  updated per chunk from its scores s_c [B, S, KV, G, C]:
+    m' = max(m, max_c s_c);  a = exp(m - m');  p = exp(s_c - m')
+    l' = a l + sum_c p;      acc' = a acc + p . v_c
+  and at the end o = acc / l, lse = m + log(l).
+  The backward (FlashAttention-2) is a second scan over the same chunks that recomputes s_c:
+    D    = sum_v do * o                                  [B, S, KV, G], once
+    p    = exp(s_c - lse);  dp = do . v_c;  ds = p (dp - D), 0 where masked (as jnp.where's grad)
+    dv_c = p^T . do;  dk_c = scale ds^T . q;  dk_r_c = scale sum_{KV,G} ds^T . q_r   (scan outputs)
+    dq  += scale ds . k_c;  dq_r += scale ds . k_r_c                                 (scan carries)
+  Memory: a jax.custom_vjp keeps for the backward only its inputs q, k, v, q_r, k_r, q_pos,
+  k_pos, the output o and lse [B, S, KV, G] float32, all O(S + T). A step of either scan holds
+  O(B S KV G C) float32 (s_c, p, dp, ds), never O(S T); the scans' outputs (dk, dv, dk_r per
+  chunk) are O(T).
+
+Precision: the einsums take their operands in the input dtype and accumulate in float32
+  (preferred_element_type): bf16 inputs give float32 scores and statistics; p and ds are cast to
+  the input dtype only as operands of the p.v, p.do, ds.k, ds.q products (as the oracle casts
+  its probabilities to v.dtype, and as FlashAttention does). Nothing is cast to float32 outside
+  the chunk bodies.
+
+Padding: T is padded to n C with k_pos = int32 max (masked for every query) and zero keys and
+  values; the padded keys score -inf rather than -1e30, so that they weigh nothing even in a row
+  with no visible key, where the oracle averages v uniformly over its T masked keys. Such a row
+  (never met in self-attention, where each query sees its own key) matches the oracle in the
+  forward only: its lse = -1e30 + log(T) rounds to -1e30, so the backward's p for it is 1, not
+  1 / T (its dv share differs; its dq is 0 in both).
+
+Not done: query chunking and skipping of fully-masked chunks. S may be sharded (context
+  parallelism) and is never reshaped here; without query blocks a key chunk is fully masked only
+  when it follows every query, which causal self-attention never has (the last query sees every
+  key), so a skip would save nothing there.
+
+Sharding: nothing is placed or resharded here. Only the T dim (never sharded) is padded and
+  reshaped into chunks; B, S, KV, G keep their (explicit) shardings through the named-dim einsums.
+  The backward's dk, dv, dk_r contract S, KV, G, which may be sharded (heads: tp; S: cp; dk_r
+  sums over the heads), where jnp.einsum wants an out_sharding: each is typed as JAX's own
+  transpose rule types a cotangent, its primal's sharding with reduced <-> unreduced
+  (_ct_sharding), so the results carry the shardings impl="xla"'s autodiff gives them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import einops
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+MASKED = -1e30                           # the oracle's score for a masked (causal) key
+PAD_POS = int(np.iinfo(np.int32).max)    # k_pos of a padding key: after every query
+F32 = jnp.float32
+
+
+def attend(q, k, v, q_pos, k_pos, scale, impl="chunked", chunk=512, q_r=None, k_r=None):
+  """q [B, S, KV, G, Dq], k [B, T, KV, Dq], v [B, T, KV, Dv] -> o [B, S, KV, G, Dv] (dtype of v).
+  Causal by TRUE positions: key t is visible to query s iff k_pos[b, t] <= q_pos[b, s]
+  (q_pos [B, S], k_pos [B, T] int32; positions may be any permutation, e.g. a load-balanced
+  context-parallel order, so never assume contiguity for correctness).
+  Optional decoupled RoPE part (MLA): q_r [B, S, KV, G, Dr] and k_r [B, T, Dr] (ONE key shared by
+  all heads): scores = q.k + q_r.k_r. Dv may differ from Dq (MLA: 192 vs 128): never pad.
+  scores are computed in float32 whatever the input dtype (bf16 inputs -> float32 statistics)."""
+  if (q_r is None) != (k_r is None):
+    raise ValueError("q_r and k_r come together (MLA's decoupled RoPE part) or not at all")
+  if impl == "xla":
+    return _xla(q, k, v, q_pos, k_pos, scale, q_r, k_r)
+  if impl == "chunked":
+    c = max(1, min(int(chunk), k.shape[1]))          # no chunk longer than T
+    return _chunked(scale, c, q, k, v, q_pos, k_pos, q_r, k_r)
+  if impl in ("cudnn", "dpa_xla"):
+    if q_r is not None:
+      raise ValueError("attention impl cudnn takes no decoupled RoPE part (GQA only)")
+    return _dpa(q, k, v, q_pos, k_pos, scale, "cudnn" if impl == "cudnn" else "xla")
+  raise ValueError(f"unknown attention impl {impl!r} (xla | chunked | cudnn)")
+
+
+def _dpa(q, k, v, q_pos, k_pos, scale, implementation):
+  """jax.nn.dot_product_attention (impl "cudnn": its cuDNN kernel on a GPU; "dpa_xla": the same
+  call with implementation="xla", which tests this wrapper on CPU). Its GQA takes the query heads
+  flattened KV-major, as q's (KV, G) are; the causal mask by true positions [B, 1, S, T] (bool)."""
+  kv = q.shape[2]
+  qf = einops.rearrange(q, "b s k g h -> b s (k g) h")                          # [B, S, H, Dq]
+  mask = (k_pos[:, None, :] <= q_pos[:, :, None])[:, None]                     # [B, 1, S, T]
+  o = jax.nn.dot_product_attention(qf, k, v, scale=scale, mask=mask,
+                                   implementation=implementation)              # [B, S, H, Dv]
+  return einops.rearrange(o, "b s (k g) v -> b s k g v", k=kv)
+
+
+def _xla(q, k, v, q_pos, k_pos, scale, q_r, k_r):
+  """The oracle: the whole [B, KV, G, S, T] softmax, autodiff through it."""
+  scores = jnp.einsum("bskgh,btkh->bkgst", q, k)                              # [B, KV, G, S, T]
+  if q_r is not None:
+    scores = scores + jnp.einsum("bskgr,btr->bkgst", q_r, k_r)                # [B, KV, G, S, T]
+  scores = scores.astype(F32) * scale
+  causal = k_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]     # [B, 1, 1, S, T]
+  probs = jax.nn.softmax(jnp.where(causal, scores, MASKED), axis=-1).astype(v.dtype)
+  return jnp.einsum("bkgst,btkv->bskgv", probs, v)                            # [B, S, KV, G, Dv]
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked: online softmax over key chunks, FlashAttention-2 backward
+
+
+def _reshape(x, shape, entries):
+  """jnp.reshape(x, shape), its sharding stated: `entries(x's spec entries)` -> the result's,
+  x's reduced / unreduced axes kept. JAX infers a reshape's sharding itself, but where B and the
+  chunk count are both 1 it may put B's axis on the wrong size-1 dim."""
+  s = jax.typeof(x).sharding
+  spec = None if s is None or s.mesh.empty else s.spec
+  if spec is None or not (any(spec.partitions) or spec.reduced or spec.unreduced):
+    return jnp.reshape(x, shape)
+  parts = tuple(spec.partitions) + (None,) * (x.ndim - len(spec.partitions))
+  return jnp.reshape(x, shape, out_sharding=P(*entries(parts), reduced=spec.reduced,
+                                                unreduced=spec.unreduced))
+
+
+def _to_chunks(x, c, fill=0):
+  """x [B, T, ...] -> [n, B, C, ...]: T padded with `fill` to n C, chunks leading for lax.scan
+  (only T, never sharded, is padded and split; B keeps its place and sharding)."""
+  if x is None:
+    return None
+  pad = -x.shape[1] % c
+  x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+  b, t = x.shape[:2]
+  x = _reshape(x, (b, t // c, c) + x.shape[2:], lambda e: (e[0], None, None) + e[2:])
+  return jnp.moveaxis(x, 1, 0)                                                # [n, B, C, ...]
+
+
+def _from_chunks(x, t):
+  """[n, B, C, ...] -> [B, T, ...]: the scan's per-chunk outputs, padding dropped."""
+  x = jnp.moveaxis(x, 0, 1)                                                   # [B, n, C, ...]
+  b, n, c = x.shape[:3]
+  return _reshape(x, (b, n * c) + x.shape[3:], lambda e: (e[0], None) + e[3:])[:, :t]
+
+
+def _chunk_xs(k, v, k_pos, k_r, c):
+  """The scans' inputs: k_c [n, B, C, KV, Dq], v_c [n, B, C, KV, Dv], k_pos_c [n, B, C],
+  valid [n, C] (False on the padding), k_r_c [n, B, C, Dr] or None."""
+  t = k.shape[1]
+  n = -(-t // c)
+  valid = (np.arange(n * c) < t).reshape(n, c)                               # [n, C] static
+  return (_to_chunks(k, c), _to_chunks(v, c), _to_chunks(k_pos, c, PAD_POS), jnp.asarray(valid),
+          _to_chunks(k_r, c))
+
+
+def _chunk_scores(scale, q, q_r, q_pos, k_c, k_r_c, k_pos_c, valid_c):
+  """Scores of all queries against one key chunk, float32, masked: ([B, S, KV, G, C] scores,
+  [B, S, 1, 1, C] causal). Masked keys score MASKED (as the oracle), padding keys -inf."""
+  s = jnp.einsum("bskgh,bckh->bskgc", q, k_c, preferred_element_type=F32)     # [B, S, KV, G, C]
+  if q_r is not None:
+    s = s + jnp.einsum("bskgr,bcr->bskgc", q_r, k_r_c, preferred_element_type=F32)
+  s = s * scale
+  causal = k_pos_c[:, None, None, None, :] <= q_pos[:, :, None, None, None]   # [B, S, 1, 1, C]
+  fill = jnp.where(valid_c, MASKED, -jnp.inf).astype(F32)                     # [C]
+  return jnp.where(causal, s, fill), causal
+
+
+def _init(q, dv):
+  """The online softmax's empty state for q's rows: m = -inf, l = 0, acc = 0 (float32), built
+  from q so that it carries q's sharding: ([B, S, KV, G] x2, [B, S, KV, G, Dv])."""
+  rows = jnp.zeros_like(q[..., 0], dtype=F32)                                 # [B, S, KV, G]
+  return rows - jnp.inf, rows, rows[..., None] + jnp.zeros((dv,), F32)
+
+
+def _fold(carry, scale, c, q, k, v, q_pos, k_pos, q_r, k_r):
+  """Fold keys k [B, T, ..] (any T, chunks of c) into the online-softmax state `carry`. The
+  first key chunk folded into a row must hold a key visible to it (self-attention: its own)."""
+
+  def step(carry, xs):
+    m, l, acc = carry                          # [B, S, KV, G] x2, [B, S, KV, G, Dv] float32
+    k_c, v_c, k_pos_c, valid_c, k_r_c = xs
+    s, _ = _chunk_scores(scale, q, q_r, q_pos, k_c, k_r_c, k_pos_c, valid_c)  # [B, S, KV, G, C]
+    m_new = jnp.maximum(m, s.max(axis=-1))                                    # [B, S, KV, G]
+    alpha = jnp.exp(m - m_new)                 # rescales what was summed under the old max
+    p = jnp.exp(s - m_new[..., None])                                         # [B, S, KV, G, C]
+    l = alpha * l + p.sum(axis=-1)                                            # [B, S, KV, G]
+    pv = jnp.einsum("bskgc,bckv->bskgv", p.astype(v.dtype), v_c,
+                    preferred_element_type=F32)                               # [B, S, KV, G, Dv]
+    return (m_new, l, alpha[..., None] * acc + pv), None
+
+  return jax.lax.scan(step, carry, _chunk_xs(k, v, k_pos, k_r, c))[0]
+
+
+def _finish(carry, dtype):
+  """The state -> (o [B, S, KV, G, Dv] in dtype, lse [B, S, KV, G] float32)."""
+  m, l, acc = carry
+  return (acc / l[..., None]).astype(dtype), m + jnp.log(l)
+
+
+def _forward(scale, c, q, k, v, q_pos, k_pos, q_r, k_r):
+  """The online-softmax scan: (o [B, S, KV, G, Dv] v.dtype, lse [B, S, KV, G] float32)."""
+  carry = _fold(_init(q, v.shape[-1]), scale, c, q, k, v, q_pos, k_pos, q_r, k_r)
+  return _finish(carry, v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunked(scale, c, q, k, v, q_pos, k_pos, q_r, k_r):
+  return _forward(scale, c, q, k, v, q_pos, k_pos, q_r, k_r)[0]
+
+
+def _chunked_fwd(scale, c, q, k, v, q_pos, k_pos, q_r, k_r):
+  o, lse = _forward(scale, c, q, k, v, q_pos, k_pos, q_r, k_r)
+  return o, (q, k, v, q_pos, k_pos, q_r, k_r, o, lse)   # inputs, o and lse: O(S + T)
+
+
+def _ct_sharding(x):
+  """The sharding JAX's own autodiff gives x's cotangent: x's, reduced <-> unreduced. The
+  backward's dk, dv, dk_r contract S, KV, G, which may be sharded: typed like this, the sum over
+  those shards is left to the cotangent's consumer (or XLA), exactly as for impl="xla"."""
+  sharding = jax.typeof(x).sharding
+  if sharding is None or sharding.mesh.empty or not sharding.mesh.explicit_axes:
+    return None                                # inside a full-manual shard_map: local arrays
+  return sharding.update(spec=sharding.spec.to_ct_spec())
+
+
+def _grads(scale, c, q, k, v, q_pos, k_pos, q_r, k_r, lse, d, do, dq, dq_r):
+  """FlashAttention-2's backward against keys k [B, T, ..]: one scan over their chunks that
+  recomputes p from lse (d = sum_v do * o); dq (and dq_r) added to the given float32 sums in the
+  carry, and dk, dv (and dk_r) [B, T, ..] float32, emitted per chunk."""
+
+  def step(carry, xs):
+    dq, dq_r = carry                           # [B, S, KV, G, Dq], [B, S, KV, G, Dr] float32
+    k_c, v_c, k_pos_c, valid_c, k_r_c = xs
+    s, causal = _chunk_scores(scale, q, q_r, q_pos, k_c, k_r_c, k_pos_c, valid_c)
+    p = jnp.exp(s - lse[..., None])                                           # [B, S, KV, G, C]
+    dv_c = jnp.einsum("bskgc,bskgv->bckv", p.astype(do.dtype), do, preferred_element_type=F32,
+                      out_sharding=_ct_sharding(v_c))                         # [B, C, KV, Dv]
+    dp = jnp.einsum("bskgv,bckv->bskgc", do, v_c, preferred_element_type=F32)  # [B, S, KV, G, C]
+    # d loss / d (q.k): softmax's backward, zero on masked keys, times the score scale
+    ds = (jnp.where(causal, p * (dp - d[..., None]), 0.0) * scale).astype(q.dtype)
+    dq = dq + jnp.einsum("bskgc,bckh->bskgh", ds, k_c,
+                         preferred_element_type=F32)                          # [B, S, KV, G, Dq]
+    dk_c = jnp.einsum("bskgc,bskgh->bckh", ds, q, preferred_element_type=F32,
+                      out_sharding=_ct_sharding(k_c))                         # [B, C, KV, Dq]
+    dk_r_c = None
+    if q_r is not None:
+      dq_r = dq_r + jnp.einsum("bskgc,bcr->bskgr", ds, k_r_c,
+                               preferred_element_type=F32)                    # [B, S, KV, G, Dr]
+      dk_r_c = jnp.einsum("bskgc,bskgr->bcr", ds, q_r, preferred_element_type=F32,
+                          out_sharding=_ct_sharding(k_r_c))                   # [B, C, Dr]
+    return (dq, dq_r), (dk_c, dv_c, dk_r_c)
+
+  (dq, dq_r), (dk, dv, dk_r) = jax.lax.scan(step, (dq, dq_r), _chunk_xs(k, v, k_pos, k_r, c))
+  t = k.shape[1]
+  return dq, dq_r, _from_chunks(dk, t), _from_chunks(dv, t), (
+      None if k_r is None else _from_chunks(dk_r, t))
+
+
+def _row_dot(do, o):
+  """d = sum_v do * o [B, S, KV, G] float32: the softmax backward's row term."""
+  return jnp.einsum("bskgv,bskgv->bskg", do, o, preferred_element_type=F32)
+
+
+def _zeros_f32(x):
+  return None if x is None else jnp.zeros_like(x, dtype=F32)
+
+
+def _chunked_bwd(scale, c, res, do):
+  q, k, v, q_pos, k_pos, q_r, k_r, o, lse = res
+  dq, dq_r, dk, dv, dk_r = _grads(scale, c, q, k, v, q_pos, k_pos, q_r, k_r, lse, _row_dot(do, o),
+                                  do, _zeros_f32(q), _zeros_f32(q_r))
+  cast = lambda x, like: None if like is None else x.astype(like.dtype)
+  return (cast(dq, q), cast(dk, k), cast(dv, v), None, None, cast(dq_r, q_r), cast(dk_r, k_r))
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
