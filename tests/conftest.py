@@ -1,5 +1,5 @@
 """8 simulated CPU devices for every test (asserted: a test never skips for lack of devices),
-LLVM -O0, the persistent compilation cache, and the xdist groups."""
+LLVM -O0, the persistent compilation cache, and the xdist groups (group_of)."""
 import os
 import sys
 
@@ -36,7 +36,6 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_configure(config):
-  config.addinivalue_line("markers", "xdist_group(name): the tests of one group share a worker")
   if jax.default_backend() == "cpu":
     assert jax.device_count() == 8, f"expected 8 simulated CPU devices, got {jax.device_count()}"
 
@@ -44,16 +43,30 @@ def pytest_configure(config):
 import pytest  # noqa: E402
 
 
+def group_of(nodeid: str) -> str:
+  """A test's xdist group: its file, so that a file's tests share their compiled steps in one
+  worker, except tests/test_strategies.py, which groups per strategy (the first word of the
+  test id): the table's rows spread over the workers while each strategy's parity, contract and
+  cost tests share one compile."""
+  path, _, rest = nodeid.partition("::")
+  group = path.rsplit("/", 1)[-1].removesuffix(".py")
+  if group == "test_strategies" and "[" in rest:
+    group += "-" + rest.split("[", 1)[1].split("-", 1)[0].rstrip("]")
+  return group
+
+
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-  """xdist groups (`--dist loadgroup`): one per test file, so a file's tests share their compiled
-  steps in one worker, except tests/test_strategies.py, which groups per strategy: the table's
-  rows spread over the workers while each strategy's parity, contract and cost tests share one
-  compile."""
-  del config
-  for item in items:
-    group = item.module.__name__.rsplit(".", 1)[-1]
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    if group == "test_strategies" and "name" in params:
-      group = f"{group}-{params['name']}"
-    item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config, log):
+  """`--dist loadgroup` groups by group_of. xdist's own loadgroup reads an "@group" suffix that
+  its worker hook writes into item._nodeid from an xdist_group mark, which pytest >= 9.2 no longer
+  reads (its node ids come from item._id): every test became its own group, spread round-robin
+  over the workers, each compiling what the other had."""
+  if config.getvalue("dist") != "loadgroup":
+    return None
+  from xdist.scheduler import LoadScopeScheduling
+
+  class ByGroup(LoadScopeScheduling):
+    def _split_scope(self, nodeid):
+      return group_of(nodeid)
+
+  return ByGroup(config, log)
