@@ -165,3 +165,28 @@ def test_dot_product_attention_wrapper():
                for impl in ("dpa_xla", "xla"))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def _step_temp(impl, s):
+  """temp bytes of value_and_grad of the model's loss (2 scanned MoE layers, tiny widths, 4
+  heads) at sequence length s, compile only."""
+  from modeling import model
+  from modeling.config import get_config
+  cfg = get_config("tiny", seq_len=s, batch=1, attention_impl=impl, attention_chunk=64)
+  params = jax.eval_shape(lambda: jax.tree.map(jnp.asarray, model.init_params(cfg)))
+  batch = {k: jax.ShapeDtypeStruct((1, s), jnp.int32) for k in ("tokens", "targets", "positions")}
+  f = jax.jit(jax.value_and_grad(
+      lambda p, b: model.loss_fn(p, b, cfg, model.reference_layout(cfg))[0]))
+  return f.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_model_step_memory_linear_in_sequence():
+  """The chunked core stays linear inside the model's differentiated layer scan. Its causal
+  mask depends only on positions (the same in every layer); computed with jnp.where it was
+  hoisted out of the scan with every chunk's copy stacked, [n, B, S, KV, G, C], as large as the
+  oracle's scores. Measured here (CPU, jax 0.12.0.1), S = 512 -> 2048: chunked 41.5 -> 163.5 MiB
+  (3.9x; with the hoisted mask 42.2 -> 228.0 MiB, 5.4x), xla 66.2 -> 583.1 MiB (8.8x)."""
+  temp = {impl: [_step_temp(impl, s) for s in (512, 2048)] for impl in ("chunked", "xla")}
+  print({impl: [f"{t / 2**20:.1f} MiB" for t in ts] for impl, ts in temp.items()})
+  assert temp["chunked"][1] / temp["chunked"][0] < 5, temp
+  assert temp["xla"][1] / temp["xla"][0] > 6, temp
