@@ -121,6 +121,10 @@ def check_flags():
     raise UsageError("the reference runs on one device: not multi-process")
   if not 1 <= F.devices <= MAX_DEVICES:
     raise UsageError(f"--devices={F.devices} must be in [1, {MAX_DEVICES}] (simulated CPU devices)")
+  if dist is None and F.devices == 1 and F.strategy != "reference":
+    raise UsageError("--devices=1: one device is the reference's layout (--strategy=reference); "
+                     "the strategies need 2 or more (on one device XLA drops the sharding "
+                     "constraints their unreduced gradient types are checked against)")
   if F.steps is not None and F.steps < 0:
     raise UsageError(f"--steps={F.steps} must be >= 0")
   if F.steps == 0 and not F.strategy:

@@ -93,6 +93,9 @@ BAD_FLAGS = [
     (["--strategy=cp", "--opt=kv_exchange=ring", "--attention=xla"],
      "kv_exchange=ring folds each visiting K/V block into an online softmax: it takes "
      "--attention=chunked, not xla"),
+    (["--strategy=ep", "--devices=1", "--mesh=expert:1"],
+     "--devices=1: one device is the reference's layout (--strategy=reference)"),
+    (["--devices=1", "--compile_only"], "--devices=1: one device is the reference's layout"),
     (["--strategy=dp", "--opt=kv_exchange=ring"],
      "strategy 'dp' has no option 'kv_exchange' (it is an option of cp, ep_as_cp)"),
     (["--model=deepseek-v3", "--layers=3", "--describe"],
