@@ -3,7 +3,12 @@ jit(value_and_grad) of modeling/attention.py's attend at DeepSeek-V3's MLA shape
 128 heads, KV = H, G = 1, q/k 128 + decoupled RoPE 64, v 128, bf16, chunk 512), for chunked and
 xla at S = 1k, 4k, 16k, 64k (xla up to 16k: at 64k its scores alone are 2 TiB).
 
-Run from the repo root:  python bench/attention_memory.py
+With --backward: the chunked core's backward as written (a custom_vjp keeping q, k, v, the
+output and the log-sum-exp) against autodiff through its key-chunk scan with each step under
+jax.checkpoint (which keeps every step's running max, sum and output), at 1 sequence, 4 query
+heads on 1 KV head, d 64, float32, chunk 256, S = 1k and 4k.
+
+Run from the repo root:  python bench/attention_memory.py [--backward]
 """
 import os
 import sys
@@ -13,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from modeling import attention  # noqa: E402
 from modeling.attention import attend  # noqa: E402
 
 H, NOPE, ROPE, V, CHUNK = 128, 128, 64, 128, 512
@@ -21,15 +27,46 @@ H, NOPE, ROPE, V, CHUNK = 128, 128, 64, 128, 512
 def temp_gib(impl: str, s: int) -> float:
   bf = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   pos = jax.ShapeDtypeStruct((1, s), jnp.int32)
-  loss = lambda q, k, v, q_r, k_r, p: attend(q, k, v, p, p, (NOPE + ROPE) ** -0.5, impl=impl,
-                                             chunk=CHUNK, q_r=q_r, k_r=k_r).astype(jnp.float32).sum()
+  scale = (NOPE + ROPE) ** -0.5
+  loss = lambda q, k, v, q_r, k_r, p: attend(q, k, v, p, p, scale, impl=impl, chunk=CHUNK,
+                                             q_r=q_r, k_r=k_r).astype(jnp.float32).sum()
   f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
   compiled = f.lower(bf(1, s, H, 1, NOPE), bf(1, s, H, NOPE), bf(1, s, H, V),
                      bf(1, s, H, 1, ROPE), bf(1, s, ROPE), pos).compile()
   return compiled.memory_analysis().temp_size_in_bytes / 2**30
 
 
-if __name__ == "__main__":
+def _remat_attend(q, k, v, pos, scale, chunk):
+  """The chunked forward differentiated by autodiff, each key-chunk step under jax.checkpoint."""
+  def step(carry, xs):
+    m, l, acc = carry
+    k_c, v_c, pos_c, _ = xs
+    s, _ = attention._chunk_scores(scale, q, None, pos, k_c, None, pos_c)   # [B, S, KV, G, C]
+    m_new = jnp.maximum(m, s.max(-1))
+    a, p = jnp.exp(m - m_new), jnp.exp(s - m_new[..., None])
+    pv = jnp.einsum("bskgc,bckv->bskgv", p.astype(v.dtype), v_c, preferred_element_type=jnp.float32)
+    return (m_new, a * l + p.sum(-1), a[..., None] * acc + pv), None
+  carry = jax.lax.scan(jax.checkpoint(step), attention._init(q, v.shape[-1]),
+                       attention._chunk_xs(k, v, pos, None, chunk))[0]
+  return attention._finish(carry, v.dtype)[0]
+
+
+def backward_mib(kind: str, s: int) -> float:
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  pos = jax.ShapeDtypeStruct((1, s), jnp.int32)
+  core = ((lambda q, k, v, p: attend(q, k, v, p, p, 0.125, "chunked", 256)) if kind == "custom_vjp"
+          else (lambda q, k, v, p: _remat_attend(q, k, v, p, 0.125, 256)))
+  f = jax.jit(jax.value_and_grad(lambda q, k, v, p: core(q, k, v, p).sum(), argnums=(0, 1, 2)))
+  compiled = f.lower(f32(1, s, 1, 4, 64), f32(1, s, 1, 64), f32(1, s, 1, 64), pos).compile()
+  return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+
+if __name__ == "__main__" and "--backward" in sys.argv:
+  print("| S | custom_vjp | remat per chunk |\n|---|---|---|")
+  for s in (1024, 4096):
+    vjp, remat = backward_mib("custom_vjp", s), backward_mib("remat", s)
+    print(f"| {s:,} | {vjp:.1f} MiB | {remat:.1f} MiB |")
+elif __name__ == "__main__":
   print("| S | chunked | xla |\n|---|---|---|")
   for s in (1024, 4096, 16384, 65536):
     xla = f"{temp_gib('xla', s):.2f} GiB" if s <= 16384 else "-"
