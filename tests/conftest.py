@@ -42,16 +42,21 @@ def pytest_configure(config):
 
 import pytest  # noqa: E402
 
+import strategies  # noqa: E402
+
 
 def group_of(nodeid: str) -> str:
   """A test's xdist group: its file, so that a file's tests share their compiled steps in one
   worker, except tests/test_strategies.py, which groups per strategy (the first word of the
   test id): the table's rows spread over the workers while each strategy's parity, contract and
-  cost tests share one compile."""
+  cost tests share one compile. A strategy's own file (tests/test_ep_tp.py, ...) joins its
+  table's group: its tests read the same compiled rows."""
   path, _, rest = nodeid.partition("::")
   group = path.rsplit("/", 1)[-1].removesuffix(".py")
   if group == "test_strategies" and "[" in rest:
     group += "-" + rest.split("[", 1)[1].split("-", 1)[0].rstrip("]")
+  elif group.removeprefix("test_") in strategies.NAMES[1:]:            # not the reference
+    group = "test_strategies-" + group.removeprefix("test_")
   return group
 
 

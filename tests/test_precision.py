@@ -70,7 +70,7 @@ def test_grad_reduce_dtype_bfloat16_halves_the_gradient_sums():
 
 
 def test_float32_programs_hold_no_bf16():
-  j = parity.job("ep", TINY, None)
+  j = parity.job("ep", parity.bf16_config(DEEPSEEK).replace(dtype="float32"), None)  # RATIOS'
   assert "bf16[" not in j.compiled.as_text()
   assert j.hlo == j.compiled.as_text()            # nothing dumped: the final HLO is counted
 
@@ -83,8 +83,9 @@ def test_bf16_with_remat_and_microbatches():
 
 
 def test_bf16_memory_drops():
-  """bf16 activations: XLA's temp bytes of the compiled step fall (params stay float32)."""
-  mem = {dt: parity.job("fsdp", parity.bf16_config(TINY).replace(dtype=dt),
+  """bf16 activations: XLA's temp bytes of the compiled step fall (params stay float32); the
+  bf16 step is test_bf16_parity's, the float32 one the RATIOS'."""
+  mem = {dt: parity.job("fsdp", parity.bf16_config(DEEPSEEK).replace(dtype=dt),
                         "data:2,fsdp:4").compiled.memory_analysis()
          for dt in ("bfloat16", "float32")}
   temp = {dt: m.temp_size_in_bytes for dt, m in mem.items()}
