@@ -192,8 +192,9 @@ def _init(q, dv):
 
 
 def _fold(carry, scale, c, q, k, v, q_pos, k_pos, q_r, k_r):
-  """Fold keys k [B, T, ..] (any T, chunks of c) into the online-softmax state `carry`. The
-  first key chunk folded into a row must hold a key visible to it (self-attention: its own)."""
+  """Fold keys k [B, T, ..] (any T, chunks of c) into the online-softmax state `carry`. A chunk
+  with no key visible to a row sums its masked keys at the finite MASKED, which the first
+  visible key's rescale (exp(MASKED - m) = 0) then wipes: chunks may come in any order."""
   q_pos = _tied(q_pos, q)
 
   def step(carry, xs):

@@ -71,7 +71,7 @@ class Layout:
   x: Any = None
   kv: Any = None
   kv_pos: Any = None
-  kv_ring: bool = False          # CP's K/V exchange: all-gather (False) or ring (True)
+  kv_ring: bool = False          # with kv: CP's K/V exchange, all-gather (False) or ring
   use: Callable = _identity_use
   moe: Callable | None = None
   gather_in: Callable = _identity
@@ -342,11 +342,12 @@ def gqa(p, x, positions, cfg: Config, lay: Layout):
   q = rope(jnp.einsum("bsd,dkgh->bskgh", x, wq), positions, cfg.rope_theta)    # [B, S, KV, G, Dh]
   k = rope(jnp.einsum("bsd,dkh->bskh", x, wk), positions, cfg.rope_theta)      # [B, S, KV, Dh]
   v = jnp.einsum("bsd,dkh->bskh", x, wv)                                       # [B, S, KV, Dh]
-  k_pos, scale = positions, 1 / np.sqrt(dh)
-  if lay.kv is not None and lay.kv_ring:                      # CP: K/V blocks around the ring
+  scale = 1 / np.sqrt(dh)
+  if lay.kv_ring:                                             # CP: K/V blocks around the ring
     o = ring_attention.ring_attend(q, (k, v), (), _kv_as_is, positions, positions, scale,
                                    cfg.attention_chunk, _kv_gather_axes(k, lay.kv))
   else:
+    k_pos = positions
     if lay.kv is not None:                                                     # CP: gather K/V
       k, v = _gather_kv(k, lay.kv), _gather_kv(v, lay.kv)                   # [B, T, KV, Dh]
       k_pos = jax.reshard(positions, lay.kv_pos)                               # [B, T]
@@ -394,28 +395,28 @@ def mla(p, x, positions, cfg: Config, lay: Layout):
   q_r = rope(q[..., nope:], positions, cfg.rope_theta, cfg.rope_interleave)    # [B, S, H, rope]
   wkv_b = w("wkv_b", "attn_kv_b")                                              # [Rkv, H, nope + v]
   scale = 1 / np.sqrt(cfg.qk_head_dim)
-  if lay.kv is not None and lay.kv_ring:              # CP: latent blocks around the ring
-    o = ring_attention.ring_attend(
-        q_n[:, :, :, None], lat, (wkv_b,), functools.partial(_mla_expand, r=r, nope=nope),
-        positions, positions, scale, cfg.attention_chunk,
-        _kv_gather_axes(lat, P(*tuple(lay.kv)[:2], None)), q_r=q_r[:, :, :, None])[:, :, :, 0]
-    return jnp.einsum("bshv,hvd->bsd", o, w("wo", "attn_o"), out_sharding=lay.row)  # [B, S, D]
-  k_pos = positions
-  if lay.kv is None:
-    kv = jnp.einsum("btr,rhk->bthk", lat[..., :r], wkv_b)                      # [B, T, H, nope + v]
-  else:                                                # CP: gather the latent, not K and V
-    spec = P(*tuple(lay.kv)[:2], None)
-    gathered = _kv_gather_axes(lat, spec)            # K/V stay partial sums over these
-    lat = _gather_kv(lat, spec)                                                # [B, T, Rkv + rope]
-    kv = sharding.partial_einsum("btr,rhk->bthk", lat[..., :r], wkv_b, gathered)  # [B, T, H, nope + v]
-    k_pos = jax.reshard(positions, lay.kv_pos)                                 # [B, T]
-  k_r = lat[..., r:]                                                           # [B, T, rope]
-  k_n, v = kv[..., :nope], kv[..., nope:]                                      # [B, T, H, nope|v]
   # every head its own KV head (KV = H, G = 1), and the one shared RoPE key
-  o = attention_lib.attend(q_n[:, :, :, None], k_n, v, positions, k_pos,
-                           scale, cfg.attention_impl, cfg.attention_chunk,
-                           q_r=q_r[:, :, :, None], k_r=k_r)[:, :, :, 0]        # [B, S, H, v]
-  return jnp.einsum("bshv,hvd->bsd", o, w("wo", "attn_o"), out_sharding=lay.row)  # [B, S, D]
+  q_n, q_r = q_n[:, :, :, None], q_r[:, :, :, None]                            # [B, S, H, 1, .]
+  spec = None if lay.kv is None else P(*tuple(lay.kv)[:2], None)   # the gathered latent's
+  if lay.kv_ring:                                      # CP: latent blocks around the ring
+    expand = functools.partial(_mla_expand, r=r, nope=nope)
+    o = ring_attention.ring_attend(q_n, lat, (wkv_b,), expand, positions, positions, scale,
+                                   cfg.attention_chunk, _kv_gather_axes(lat, spec),
+                                   q_r=q_r)                                    # [B, S, H, 1, v]
+  else:
+    k_pos = positions
+    if lay.kv is None:
+      kv = jnp.einsum("btr,rhk->bthk", lat[..., :r], wkv_b)                    # [B, T, H, nope + v]
+    else:                                              # CP: gather the latent, not K and V
+      gathered = _kv_gather_axes(lat, spec)          # K/V stay partial sums over these
+      lat = _gather_kv(lat, spec)                                              # [B, T, Rkv + rope]
+      kv = sharding.partial_einsum("btr,rhk->bthk", lat[..., :r], wkv_b, gathered)
+      k_pos = jax.reshard(positions, lay.kv_pos)                               # [B, T]
+    o = attention_lib.attend(q_n, kv[..., :nope], kv[..., nope:], positions, k_pos, scale,
+                             cfg.attention_impl, cfg.attention_chunk, q_r=q_r,
+                             k_r=lat[..., r:])                                 # [B, S, H, 1, v]
+  return jnp.einsum("bshv,hvd->bsd", o[:, :, :, 0], w("wo", "attn_o"),
+                    out_sharding=lay.row)                                      # [B, S, D]
 
 
 def swiglu(p, x, lay: Layout, roles=("shared_in", "shared_out")):

@@ -58,8 +58,7 @@ def ring_attend(q, kv, w, expand, q_pos, k_pos, scale, chunk, axes, q_r=None):
 
 def _spec(x) -> P:
   """x's partitions, without reduced / unreduced: the shard_map's view of its values."""
-  s = jax.typeof(x).sharding.spec
-  return P(*(tuple(s.partitions) + (None,) * (x.ndim - len(s.partitions))))
+  return P(*sharding.full_spec(x).partitions)
 
 
 def _plain(tree):

@@ -24,6 +24,12 @@ def dim_axes(spec, dim: int) -> tuple[str, ...]:
   return entry_axes(entries[dim]) if dim < len(entries) else ()
 
 
+def full_spec(x) -> P:
+  """x's PartitionSpec with one entry per dim (None past the stated ones), reduced kept."""
+  s = jax.typeof(x).sharding.spec
+  return P(*(tuple(s.partitions) + (None,) * (x.ndim - len(s.partitions))), reduced=s.reduced)
+
+
 def spec_axes(spec) -> tuple[str, ...]:
   """Every mesh axis a PartitionSpec names, dims in order."""
   return tuple(a for e in (spec or ()) for a in entry_axes(e))
@@ -148,11 +154,7 @@ def partial_einsum(subscripts: str, a: jax.Array, b: jax.Array, axes: Sequence[s
   ins, out = subscripts.split("->")
   sa, sb = ins.split(",")
   axes = frozenset(axes)
-
-  def spec(t):
-    s = jax.typeof(t).sharding.spec
-    return P(*(s.partitions + (None,) * (t.ndim - len(s.partitions))), reduced=s.reduced)
-  a_spec, b_spec = spec(a), spec(b)
+  a_spec, b_spec = full_spec(a), full_spec(b)
 
   @jax.custom_vjp
   def f(a, b):

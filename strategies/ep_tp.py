@@ -290,6 +290,8 @@ def layout(cfg, mesh, opts):
       return gather_weight(w, P(), TOKENS, **precision(cfg, role))
     return cast_stored(w, role, cfg, TOKENS)       # float32: w as stored
 
+  gather_seq = context.sequence_gatherer(EXPERT) if cfg.capacity_factor > 0 else None
+
   def moe_folded(p, h, positions):       # h [B, S@expert, D] normed, the residual layout
     p, _ = moe_stored(p, cfg, TOKENS)     # experts [E@expert, D, F] as stored
     pos = jax.reshard(positions, P(DATA, EXPERT))                  # [B, S@expert]: a local slice
@@ -297,7 +299,6 @@ def layout(cfg, mesh, opts):
                      gather_sequence=gather_seq)
 
   folded = opts.exchange == "folded"
-  gather_seq = context.sequence_gatherer(EXPERT) if cfg.capacity_factor > 0 else None
   return model.Layout(x=X_SPEC, use=use, moe=moe_folded if folded else moe_fn,
                       gather_in=gather_in, scatter_out=scatter_out, row_out=ROW,
                       moe_in_residual=folded)
