@@ -23,17 +23,42 @@ ppermutes its output to s+1 after each time step; the last stage keeps the M out
 computes the head. Inside a stage the MoE is ep.py's moe_body with its padded all-to-all over
 expert (pp takes no --opt=dispatch: the ragged exchange is ep's alone until a GPU run holds it).
 
-GPipe schedule (all forwards, then all backwards: autodiff of the time loop runs it reversed),
-P = 4, M = 4, F_m / B_m = forward / backward of microbatch m, . = bubble:
-  time     0  1  2  3  4  5  6    7  8  9 10 11 12 13
-  stage 0  F0 F1 F2 F3 .  .  .    .  .  .  B3 B2 B1 B0
-  stage 1  .  F0 F1 F2 F3 .  .    .  .  B3 B2 B1 B0 .
-  stage 2  .  .  F0 F1 F2 F3 .    .  B3 B2 B1 B0 .  .
-  stage 3  .  .  .  F0 F1 F2 F3   B3 B2 B1 B0 .  .  .
-Bubble fraction (P-1)/(M+P-1) (3/7 here; M >= P keeps it under 1/2; any M >= 1 is correct).
-Activation memory per stage: the time loop's residuals, M+P-1 steps of one microbatch through
-L/P layers, i.e. (M+P-1)/M x the stage's activations for its whole b rows (GPipe keeps every
-microbatch's activations until its backward).
+Schedules (--opt=schedule=gpipe|1f1b), each a table (`schedule`: which microbatch's forward
+F<m> and backward B<m> each stage runs at each tick; . = idle), P = 4.
+gpipe, M = 4 (the default; all forwards, then all backwards: autodiff of the forward time
+loop runs it reversed):
+  tick     0  1  2  3  4  5  6  7  8  9  10 11 12 13
+  stage 0  F0 F1 F2 F3 .  .  .  .  .  .  B3 B2 B1 B0
+  stage 1  .  F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0 .
+  stage 2  .  .  F0 F1 F2 F3 .  .  B3 B2 B1 B0 .  .
+  stage 3  .  .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .  .
+1f1b, M = 8 (stage s runs F(t-s) and B(t-2P+2+s) at tick t; the last stage runs a
+microbatch's backward in the tick of its forward):
+  tick     0    1    2    3    4    5    6    7    8    9    10   11   12   13
+  stage 0  F0   F1   F2   F3   F4   F5   F6B0 F7B1 B2   B3   B4   B5   B6   B7
+  stage 1  .    F0   F1   F2   F3   F4B0 F5B1 F6B2 F7B3 B4   B5   B6   B7   .
+  stage 2  .    .    F0   F1   F2B0 F3B1 F4B2 F5B3 F6B4 F7B5 B6   B7   .    .
+  stage 3  .    .    .    F0B0 F1B1 F2B2 F3B3 F4B4 F5B5 F6B6 F7B7 .    .    .
+Both take M+P-1 forward and M+P-1 backward ticks: the same bubble, (P-1)/(M+P-1) (3/7 for gpipe
+above; M >= P keeps it under 1/2; any M >= 1 is correct), and the same compute, so the same
+time in SPMD lockstep. They differ in memory:
+  gpipe keeps the time loop's residuals, M+P-1 ticks of one microbatch through L/P layers (the
+    bubble ticks' too), (M+P-1)/M x the stage's activations for its b rows.
+  1f1b runs each backward inside the loop as the explicit jax.vjp of the stage (`_run_table`, one
+    full-manual shard_map driven by the table) and keeps residuals only for the microbatches in
+    flight, a ring of min(M, 2P-1) (`in_flight`): stage s holds 2(P-1-s)+1. That is 2P-1, not
+    Megatron's P, because in one SPMD program a hop between stages costs a whole tick (forward
+    and backward phase) each way: an activation reaches the last stage P-1 ticks after stage 0
+    sends it, and its cotangent returns P-1 ticks later. Megatron's P comes from stages offset
+    by half a tick (one running a forward while its neighbour runs a backward), which in
+    lockstep makes every phase as long as a backward: 4/3 the steady-state time. Residuals that
+    are the stage's weights are kept by reference, never copied per microbatch.
+  1f1b's step returns the gradients from inside the loop: the train step's value_and_grad sees a
+    custom_vjp whose forward rule runs the table and whose backward rule scales the gradients.
+    Weight gradients are float32 sums over the ticks, psum'd once after the loop over the axes
+    each weight is replicated on. The head (final norm, unembed, CE) runs on every stage in the
+    forward phase and counts only on the last (P x its FLOPs, no residuals kept: the last
+    stage's d(loss)/d(output) is stored per microbatch instead).
 
 Exact aux loss under microbatching: every microbatch's router statistics (counts, prob sums, z,
 dropped; psum'd over (data, expert) in moe_body) are summed over the M microbatches per layer
@@ -41,24 +66,28 @@ before the load-balance and z losses are formed, and the losses of the L/P layer
 summed over stage: the step's statistics, as the single-device reference computes them; the
 aux-loss-free bias update uses the whole step's counts [L, E] (out over stage). Never an average
 of per-microbatch losses.
-The sequence-wise loss (aux_loss_kind "sequence", DeepSeek-V3's) needs no such sum: each
-microbatch's sequences are whole, so its loss term is final when its forward ends. A schedule
-that starts a microbatch's backward before the last microbatch's forward (1F1B, interleaved)
-can run it exactly; the batch-wise loss's f would need every microbatch's counts first (a
-forward pass over all of them, as runtime.train's gradient accumulation does), or change to a
-per-microbatch statistic. The bias update's counts are summed after the step either way.
+The sequence-wise loss (aux_loss_kind "sequence", DeepSeek-V3's) and the z-loss are sums of
+per-microbatch terms: under 1f1b each microbatch's term is final when its forward ends. The
+batch-wise loss's f needs the step's counts before the first backward: 1f1b then runs a counts
+pre-pass (the gpipe forward time loop with no residuals kept, `counts_pre_pass`), exact, and
+priced by the cost model (one more forward's permutes and all-to-alls). Each microbatch's aux
+term is then E * sum_e f_e * P_e(microbatch), linear in the microbatch, and the step's loss
+the sum. The bias update's counts are summed after the step either way.
 
 Collectives per step (x = expert; T_mb = b/M*S tokens per device per microbatch):
   forward : 1. collective-permute over stage of the activation [b/M, S, D], every time step
-               (M+P-1 of them; the sends of bubble steps carry zeros)
+               (gpipe: M+P-1 of them, the sends of bubble steps carry zeros; 1f1b: after every
+               forward phase but the last, M+P-2, `permutes`)
             2. per time step and local layer, moe_body: all-to-all over x of the counts [EP, e]
                and of the send buffer [EP, C, D] (C = ep.py's bound for b/M sequences), and of
                the expert outputs; all-reduce over (data, x) of the router statistics
-  backward: 3. collective-permute over stage of the activation cotangents, M+P-1 steps
+  backward: 3. collective-permute over stage of the activation cotangents, M+P-1 steps (1f1b:
+               M+P-2)
             4. the all-to-all transposes; weight grads: layer params all-reduced over (data, x)
                (the experts over data), embed / final_norm / unembed and the dense prefix's
                params over (stage, data, x)
   once    : the loss sums: CE over (stage, data, x), aux / z / dropped over stage; grad norm.
+  1f1b with the batch-wise aux loss: the counts pre-pass, 1. and 2. once more (no recompute).
 HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
 (kind, axes) set equals it, and tests/test_pp.py holds both to the program, both ways):
   collective-permute over stage: activations forward, cotangents backward
@@ -70,21 +99,23 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
     sum, grad norm
 When to use: the model's layers do not fit on one EP group (pipeline across nodes over slow
 links: only [b/M, S, D] activations cross a stage boundary), with M >= P microbatches to keep
-the bubble small. Cost: the bubble, (M+P-1)/M x the activation memory, and P-1 idle stages
-during warm-up and drain.
+the bubble small. Cost: the bubble, and P-1 idle stages during warm-up and drain; gpipe keeps
+(M+P-1)/M x the activation memory, 1f1b min(M, 2P-1)/M (pick 1f1b when M > 2P-1).
 
   python run.py --strategy=pp --mesh=stage:2,expert:4 --microbatches=4 --steps=3
   python run.py --strategy=pp --mesh=stage:4,data:2 --layers=4 --microbatches=8 --steps=3
+  python run.py --strategy=pp --mesh=stage:2,expert:4 --microbatches=8 --opt=schedule=1f1b
 """
+import dataclasses
 import functools
 
 import einops
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from layout import dispatch, mesh as mesh_lib
-from layout.options import NoOptions
+from layout import dispatch, mesh as mesh_lib, options
 from measure import cost as cost_lib
 from modeling import model, routing
 from parallel import sharding
@@ -97,7 +128,17 @@ MAIN_AXIS = STAGE
 COMPARE_MESH = "data:1,stage:2,expert:4"        # tiny has 2 layers: 2 stages, EP inside; more
                                                 # devices scale data
 TOKENS = (DATA, EXPERT)                         # the batch axes (replicated over stage)
-Options = NoOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  schedule: str = options.choice("gpipe", ("gpipe", "1f1b"),
+                                 "the pipeline schedule: all forwards then all backwards (gpipe, "
+                                 "autodiff of the time loop) or one forward and one backward "
+                                 "per tick (1f1b, explicit vjp per stage)")
+
+
+ONE_F = Options(schedule="1f1b")
 TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               Case("tiny", "stage:4,data:2", dict(n_layers=4, batch=16, microbatches=8)),
               # two dense layers before the pipeline: 2 MoE layers, 1 per stage, not n_layers / 2
@@ -106,8 +147,16 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               Case("deepseek-test", "stage:4,expert:2",
                    dict(n_layers=5, microbatches=4, capacity_factor=1.0)),
               # Muon's Newton-Schulz maps over each stage's own layers (modeling/optim.py)
-              Case("tiny", "stage:2,expert:4", dict(optimizer="muon"))]
-COST_CASES = TEST_CASES[:3]
+              Case("tiny", "stage:2,expert:4", dict(optimizer="muon")),
+              # 1f1b: the batch-wise aux loss through the counts pre-pass, 4 stages, M = 8 > 2P-1
+              Case("tiny", "stage:4,data:2", dict(n_layers=4, batch=16, microbatches=8), ONE_F),
+              # the sequence-wise loss, the dense prefix, drops, remat inside the stage's vjp
+              Case("deepseek-test", "stage:2,data:2,expert:2",
+                   dict(n_layers=4, first_k_dense_replace=2, batch=16, microbatches=4,
+                        capacity_factor=1.0, remat="block"), ONE_F),
+              Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4, optimizer="muon"),
+                   ONE_F)]
+COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7]
 BAD_INPUT = [
     BadInput(dict(n_layers=3), "stage:2,expert:4", Options(),
              "n_layers=3 is not divisible by mesh axis stage=2"),
@@ -140,7 +189,10 @@ def bubble(cfg, mesh) -> float:
 
 
 def layout(cfg, mesh, opts):
-  return model.Layout(loss=functools.partial(loss, cfg=cfg, mesh=mesh))
+  if opts.schedule == "gpipe":
+    return model.Layout(loss=functools.partial(loss, cfg=cfg, mesh=mesh))
+  return model.Layout(loss=functools.partial(_scheduled_loss, cfg=cfg, mesh=mesh,
+                                             name=opts.schedule))
 
 
 def loss(params, batch, *, cfg, mesh):
@@ -195,7 +247,7 @@ def _head(outs, p, cfg):
   return jnp.einsum("mbsd,dv->mbsv", h, p["unembed"]).astype(jnp.float32)
 
 
-def _stages(p, tokens, positions, *, cfg, n_stage, ep_size):
+def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
   """The GPipe time loop on one device -> (the last stage's outputs [M, b/M, S, D] (zeros on
   the other stages), this stage's router stats summed over the microbatches {name: [L/P, ..]},
   p cast and varying: the head reads its final_norm and unembed)."""
@@ -245,8 +297,312 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size):
   stat0 = jax.tree.map(lambda a: sharding.to_varying(jnp.zeros(a.shape, a.dtype), (STAGE,)),
                        jax.eval_shape(run_stage, zeros((mb, s, cfg.d_model)), pos[0])[1])
   carry = (zeros((mb, s, cfg.d_model)), zeros((m, mb, s, cfg.d_model)), stat0)
-  (_, outs, stats), _ = jax.lax.scan(step, carry, jnp.arange(m + n_stage - 1))
+  (_, outs, stats), _ = jax.lax.scan(step, carry, jnp.arange(m + n_stage - 1), unroll=unroll)
   return outs, stats, p
+
+
+# ----------------------------------------------------------------------------- schedule tables
+def schedule(name: str, n_stage: int, m: int) -> dict:
+  """The schedule as data: {"F": [ticks, P], "B": [ticks, P]} numpy int arrays, the microbatch
+  whose forward / backward stage s runs at tick t (-1: none). A tick is one forward phase (then
+  the activations' collective-permute to s+1) and one backward phase (then the cotangents' to
+  s-1), either absent when no stage has one. gpipe: the M+P-1 forward ticks of the time loop,
+  then its autodiff, the same loop reversed. 1f1b: stage s runs F(t - s) and B(t - 2P + 2 + s)
+  at tick t; the last stage runs a microbatch's backward in the tick of its forward."""
+  p, ticks = n_stage, m + n_stage - 1
+  t = np.arange(ticks)[:, None]
+  s = np.arange(p)[None, :]
+  mb = lambda i: np.where((i >= 0) & (i < m), i, -1)
+  none = np.full((ticks, p), -1)
+  if name == "gpipe":
+    fwd = mb(t - s)
+    return {"F": np.concatenate([fwd, none]), "B": np.concatenate([none, fwd[::-1]])}
+  if name == "1f1b":
+    t = np.arange(m + 2 * p - 2)[:, None]
+    return {"F": mb(t - s), "B": mb(t - 2 * p + 2 + s)}
+  raise ValueError(f"unknown schedule {name!r}")
+
+
+def in_flight(table: dict) -> int:
+  """The most microbatches any stage holds residuals for: forward run, backward not yet (the
+  residual ring's length). Counted after a tick's forward phase, before its backward phase."""
+  worst = 0
+  for s in range(table["F"].shape[1]):
+    live = set()
+    for f, b in zip(table["F"][:, s], table["B"][:, s]):
+      live |= {f} - {-1}
+      worst = max(worst, len(live))
+      live -= {b}
+  return worst
+
+
+def check_schedule(table: dict, m: int) -> None:
+  """Every stage runs every microbatch's forward and backward once; a forward at stage s > 0
+  reads what stage s-1 sent the tick before, a backward at s < P-1 what s+1 sent the tick
+  before, the last stage's backward follows its forward; ring slots never collide."""
+  fwd, bwd = table["F"], table["B"]
+  p = fwd.shape[1]
+  when = lambda a, s, i: int(np.flatnonzero(a[:, s] == i)[0])
+  for s in range(p):
+    for a in (fwd, bwd):
+      assert sorted(a[:, s][a[:, s] >= 0].tolist()) == list(range(m)), (s, a[:, s])
+  for s in range(p):
+    for i in range(m):
+      if s > 0:
+        assert when(fwd, s, i) == when(fwd, s - 1, i) + 1, ("forward hop", s, i)
+      if s < p - 1:
+        assert when(bwd, s, i) == when(bwd, s + 1, i) + 1, ("backward hop", s, i)
+      else:
+        assert when(bwd, s, i) >= when(fwd, s, i), ("backward before forward", i)
+  r = min(in_flight(table), m)
+  for s in range(p):
+    live = {}
+    for f, b in zip(fwd[:, s], bwd[:, s]):
+      if f >= 0:
+        assert f % r not in live, ("ring slot reused while live", s, f)
+        live[f % r] = f
+      if b >= 0:
+        assert live.pop(b % r) == b, ("ring slot lost", s, b)
+
+
+def diagram(table: dict) -> str:
+  """The table as the docstring draws it: a row per stage, a column per tick, F<m> / B<m> /
+  both / '.' (idle)."""
+  fwd, bwd = table["F"], table["B"]
+  cell = lambda f, b: (f"F{f}" if f >= 0 else "") + (f"B{b}" if b >= 0 else "") or "."
+  cells = [[cell(f, b) for f, b in zip(fwd[t], bwd[t])] for t in range(len(fwd))]
+  width = max(len(c) for row in cells for c in row)
+  head = "  tick     " + " ".join(str(t).ljust(width) for t in range(len(fwd)))
+  rows = [f"  stage {s}  " + " ".join(cells[t][s].ljust(width) for t in range(len(fwd)))
+          for s in range(fwd.shape[1])]
+  return "\n".join(line.rstrip() for line in [head, *rows])
+
+
+# ----------------------------------------------------------------------------- scheduled (1f1b)
+def _scheduled_loss(params, batch, *, cfg, mesh, name):
+  """The model under a schedule table whose backward runs inside the time loop: a custom_vjp
+  whose forward rule runs the whole table (forwards, and each backward as the explicit
+  jax.vjp of a stage) and returns the gradients as its residual; the backward rule scales them
+  by the loss's cotangent. The primal alone (no gradient asked) is the GPipe forward."""
+  specs, bspec = param_specs(cfg, mesh), batch_spec(cfg, mesh)
+  keys = ("tokens", "targets", "positions")
+  table = schedule(name, mesh.shape[STAGE], cfg.microbatches)
+  body = functools.partial(_run_table, cfg=cfg, n_stage=mesh.shape[STAGE],
+                           ep_size=mesh.shape[EXPERT], table=table, specs=specs)
+  out_specs = ((P(), {"loss": P(), "ce_loss": P(), "aux_loss": P(), "z_loss": P(),
+                      "dropped": P(), "counts": P(STAGE, None)}), specs)
+  run = jax.shard_map(body, in_specs=(specs,) + (bspec,) * 3, out_specs=out_specs)
+
+  @jax.custom_vjp
+  def f(p, *b):
+    return loss(p, dict(zip(keys, b)), cfg=cfg, mesh=mesh)
+
+  def f_fwd(p, *b):
+    out, grads = run(p, *b)
+    return out, grads
+
+  def f_bwd(grads, cot):
+    g = cot[0]
+    return (jax.tree.map(lambda a: (a * g).astype(a.dtype), grads),) + (None,) * len(keys)
+
+  f.defvjp(f_fwd, f_bwd)
+  return f(params, *(batch[k] for k in keys))
+
+
+def _run_table(p, tokens, targets, positions, *, cfg, n_stage, ep_size, table, specs):
+  """One device: ((loss, metrics), grads) of its shards, running `table` (see `schedule`).
+
+  State across ticks: the activation received from s-1 and the cotangent from s+1 (one tick
+  each: check_schedule), a ring of R = in_flight(table) microbatches' vjp residuals (the
+  stage's weights, which every residual set shares, are not copied into it), the last stage's
+  d(loss)/d(output) per microbatch, and float32 gradient sums. Weight gradients are psum'd
+  once, after the loop, over the axes each weight is replicated on."""
+  m, all_axes = cfg.microbatches, (STAGE,) + TOKENS
+  n_tokens = cfg.batch * cfg.seq_len
+  r = min(in_flight(table), m)
+  stage = jax.lax.axis_index(STAGE)
+  first, last = stage == 0, stage == n_stage - 1
+  split = lambda a: einops.rearrange(a, "(m mb) s -> m mb s", m=m)   # [M, b/M, S]
+  pos, tgt = split(positions), split(targets)
+  cast = lambda t: jax.tree.map(lambda a, role: a if role in model.KEEP_F32 else
+                                a.astype(cfg.dtype), t, model.param_roles(cfg))
+  f32_sum = cfg.grad_reduce_dtype == "float32"
+  home = jax.tree.map(sharding.varying_axes, p)                 # the axes each weight varies over
+  # varying over every axis: each device sums its own gradient contributions over the ticks
+  pc = cast(jax.tree.map(lambda a: sharding.to_varying(a, all_axes), p))
+  layers = pc["layers"]
+  lay = model.Layout(moe=functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
+                                           token_axes=TOKENS, transport=ep.a2a_exchange))
+
+  # the batch-wise load-balance loss's f needs the step's counts before the first backward: a
+  # forward pass over every microbatch first (exact; the sequence-wise loss needs none)
+  counts = None
+  if counts_pre_pass(cfg, Options(schedule="1f1b")):  # unrolled: a second while loop beside
+    # the table's, reloaded from the persistent compilation cache, crashes XLA:CPU (stage:4,data:2)
+    counts = jax.lax.stop_gradient(
+        _stages(p, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
+                unroll=True)[1]["counts"])
+
+  def stage_fn(lp, x, pos_m, cnt):            # [b/M, S, D] -> ([b/M, S, D], aux + z terms)
+    body = model.remat(lambda h, l: model.block(h, l, pos_m, cfg, lay), cfg)
+    y, st = jax.lax.scan(body, x, lp)                               # st: {name: [L/P, ...]}
+    aux, z = routing.aux_losses(st if cnt is None else {**st, "counts": cnt}, n_tokens, cfg)
+    part = cfg.aux_loss_coef * jnp.sum(aux) + cfg.z_loss_coef * jnp.sum(z)
+    return (y, part), (st, aux, z)
+
+  def head(ph, y, t):                         # the last stage: final norm, unembed, CE
+    h = model.rms_norm(y, ph["final_norm"], cfg.norm_eps)
+    logits = jnp.einsum("bsd,dv->bsv", h, ph["unembed"]).astype(jnp.float32)    # [b/M, S, V]
+    return jnp.sum(jax.nn.logsumexp(logits, axis=-1)
+                   - jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]) / n_tokens
+
+  # embedding and the dense prefix: every microbatch's stage-0 input, and their vjp
+  prefix_keys = [k for k in ("embed", "dense_layers") if k in pc]
+  def prefix(pe):
+    x = model.dense_prefix(pe["embed"][tokens], pe, positions, cfg, model.Layout())
+    return einops.rearrange(x, "(m mb) s d -> m mb s d", m=m)       # [M, b/M, S, D]
+  x0, prefix_vjp = jax.vjp(prefix, {k: pc[k] for k in prefix_keys})
+  ph = {k: pc[k] for k in ("final_norm", "unembed")}
+
+  # the residuals' structure, from one traced (and unused: compiled away) vjp of a stage on
+  # inputs typed as the loop's: which leaves are the stage's weights (shared by every
+  # microbatch, never copied) and which go into the ring
+  vary = lambda a, like: sharding.to_varying(a, sharding.varying_axes(like))
+  f_tab, b_tab = jnp.asarray(table["F"]), jnp.asarray(table["B"])
+  act0 = sharding.to_varying(jnp.zeros(x0.shape[1:], x0.dtype), all_axes)
+  mc0 = jnp.clip(f_tab[0, stage], 0, m - 1)
+  (y0, part0), vj0, aux0 = jax.vjp(stage_fn, layers, jnp.where(first, x0[mc0], act0), pos[mc0],
+                                   counts, has_aux=True)
+  leaves0, tree = jax.tree.flatten(vj0)
+  weight = _weight_index(leaves0, layers)
+  ring0 = [l for i, l in enumerate(leaves0) if i not in weight]
+
+  def zeros_like(a, lead=(), also=()):   # zeros typed as `a` (varying also over `also`)
+    return sharding.to_varying(jnp.zeros(lead + a.shape, a.dtype),
+                               sharding.varying_axes(a) | set(also))
+
+  def run_forward(layers, x, pos_m):
+    out, vj, aux = jax.vjp(stage_fn, layers, x, pos_m, counts, has_aux=True)
+    leaves = jax.tree.leaves(vj)
+    assert _weight_index(leaves, layers) == weight and len(leaves) == len(leaves0), \
+        "a stage's residuals changed structure between traces"
+    return out, [l for i, l in enumerate(leaves) if i not in weight], aux
+
+  def run_backward(layers, ring, dy):
+    it = iter(ring)
+    w = jax.tree.leaves(layers)
+    leaves = [w[weight[i]] if i in weight else next(it) for i in range(tree.num_leaves)]
+    vj = jax.tree.unflatten(tree, leaves)
+    one = vary(jnp.ones((), jnp.float32), part0)
+    return vj((vary(dy.astype(y0.dtype), y0), one))[:2]            # d layers, dx
+
+  fwd_pairs = [(i, i + 1) for i in range(n_stage - 1)]
+  bwd_pairs = [(i + 1, i) for i in range(n_stage - 1)]
+  put = lambda buf, i, v, ok: jax.lax.dynamic_update_index_in_dim(
+      buf, jnp.where(ok, v, jax.lax.dynamic_index_in_dim(buf, i, keepdims=False)), i, 0)
+  masked_add = lambda acc, v, ok: jax.tree.map(
+      lambda a, b: a + jnp.where(ok, b.astype(a.dtype), 0), acc, v)
+
+  def forward_phase(c, t, send):
+    i = f_tab[t, stage]
+    ok, mc = i >= 0, jnp.clip(i, 0, m - 1)
+    x = jnp.where(first, x0[mc], c["recv"])                         # [b/M, S, D]
+    (y, part), res, (st, aux, z) = run_forward(layers, x, pos[mc])
+    c["ring"] = [put(buf, mc % r, v, ok) for buf, v in zip(c["ring"], res)]
+    # the last stage ends the forward here: the head's loss, its gradients, and d(loss)/dy
+    ce, (d_ph, dy) = jax.value_and_grad(head, argnums=(0, 1))(ph, y, tgt[mc])
+    hit = ok & last
+    c["dy"] = put(c["dy"], mc % r, dy, hit)
+    c["g_head"] = masked_add(c["g_head"], d_ph, hit)
+    c["stats"] = masked_add(c["stats"], {"ce": ce * hit, "aux": aux, "z": z,
+                                         "dropped": st["dropped"], "counts": st["counts"]}, ok)
+    if send:
+      with jax.named_scope("stage_permute"):
+        c["recv"] = jax.lax.ppermute(y, STAGE, fwd_pairs)
+    return c
+
+  def backward_phase(c, t, send):
+    i = b_tab[t, stage]
+    ok, mc = i >= 0, jnp.clip(i, 0, m - 1)
+    ring = [jax.lax.dynamic_index_in_dim(buf, mc % r, keepdims=False) for buf in c["ring"]]
+    dy = jnp.where(last, jax.lax.dynamic_index_in_dim(c["dy"], mc % r, keepdims=False),
+                   c["recv_ct"])
+    d_layers, dx = run_backward(layers, ring, dy)
+    c["g_layers"] = masked_add(c["g_layers"], d_layers, ok)
+    c["dx0"] = put(c["dx0"], mc, dx.astype(c["dx0"].dtype), ok & first)
+    if send:
+      with jax.named_scope("stage_permute"):
+        c["recv_ct"] = jax.lax.ppermute(dx, STAGE, bwd_pairs)
+    return c
+
+  act = zeros_like(y0)
+  carry = {
+      "recv": act, "recv_ct": act,
+      "ring": [zeros_like(a, (r,), also=(STAGE,)) for a in ring0],
+      "dy": zeros_like(y0, (r,)),
+      "dx0": vary(jnp.zeros(x0.shape, x0.dtype), x0),
+      "g_layers": jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32), a), layers),
+      "g_head": jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32), a), ph),
+      "stats": {"ce": vary(jnp.zeros((), jnp.float32), act),
+                **{k: zeros_like(v, also=(STAGE,)) for k, v in zip(("aux", "z"), aux0[1:])},
+                **{k: zeros_like(aux0[0][k], also=(STAGE,)) for k in ("dropped", "counts")}}}
+  # consecutive ticks of one kind (forward only, both, backward only) share one scan
+  for kind, ticks in _runs(table):
+    def tick(c, t, kind=kind):
+      if kind[0]:
+        c = forward_phase(c, t, kind[2])
+      if kind[1]:
+        c = backward_phase(c, t, kind[3])
+      return c, None
+    carry, _ = jax.lax.scan(tick, carry, jnp.asarray(ticks))
+
+  (d_prefix,) = prefix_vjp(carry["dx0"])
+  grads = {**jax.tree.map(lambda a: a.astype(jnp.float32), d_prefix), **carry["g_head"],
+           "layers": carry["g_layers"]}
+  def reduce(g, a, axes):                     # over the axes the weight is replicated on
+    g = g if f32_sum else g.astype(cfg.dtype)
+    over = tuple(ax for ax in all_axes if ax not in axes)
+    return (jax.lax.psum(g, over) if over else g).astype(a.dtype)
+  grads = jax.tree.map(reduce, grads, p, home)
+
+  st = carry["stats"]
+  ce = jax.lax.psum(st["ce"], all_axes)
+  aux, z, dropped = (jax.lax.psum(jnp.sum(st[k]), STAGE) for k in ("aux", "z", "dropped"))
+  total = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
+  return (total, {"loss": total, "ce_loss": ce, "aux_loss": aux, "z_loss": z,
+                  "dropped": dropped, "counts": st["counts"]}), grads
+
+
+def _weight_index(leaves, layers) -> dict:
+  """{residual leaf index: weight leaf index} for the residuals that ARE the stage's weights."""
+  w = jax.tree.leaves(layers)
+  return {i: j for i, leaf in enumerate(leaves) for j, v in enumerate(w) if leaf is v}
+
+
+def _runs(table) -> list:
+  """[((forward, backward, send forward, send backward), [ticks])]: the table's ticks grouped
+  into runs of one kind. The last tick with a forward (backward) sends nothing: no stage reads
+  it."""
+  has = [(bool((f >= 0).any()), bool((b >= 0).any())) for f, b in zip(table["F"], table["B"])]
+  last = [max((t for t, h in enumerate(has) if h[i]), default=-1) for i in (0, 1)]
+  out = []
+  for t, (f, b) in enumerate(has):
+    k = (f, b, f and t != last[0], b and t != last[1])
+    if out and out[-1][0] == k:
+      out[-1][1].append(t)
+    elif f or b:
+      out.append((k, [t]))
+  return out
+
+
+def permutes(name: str, table: dict) -> tuple[int, int]:
+  """(forward, backward) collective-permutes over stage per step, each of one microbatch's
+  [b/M, S, D]: gpipe's autodiff sends at every one of the M+P-1 ticks each way; a table run by
+  `_run_table` sends after every forward (backward) phase but the last."""
+  runs = _runs(table)
+  if name == "gpipe":
+    return tuple(sum(len(t) for k, t in runs if k[i]) for i in (0, 1))
+  return tuple(sum(len(t) for k, t in runs if k[2 + i]) for i in (0, 1))
 
 
 def activation_shardings(cfg, mesh, opts):
@@ -256,24 +612,40 @@ def activation_shardings(cfg, mesh, opts):
           ("bubble fraction", f"{bubble(cfg, mesh):.2f}")]
 
 
+def counts_pre_pass(cfg, opts) -> bool:
+  """A schedule other than gpipe with the batch-wise load-balance loss runs a forward pass over
+  every microbatch first, for the step's counts (the loss's f)."""
+  return opts.schedule != "gpipe" and cfg.aux_loss_kind == "batch" and bool(cfg.aux_loss_coef)
+
+
 def cost(cfg, mesh, opts):
   """Per-device collective bytes per step (measure/cost.py; the docstring's schedule)."""
   p, ep_size = mesh.shape[STAGE], mesh.shape[EXPERT]
   steps, local_layers = cfg.microbatches + p - 1, cfg.n_moe_layers // p    # MoE layers a stage holds
+  sends = permutes(opts.schedule, schedule(opts.schedule, p, cfg.microbatches))
   mb = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS) // cfg.microbatches
   act = mb * cfg.seq_len * cfg.d_model * cost_lib.act_bytes(cfg)  # one [b/M, S, D]
   c = dispatch.send_rows(cfg, mb, cfg.seq_len, ep_size)
   buf = ep_size * c * cfg.d_model * cost_lib.act_bytes(cfg)       # [EP, C, D]
-  runs = steps * local_layers                                       # moe_body calls per step
+  runs = steps * local_layers                                       # moe_body calls per pass
   term = functools.partial(cost_lib.term, mesh)
   stats = cost_lib.stats_values(cfg) * cost_lib.F32
-  return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), AXES)
-          + term("collective-permute", "fwd", "activations to the next stage", steps * act, STAGE)
-          + term("collective-permute", "bwd", "cotangents to the previous stage", steps * act,
-                 STAGE)
-          + term("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, e]",
-                 runs * (2 * buf + cfg.n_experts * 4), EXPERT, cost_lib.RECOMPUTED)
-          + term("all-to-all", "bwd", "their transposes", runs * 2 * buf, EXPERT)
-          + term("all-reduce", "fwd", "router stats per microbatch", runs * stats, TOKENS)
-          + term("all-reduce", "fwd", "aux / z / dropped sums", 3 * cost_lib.F32, STAGE)
-          + term("all-reduce", "fwd", "CE sum", cost_lib.F32, AXES))
+  out = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), AXES)
+         + term("collective-permute", "fwd", "activations to the next stage", sends[0] * act,
+                STAGE)
+         + term("collective-permute", "bwd", "cotangents to the previous stage", sends[1] * act,
+                STAGE)
+         + term("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, e]",
+                runs * (2 * buf + cfg.n_experts * 4), EXPERT, cost_lib.RECOMPUTED)
+         + term("all-to-all", "bwd", "their transposes", runs * 2 * buf, EXPERT)
+         + term("all-reduce", "fwd", "router stats per microbatch", runs * stats, TOKENS)
+         + term("all-reduce", "fwd", "aux / z / dropped sums", 3 * cost_lib.F32, STAGE)
+         + term("all-reduce", "fwd", "CE sum", cost_lib.F32, AXES))
+  if counts_pre_pass(cfg, opts):               # the GPipe forward time loop, once more
+    out += (term("collective-permute", "fwd", "counts pre-pass: activations (its last tick's "
+                 "send, read by no stage, compiled away)", (steps - 1) * act, STAGE)
+            + term("all-to-all", "fwd", "counts pre-pass: buffers and counts",
+                   runs * (2 * buf + cfg.n_experts * 4), EXPERT)
+            + term("all-reduce", "fwd", "counts pre-pass: the step's counts [L/P, E]",
+                   local_layers * cfg.n_experts * cost_lib.F32, TOKENS))
+  return out

@@ -17,8 +17,10 @@ MESHES = [(n, {"fsdp": "data:2,fsdp:4", "cp": "data:2,context:4",
                "ep_as_cp": "data:2,expert:4"}.get(n, strategies.get(n).COMPARE_MESH))
           for n in strategies.NAMES if n != "reference"]
 IDS = [m[0] for m in MESHES]
-# ep_as_cp runs its ring K/V exchange here (MLA's latent around the ring in bf16); cp's all-gather
-OPTS = {"ep_as_cp": strategies.get("ep_as_cp").Options(kv_exchange="ring")}
+# ep_as_cp runs its ring K/V exchange here (MLA's latent around the ring in bf16); cp's all-gather;
+# pp its 1f1b schedule
+OPTS = {"ep_as_cp": strategies.get("ep_as_cp").Options(kv_exchange="ring"),
+        "pp": strategies.get("pp").ONE_F}           # pp's explicit per-stage vjp in bf16
 TINY = get_config("tiny")
 DEEPSEEK = get_config("deepseek-test")   # MLA, a dense layer, groups, a shared expert, bias update
 
