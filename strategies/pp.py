@@ -229,9 +229,7 @@ def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
   outs, stats, p = _stages(p, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size)
   last = jax.lax.axis_index(STAGE) == n_stage - 1
   tgt = einops.rearrange(targets, "(m mb) s -> m mb s", m=m)        # [M, b/M, S]
-  logits = _head(outs, p, cfg)                                      # [M, b/M, S, V]
-  ce = jnp.sum(jax.nn.logsumexp(logits, axis=-1)
-               - jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0])
+  ce = _ce_sum(_head(outs, p, cfg), tgt)
   n_tokens = cfg.batch * cfg.seq_len
   ce = jax.lax.psum(jnp.where(last, ce, 0.0), all_axes) / n_tokens
   aux, z = routing.aux_losses(stats, n_tokens, cfg)       # [L/P] from the step's stats
@@ -239,6 +237,12 @@ def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
   total = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
   return total, {"loss": total, "ce_loss": ce, "aux_loss": aux, "z_loss": z, "dropped": dropped,
                  "counts": stats["counts"]}
+
+
+def _ce_sum(logits, tgt):
+  """float32 logits [M, b/M, S, V], targets [M, b/M, S] -> the cross-entropy summed."""
+  return jnp.sum(jax.nn.logsumexp(logits, axis=-1)
+                 - jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0])
 
 
 def _head(outs, p, cfg):
@@ -388,7 +392,8 @@ def _scheduled_loss(params, batch, *, cfg, mesh, name):
   keys = ("tokens", "targets", "positions")
   table = schedule(name, mesh.shape[STAGE], cfg.microbatches)
   body = functools.partial(_run_table, cfg=cfg, n_stage=mesh.shape[STAGE],
-                           ep_size=mesh.shape[EXPERT], table=table, specs=specs)
+                           ep_size=mesh.shape[EXPERT], table=table,
+                           pre_pass=counts_pre_pass(cfg, Options(schedule=name)))
   out_specs = ((P(), {"loss": P(), "ce_loss": P(), "aux_loss": P(), "z_loss": P(),
                       "dropped": P(), "counts": P(STAGE, None)}), specs)
   run = jax.shard_map(body, in_specs=(specs,) + (bspec,) * 3, out_specs=out_specs)
@@ -397,9 +402,8 @@ def _scheduled_loss(params, batch, *, cfg, mesh, name):
   def f(p, *b):
     return loss(p, dict(zip(keys, b)), cfg=cfg, mesh=mesh)
 
-  def f_fwd(p, *b):
-    out, grads = run(p, *b)
-    return out, grads
+  def f_fwd(p, *b):                           # -> ((loss, metrics), the gradients)
+    return run(p, *b)
 
   def f_bwd(grads, cot):
     g = cot[0]
@@ -409,7 +413,7 @@ def _scheduled_loss(params, batch, *, cfg, mesh, name):
   return f(params, *(batch[k] for k in keys))
 
 
-def _run_table(p, tokens, targets, positions, *, cfg, n_stage, ep_size, table, specs):
+def _run_table(p, tokens, targets, positions, *, cfg, n_stage, ep_size, table, pre_pass):
   """One device: ((loss, metrics), grads) of its shards, running `table` (see `schedule`).
 
   State across ticks: the activation received from s-1 and the cotangent from s+1 (one tick
@@ -437,7 +441,7 @@ def _run_table(p, tokens, targets, positions, *, cfg, n_stage, ep_size, table, s
   # the batch-wise load-balance loss's f needs the step's counts before the first backward: a
   # forward pass over every microbatch first (exact; the sequence-wise loss needs none)
   counts = None
-  if counts_pre_pass(cfg, Options(schedule="1f1b")):  # unrolled: a second while loop beside
+  if pre_pass:                                # unrolled: a second while loop beside
     # the table's, reloaded from the persistent compilation cache, crashes XLA:CPU (stage:4,data:2)
     counts = jax.lax.stop_gradient(
         _stages(p, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
@@ -450,11 +454,8 @@ def _run_table(p, tokens, targets, positions, *, cfg, n_stage, ep_size, table, s
     part = cfg.aux_loss_coef * jnp.sum(aux) + cfg.z_loss_coef * jnp.sum(z)
     return (y, part), (st, aux, z)
 
-  def head(ph, y, t):                         # the last stage: final norm, unembed, CE
-    h = model.rms_norm(y, ph["final_norm"], cfg.norm_eps)
-    logits = jnp.einsum("bsd,dv->bsv", h, ph["unembed"]).astype(jnp.float32)    # [b/M, S, V]
-    return jnp.sum(jax.nn.logsumexp(logits, axis=-1)
-                   - jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]) / n_tokens
+  def head(ph, y, t):                         # the last stage: [b/M, S, D] -> its CE sum / T
+    return _ce_sum(_head(y[None], ph, cfg), t[None]) / n_tokens
 
   # embedding and the dense prefix: every microbatch's stage-0 input, and their vjp
   prefix_keys = [k for k in ("embed", "dense_layers") if k in pc]
