@@ -122,7 +122,9 @@ class Options:
 
 
 COMPARE_MESH = None
-TEST_CASES = [Case("tiny", "expert:8"), Case("tiny", "data:2,expert:4"),
+TEST_CASES = [Case("tiny", "expert:8"),
+              # gradient accumulation's two passes (runtime/train.py: the batch-wise f from pass 1)
+              Case("tiny", "data:2,expert:4", dict(batch=16, microbatches=2)),
               Case("deepseek-test", "fsdp:2,expert:4"),
               Case("tiny", "data:2,expert:4", opts=Options(dispatch="none"))]
 COST_CASES = [Case("tiny", "expert:8"), Case("deepseek-test", "fsdp:2,expert:4"),
