@@ -56,9 +56,9 @@ time in SPMD lockstep. They differ in memory:
   1f1b's step returns the gradients from inside the loop: the train step's value_and_grad sees a
     custom_vjp whose forward rule runs the table and whose backward rule scales the gradients.
     Weight gradients are float32 sums over the ticks, psum'd once after the loop over the axes
-    each weight is replicated on. The head (final norm, unembed, CE) runs on every stage in the
-    forward phase and counts only on the last (P x its FLOPs, no residuals kept: the last
-    stage's d(loss)/d(output) is stored per microbatch instead).
+    each weight is replicated on. The head (final norm, unembed, CE) runs in the last stage's
+    forward phase only (a conditional), with its own backward at once: no residuals kept, the
+    last stage's d(loss)/d(output) is stored per microbatch instead.
 
 Exact aux loss under microbatching: every microbatch's router statistics (counts, prob sums, z,
 dropped; psum'd over (data, expert) in moe_body) are summed over the M microbatches per layer
@@ -511,8 +511,11 @@ def _run_table(p, tokens, targets, positions, *, cfg, n_stage, ep_size, table, p
     (y, part), res, (st, aux, z) = run_forward(layers, x, pos[mc])
     c["ring"] = [put(buf, mc % r, v, ok) for buf, v in zip(c["ring"], res)]
     # the last stage ends the forward here: the head's loss, its gradients, and d(loss)/dy
-    ce, (d_ph, dy) = jax.value_and_grad(head, argnums=(0, 1))(ph, y, tgt[mc])
+    # (a conditional: the other stages skip the head's matmuls)
     hit = ok & last
+    head_vg = lambda y, t: jax.value_and_grad(head, argnums=(0, 1))(ph, y, t)
+    ce, (d_ph, dy) = jax.lax.cond(
+        hit, head_vg, lambda y, t: jax.tree.map(jnp.zeros_like, head_vg(y, t)), y, tgt[mc])
     c["dy"] = put(c["dy"], mc % r, dy, hit)
     c["g_head"] = masked_add(c["g_head"], d_ph, hit)
     c["stats"] = masked_add(c["stats"], {"ce": ce * hit, "aux": aux, "z": z,
