@@ -1,0 +1,302 @@
+"""Enumerate, predict and rank layouts for one model on N devices of one cluster, without a mesh
+of devices and without compiling: every candidate is a strategy's `check`, `param_specs` and
+`cost` evaluated on a `jax.sharding.AbstractMesh` (they read axis sizes only), plus arithmetic.
+
+A candidate is (strategy, mesh sizes over its AXES, microbatches, remat policy, capacity factor,
+which axes lie inside a node). Microbatches vary for pp only (its pipeline's M): the cost model
+has no terms for the gradient accumulation the other strategies run with M > 1 (a second forward
+pass, the weight gathers per microbatch), so those candidates could not be held to the compiled
+program and are not enumerated. Remat varies over none and block (the two policies the memory
+model below is calibrated for).
+
+Per candidate, per device:
+  memory = params + optimizer state (exact: the strategy's param_specs, measure.cost.param_memory)
+         + temp, the model of XLA's temporaries (`temp_features` . TEMP_COEF):
+             grads     the local float32 gradients (= the local param bytes)
+             logits    the float32 logits of the device's tokens, T_head x V_local x 4
+             gathered  one layer's gathered weights (the cost model's forward all-gathers of
+                       weights, per layer)
+             saved     what the backward keeps of L_held layers: remat block, their inputs
+                       (T x D x 4 each); remat none, a layer's activations (`act`) each
+             act       one layer's working set: T x D x 4 + the routed copies T x K x (D + F_loc)
+                       in the compute dtype + one all-to-all buffer
+           T = tokens per device in the residual stream; L_held = the layers a device runs
+           (pp: its n_moe / P, x (M + P - 1) / M for the microbatches GPipe keeps, + the dense
+           prefix). TEMP_COEF was fitted (non-negative least squares) to XLA:CPU's temp bytes of
+           20 compiled steps on 8 devices (`python -m planning.calibrate`, --gmm=scan, bf16);
+           the fit and its errors are in the README.
+  step time = compute + communication, no overlap:
+             compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
+               tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
+               recomputed forward); pp: x (M + P - 1) / M (the bubble) and its dense prefix run
+               on every stage
+             communication = per cost-model term (measure.cost.step_terms: kind, axes, bytes),
+               its wire bytes over the bandwidth of the links its group spans: the node's when
+               every axis of the group lies inside a node, else the inter-node one.
+  MFU = model FLOPs (6 x active params x tokens + attention, no recompute) / (step time x peak).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import sys
+import time
+
+from layout import mesh as mesh_lib
+from measure import cost
+from modeling import model
+from modeling.config import ConfigError
+from parallel.sharding import spec_shards
+import strategies
+
+REMATS = ("none", "block")
+CAPACITY_FACTORS = (0.0, 1.25)
+PP_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
+NAMES = tuple(n for n in strategies.NAMES if n != "reference")
+EFFICIENCY = 0.5      # the fraction of peak FLOP/s the matmuls reach: an assumption, stated
+# Residual-stream sequence splits that batch_spec does not show: ep_tp keeps [B@data, S@expert, D]
+SEQ_SPLIT = {"ep_tp": ("expert",)}
+# Fitted by planning/calibrate.py (bytes of temp per byte of feature); see the module docstring.
+TEMP_COEF = {"grads": 1.0, "logits": 1.0, "gathered": 1.0, "saved_block": 1.0,
+             "saved_none": 1.0, "act": 1.0}
+
+
+@dataclasses.dataclass
+class Candidate:
+  strategy: str
+  sizes: tuple                 # ((axis, size), ...) in the strategy's AXES order
+  microbatches: int
+  remat: str
+  capacity_factor: float
+  inner: tuple = ()            # the axes (size > 1) that lie inside one node
+  param_opt: float = 0.0       # bytes per device
+  temp: float = 0.0
+  compute_s: float = 0.0
+  comm_s: float = 0.0
+  dominant: str = ""           # the collective (kind over axes) taking the most time
+  dominant_s: float = 0.0
+  tokens_per_s: float = 0.0    # per device
+  mfu: float = 0.0
+  fits: bool = False
+  error: str = ""              # why check() refused it (then nothing is predicted)
+
+  @property
+  def memory(self) -> float:
+    return self.param_opt + self.temp
+
+  @property
+  def step_s(self) -> float:
+    return self.compute_s + self.comm_s
+
+  @property
+  def mesh_str(self) -> str:
+    return ",".join(f"{a}:{n}" for a, n in self.sizes if n > 1) or "1 device"
+
+  def layout(self) -> str:
+    """One line: strategy, mesh, M (pp), remat, capacity factor, the axes inside a node."""
+    out = f"{self.strategy} {self.mesh_str}"
+    if self.strategy == "pp":
+      out += f" M={self.microbatches}"
+    out += f" remat={self.remat} cf={self.capacity_factor:g}"
+    return out + f" node[{','.join(self.inner) or '-'}]"
+
+
+def splits(n: int, k: int):
+  """Every ordered k-tuple of positive integers whose product is n."""
+  if k == 1:
+    yield (n,)
+    return
+  for d in range(1, n + 1):
+    if n % d == 0:
+      for rest in splits(n // d, k - 1):
+        yield (d,) + rest
+
+
+def placements(sizes: dict, node: int) -> list[tuple]:
+  """The distinct sets of axes that can lie inside a node of `node` devices: the mesh is laid
+  out with some order of its axes, inner first (the innermost varies fastest over device ids);
+  an axis lies inside the node when its size times the sizes of the axes inside it is <= node.
+  -> [tuple of axes inside a node], each set once."""
+  axes = [a for a, n in sizes.items() if n > 1]
+  seen = []
+  for order in itertools.permutations(axes):
+    inside, span = [], 1
+    for a in order:
+      span *= sizes[a]
+      if span > node:
+        break
+      inside.append(a)
+    key = tuple(sorted(inside))
+    if key not in seen:
+      seen.append(key)
+  return seen or [()]
+
+
+def flops_per_step(cfg) -> float:
+  """Model FLOPs of one train step (forward + backward = 3 x forward, no recompute): 2 x the
+  active matmul params per token (every weight but the embedding lookup, top_k of the routed
+  experts) + the attention core, q.k and p.v over S/2 keys on average (causal), per layer."""
+  _, active = model.param_counts(cfg)
+  active -= cfg.d_model                                 # the embedding row: a lookup
+  qk = cfg.qk_head_dim if cfg.mla else cfg.head_dim
+  v = cfg.v_head_dim if cfg.mla else cfg.head_dim
+  attn = 2 * cfg.n_layers * cfg.n_heads * (qk + v) * cfg.seq_len / 2
+  return 3 * (2 * active + attn) * cfg.batch * cfg.seq_len
+
+
+def _dense_flops_share(cfg) -> float:
+  """The dense prefix's share of the model FLOPs (pp runs it on every stage)."""
+  return cfg.first_k_dense_replace / cfg.n_layers
+
+
+def temp_features(name: str, cfg, mesh, terms, mem) -> dict:
+  """The features of the temp model (module docstring), in bytes per device."""
+  strat = strategies.get(name)
+  shape = dict(mesh.shape)
+  t = cfg.batch * cfg.seq_len / spec_shards(strat.batch_spec(cfg, mesh), mesh)
+  t /= math.prod(shape.get(a, 1) for a in SEQ_SPLIT.get(name, ()))
+  specs = strat.param_specs(cfg, mesh)
+  v_loc = cfg.vocab / _dim_shards(specs["unembed"], 1, mesh)
+  f_loc = cfg.d_ff / _expert_f_shards(name, shape)
+  ab = cost.act_bytes(cfg)
+  a2a = sum(x.bytes for x in terms if x.kind == "all-to-all" and x.phase == "fwd")
+  a2a_layer = a2a / max(1, 2 * cfg.n_moe_layers * _runs(name, cfg, shape))
+  gathered = sum(x.bytes for x in terms if x.kind == "all-gather" and x.phase == "fwd"
+                 and x.what.endswith("gathered")) / cfg.n_layers
+  res = t * cfg.d_model * 4
+  act = res + t * cfg.top_k * (cfg.d_model + f_loc) * ab + a2a_layer
+  held = _layers_held(name, cfg, shape)
+  return {"grads": mem["param_bytes"], "logits": t * v_loc * 4, "gathered": gathered,
+          "saved_block": held * res if cfg.remat == "block" else 0.0,
+          "saved_none": held * act if cfg.remat == "none" else 0.0, "act": act}
+
+
+def _dim_shards(spec, dim: int, mesh) -> int:
+  if spec is None or dim >= len(spec) or spec[dim] is None:
+    return 1
+  axes = (spec[dim],) if isinstance(spec[dim], str) else spec[dim]
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _expert_f_shards(name: str, shape: dict) -> int:
+  """How many ways a routed expert's hidden width F is split: tp's tensor axis."""
+  return shape.get("tensor", 1) if name == "tp" else 1
+
+
+def _runs(name: str, cfg, shape: dict) -> int:
+  """pp runs each local MoE layer once per time step (M + P - 1 of them): how many exchanges of
+  one layer its a2a terms add up, per MoE layer of the model."""
+  if name != "pp":
+    return 1
+  p = shape["stage"]
+  return (cfg.microbatches + p - 1) / p
+
+
+def _layers_held(name: str, cfg, shape: dict) -> float:
+  """Layers whose saved activations a device holds through the backward (module docstring)."""
+  if name != "pp":
+    return cfg.n_layers
+  p, m = shape["stage"], cfg.microbatches
+  return cfg.n_moe_layers / p * (m + p - 1) / m + cfg.first_k_dense_replace
+
+
+def predict_temp(features: dict) -> float:
+  return sum(TEMP_COEF[k] * v for k, v in features.items())
+
+
+def _axes_inside(axes, inner) -> bool:
+  return all(a in inner for a in axes)
+
+
+def timing(c: Candidate, cfg, terms, cluster, efficiency: float) -> None:
+  """Fill c's compute, communication, dominant collective, tokens/s and MFU (module docstring)."""
+  model_flops = flops_per_step(cfg)
+  n = math.prod(s for _, s in c.sizes)
+  work = model_flops / n
+  if cfg.remat == "block":
+    work *= 4 / 3
+  shape = dict(c.sizes)
+  if c.strategy == "pp":
+    p, m = shape["stage"], cfg.microbatches
+    work *= (1 - _dense_flops_share(cfg)) * (m + p - 1) / m + _dense_flops_share(cfg) * p
+  c.compute_s = work / (efficiency * cluster.peak_flops)
+  per_key: dict = {}
+  for x in terms:
+    bw = cluster.intra_bw if _axes_inside(x.axes, c.inner) else cluster.inter_bw
+    key = f"{x.kind} over {','.join(x.axes)}"
+    per_key[key] = per_key.get(key, 0.0) + x.wire_bytes / bw
+  c.comm_s = sum(per_key.values())
+  if per_key:
+    c.dominant, c.dominant_s = max(per_key.items(), key=lambda kv: kv[1])
+  c.tokens_per_s = cfg.batch * cfg.seq_len / c.step_s / n
+  c.mfu = model_flops / (c.step_s * n * cluster.peak_flops)
+
+
+def _step_terms(terms, remat: str) -> list:
+  """measure.cost.step_terms on terms already computed: remat's recomputed forward copies."""
+  return terms + [dataclasses.replace(t, phase="bwd", what=f"{t.what}, recomputed", remat=())
+                  for t in terms if remat in t.remat]
+
+
+def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
+                         remats=REMATS, capacity_factors=CAPACITY_FACTORS,
+                         pp_microbatches=PP_MICROBATCHES, efficiency: float = EFFICIENCY,
+                         progress=None) -> list[Candidate]:
+  """Every candidate of the grid (module docstring), predicted; refused ones carry `error`
+  (check()'s one line) and no prediction. progress: called as progress(done, name, kept) now
+  and then."""
+  shapes = model.init_params_shapes(cfg)
+  out, last = [], time.perf_counter()
+  for name in names:
+    strat = strategies.get(name)
+    opts = strat.Options()
+    for sizes in splits(n, len(strat.AXES)):
+      shape = dict(zip(strat.AXES, sizes))
+      mesh = mesh_lib.abstract_mesh(shape)
+      mem = None
+      for m in (pp_microbatches if name == "pp" else (1,)):
+        for cf in capacity_factors:
+          base = cfg.replace(microbatches=m, capacity_factor=cf)
+          try:
+            base.validate()
+            strat.check(base, mesh, opts)
+          except ConfigError as e:
+            for remat in remats:
+              out.append(Candidate(name, tuple(shape.items()), m, remat, cf, error=str(e)))
+            continue
+          if mem is None:
+            mem = cost.param_memory(shapes, strat.param_specs(cfg, mesh), mesh, cfg.optimizer)
+          raw = strat.cost(base, mesh, opts)
+          for remat in remats:
+            c_cfg = base.replace(remat=remat)
+            terms = _step_terms(raw, remat)
+            temp = predict_temp(temp_features(name, c_cfg, mesh, raw, mem))
+            for inner in placements(shape, cluster.node_size):
+              c = Candidate(name, tuple(shape.items()), m, remat, cf, inner,
+                            param_opt=mem["param_bytes"] + mem["opt_bytes"], temp=temp)
+              timing(c, c_cfg, terms, cluster, efficiency)
+              c.fits = c.memory <= hbm_bytes
+              out.append(c)
+      if progress is not None and time.perf_counter() - last > 2:
+        progress(len(out), name, sum(1 for c in out if not c.error))
+        last = time.perf_counter()
+  return out
+
+
+def rank(cands: list[Candidate]) -> list[Candidate]:
+  """The admitted candidates, those that fit first, each group by predicted step time (then
+  memory)."""
+  return sorted((c for c in cands if not c.error),
+                key=lambda c: (not c.fits, c.step_s, c.memory))
+
+
+def config_for(c: Candidate, cfg):
+  """The Config a candidate runs: its microbatches, remat and capacity factor."""
+  return cfg.replace(microbatches=c.microbatches, remat=c.remat,
+                     capacity_factor=c.capacity_factor)
+
+
+def progress_line(done: int, name: str, kept: int) -> None:
+  print(f"  ... {done} candidates so far ({kept} admitted), at {name}", file=sys.stderr,
+        flush=True)
