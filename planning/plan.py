@@ -11,20 +11,31 @@ model below is calibrated for).
 
 Per candidate, per device:
   memory = params + optimizer state (exact: the strategy's param_specs, measure.cost.param_memory)
-         + temp, the model of XLA's temporaries (`temp_features` . TEMP_COEF):
-             grads     the local float32 gradients (= the local param bytes)
-             logits    the float32 logits of the device's tokens, T_head x V_local x 4
-             gathered  one layer's gathered weights (the cost model's forward all-gathers of
-                       weights, per layer)
-             saved     what the backward keeps of L_held layers: remat block, their inputs
-                       (T x D x 4 each); remat none, a layer's activations (`act`) each
-             act       one layer's working set: T x D x 4 + the routed copies T x K x (D + F_loc)
-                       in the compute dtype + one all-to-all buffer
-           T = tokens per device in the residual stream; L_held = the layers a device runs
-           (pp: its n_moe / P, x (M + P - 1) / M for the microbatches GPipe keeps, + the dense
-           prefix). TEMP_COEF was fitted (non-negative least squares) to XLA:CPU's temp bytes of
-           20 compiled steps on 8 devices (`python -m planning.calibrate`, --gmm=scan, bf16);
-           the fit and its errors are in the README.
+         + temp, a model of XLA's temporaries: TEMP_COEF . `temp_features`, bytes per device:
+             logits            the float32 logits of the device's tokens, T_head x V_local x 4
+             gathered          one layer's gathered weights (the cost model's forward
+                               all-gathers of weights, per layer)
+             attn_chunk        one key chunk's float32 scores, T x H_local x chunk x 4
+             saved_block       remat block: each of L_held layers keeps its input, T x D x 4
+             saved_none_res    remat none: each of L_held layers keeps its activations,
+             saved_none_routed   T x D x 4 (res) and R x (D + F_local) in the compute dtype
+             work_rows_d       one MoE layer's expert rows, R x D x 4
+             work_rows_tokens  R x T bytes: temp grows by about 4 x R x T bytes whatever D, F
+                               and E (measured); which op holds it is not traced
+           T = tokens per device in the residual stream; R = rows of one MoE layer's expert
+           computation on a device (the padded exchange buffer EP x C where tokens move by
+           all-to-all, ep_tp's compaction bound, else T x K); L_held = the layers whose
+           activations a device keeps (pp: n_moe / P x (M + P - 1) / M + the dense prefix).
+           Features the fit gave weight 0 were dropped: the gradients (the update consumes them
+           leaf by leaf into outputs that alias the donated inputs), the reduced gradients, one
+           layer's residual-sized working set, R x F_local.
+           TEMP_COEF: saved_block held at 1 (the calibration models have 4-5 layers, too few for
+           the fit to see it); the rest fitted by non-negative least squares on relative error
+           to XLA:CPU's temp bytes of 23 compiled steps on 8 devices (`python -m
+           planning.calibrate`: --gmm=scan, bf16, small models shaped like Mixtral-8x7B and
+           DeepSeek-V2-Lite). On those 23, total memory is within -16% .. +10% of XLA's (temp
+           alone -25% .. +32%); the README's "Planner" section has the table. At 61 layers
+           and D = 7168 it is an extrapolation that nothing here has checked.
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
@@ -58,8 +69,9 @@ EFFICIENCY = 0.5      # the fraction of peak FLOP/s the matmuls reach: an assump
 # Residual-stream sequence splits that batch_spec does not show: ep_tp keeps [B@data, S@expert, D]
 SEQ_SPLIT = {"ep_tp": ("expert",)}
 # Fitted by planning/calibrate.py (bytes of temp per byte of feature); see the module docstring.
-TEMP_COEF = {"grads": 1.0, "logits": 1.0, "gathered": 1.0, "saved_block": 1.0,
-             "saved_none": 1.0, "act": 1.0}
+TEMP_COEF = {"logits": 1.177, "gathered": 0.716, "attn_chunk": 0.607, "saved_block": 1.000,
+             "saved_none_res": 29.510, "saved_none_routed": 2.920, "work_rows_d": 3.410,
+             "work_rows_tokens": 3.894}
 
 
 @dataclasses.dataclass
@@ -150,26 +162,45 @@ def _dense_flops_share(cfg) -> float:
   return cfg.first_k_dense_replace / cfg.n_layers
 
 
-def temp_features(name: str, cfg, mesh, terms, mem) -> dict:
-  """The features of the temp model (module docstring), in bytes per device."""
+def temp_features(name: str, cfg, mesh, terms) -> dict:
+  """The features of the temp model (module docstring), in bytes per device. terms: the
+  strategy's cost terms (without remat's copies)."""
   strat = strategies.get(name)
   shape = dict(mesh.shape)
   t = cfg.batch * cfg.seq_len / spec_shards(strat.batch_spec(cfg, mesh), mesh)
   t /= math.prod(shape.get(a, 1) for a in SEQ_SPLIT.get(name, ()))
-  specs = strat.param_specs(cfg, mesh)
-  v_loc = cfg.vocab / _dim_shards(specs["unembed"], 1, mesh)
+  v_loc = cfg.vocab / _dim_shards(strat.param_specs(cfg, mesh)["unembed"], 1, mesh)
   f_loc = cfg.d_ff / _expert_f_shards(name, shape)
-  ab = cost.act_bytes(cfg)
-  a2a = sum(x.bytes for x in terms if x.kind == "all-to-all" and x.phase == "fwd")
-  a2a_layer = a2a / max(1, 2 * cfg.n_moe_layers * _runs(name, cfg, shape))
   gathered = sum(x.bytes for x in terms if x.kind == "all-gather" and x.phase == "fwd"
                  and x.what.endswith("gathered")) / cfg.n_layers
   res = t * cfg.d_model * 4
-  act = res + t * cfg.top_k * (cfg.d_model + f_loc) * ab + a2a_layer
+  rows = _routed_rows(name, cfg, shape, t, terms)
+  routed = rows * (cfg.d_model + f_loc) * cost.act_bytes(cfg)
   held = _layers_held(name, cfg, shape)
-  return {"grads": mem["param_bytes"], "logits": t * v_loc * 4, "gathered": gathered,
-          "saved_block": held * res if cfg.remat == "block" else 0.0,
-          "saved_none": held * act if cfg.remat == "none" else 0.0, "act": act}
+  block, none = cfg.remat == "block", cfg.remat == "none"
+  heads = cfg.n_heads / shape.get("tensor", 1)
+  chunk = min(cfg.attention_chunk, cfg.seq_len) if cfg.attention_impl == "chunked" else cfg.seq_len
+  return {"logits": t * v_loc * 4, "gathered": gathered,
+          "attn_chunk": t * heads * chunk * 4,
+          "saved_block": held * res * block, "saved_none_res": held * res * none,
+          "saved_none_routed": held * routed * none, "work_rows_d": rows * cfg.d_model * 4,
+          "work_rows_tokens": rows * t}
+
+
+def _routed_rows(name: str, cfg, shape: dict, t: float, terms) -> float:
+  """Rows of one MoE layer's expert computation on a device: the padded exchange buffer
+  [EP, C] where tokens move by all-to-all (C from its cost terms: the forward all-to-all bytes
+  of one layer's dispatch, per row of D values); ep_tp's compaction bound over the data shard's
+  gathered tokens; else the device's T x K routed copies."""
+  a2a = sum(x.bytes for x in terms if x.kind == "all-to-all" and x.phase == "fwd")
+  if a2a:
+    calls = 2 * cfg.n_moe_layers * _runs(name, cfg, shape)       # dispatch + combine per call
+    return a2a / calls / (cfg.d_model * cost.act_bytes(cfg))
+  if name == "ep_tp":
+    from layout import dispatch
+    ep = shape.get("expert", 1)
+    return ep * dispatch.send_rows(cfg, cfg.batch // shape.get("data", 1), cfg.seq_len // ep, ep)
+  return t * cfg.top_k
 
 
 def _dim_shards(spec, dim: int, mesh) -> int:
@@ -271,7 +302,7 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
           for remat in remats:
             c_cfg = base.replace(remat=remat)
             terms = _step_terms(raw, remat)
-            temp = predict_temp(temp_features(name, c_cfg, mesh, raw, mem))
+            temp = predict_temp(temp_features(name, c_cfg, mesh, raw))
             for inner in placements(shape, cluster.node_size):
               c = Candidate(name, tuple(shape.items()), m, remat, cf, inner,
                             param_opt=mem["param_bytes"] + mem["opt_bytes"], temp=temp)
