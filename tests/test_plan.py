@@ -139,6 +139,27 @@ def test_compiled_memory_within_tolerance(compiled):
                                                     r.candidate.temp, r.compiled_temp)
 
 
+def test_plan_command_line(tmp_path):
+  """`run.py --plan`: the first line, the table, the refusals, --plan_find's rank, the PNG, and
+  one compiled candidate's predicted vs compiled bytes, every (kind, axes) within 1%."""
+  import re
+
+  from tests.test_cli import _run
+  r = _run("--plan", "--model=tiny", "--devices=8", "--plan_compile=1", "--plan_top=3",
+           "--plan_find=ep@data:2,expert:4", f"--report_dir={tmp_path}")
+  assert r.returncode == 0, r.stderr
+  lines = r.stdout.splitlines()
+  m = re.fullmatch(r"ranked (\d+) candidates \((\d+) fit\) in [\d.]+ s", lines[0])
+  assert m and int(m[1]) >= int(m[2]) > 0, lines[0]
+  assert lines[2].startswith("| # | layout") and len([l for l in lines if l.startswith("| ")]) == 4
+  assert any(l.startswith("refused by check():") for l in lines)
+  assert any(l.startswith("ep data:2,expert:4: ") for l in lines)
+  assert any(l.startswith("wrote ") and l.endswith("plan.png") for l in lines)
+  ratios = [float(l.rsplit("ratio ", 1)[1]) for l in lines if l.startswith("  ") and "ratio" in l]
+  assert ratios and all(0.99 <= x <= 1.01 for x in ratios), ratios
+  assert any(l.startswith("compiled ") for l in lines)
+
+
 def test_abstract_mesh_is_what_enumeration_uses():
   """check, param_specs and cost read axis sizes only: the same terms on an abstract mesh as on
   the devices' mesh."""
