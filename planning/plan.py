@@ -3,7 +3,8 @@ of devices and without compiling: every candidate is a strategy's `check`, `para
 `cost` evaluated on a `jax.sharding.AbstractMesh` (they read axis sizes only), plus arithmetic.
 
 A candidate is (strategy, mesh sizes over its AXES, microbatches, remat policy, capacity factor,
-which axes lie inside a node). Microbatches vary for pp only (its pipeline's M): the cost model
+which axes lie inside a node). Microbatches vary for pp only (its pipeline's M, every divisor of
+the sequences a (data, expert) shard holds, up to PP_MAX_MICROBATCHES): the cost model
 has no terms for the gradient accumulation the other strategies run with M > 1 (a second forward
 pass, the weight gathers per microbatch), so those candidates could not be held to the compiled
 program and are not enumerated. Remat varies over none and block (the two policies the memory
@@ -63,7 +64,7 @@ import strategies
 
 REMATS = ("none", "block")
 CAPACITY_FACTORS = (0.0, 1.25)
-PP_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
+PP_MAX_MICROBATCHES = 256     # pp's M: every divisor of its per-shard batch up to this
 NAMES = tuple(n for n in strategies.NAMES if n != "reference")
 EFFICIENCY = 0.5      # the fraction of peak FLOP/s the matmuls reach: an assumption, stated
 # Residual-stream sequence splits that batch_spec does not show: ep_tp keeps [B@data, S@expert, D]
@@ -272,7 +273,7 @@ def _step_terms(terms, remat: str) -> list:
 
 def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                          remats=REMATS, capacity_factors=CAPACITY_FACTORS,
-                         pp_microbatches=PP_MICROBATCHES, efficiency: float = EFFICIENCY,
+                         pp_max_microbatches=PP_MAX_MICROBATCHES, efficiency: float = EFFICIENCY,
                          progress=None) -> list[Candidate]:
   """Every candidate of the grid (module docstring), predicted; refused ones carry `error`
   (check()'s one line) and no prediction. progress: called as progress(done, name, kept) now
@@ -286,7 +287,7 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
       shape = dict(zip(strat.AXES, sizes))
       mesh = mesh_lib.abstract_mesh(shape)
       mem = None
-      for m in (pp_microbatches if name == "pp" else (1,)):
+      for m in (_pp_microbatches(cfg, shape, pp_max_microbatches) if name == "pp" else (1,)):
         for cf in capacity_factors:
           base = cfg.replace(microbatches=m, capacity_factor=cf)
           try:
@@ -313,6 +314,15 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
         progress(len(out), name, sum(1 for c in out if not c.error))
         last = time.perf_counter()
   return out
+
+
+def _pp_microbatches(cfg, shape: dict, most: int) -> list[int]:
+  """pp's M: every divisor of the sequences one (data, expert) shard holds, up to `most` (a
+  batch the shard does not divide gets M = 1, for check() to refuse)."""
+  b, rest = divmod(cfg.batch, shape.get("data", 1) * shape.get("expert", 1))
+  if rest or b < 1:
+    return [1]
+  return [m for m in range(1, min(b, most) + 1) if b % m == 0]
 
 
 def rank(cands: list[Candidate]) -> list[Candidate]:

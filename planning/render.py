@@ -58,10 +58,12 @@ def found(cands: list[plan.Candidate], ranked: list[plan.Candidate], name: str,
   pos = {id(c): i + 1 for i, c in enumerate(ranked)}
   kept = sorted((c for c in mine if not c.error), key=lambda c: pos[id(c)])
   lines = [f"{label}: {len(mine)} candidates, {len(kept)} admitted"]
-  for c in kept[:8]:
-    lines.append(f"  rank {pos[id(c)]} of {len(ranked)}: {c.layout()}: "
-                 f"{'fits' if c.fits else 'does NOT fit'}, {fmt_bytes(c.memory)}, "
-                 f"{c.step_s:.3f} s/step, {c.tokens_per_s:,.0f} tok/s/dev, MFU {c.mfu:.1%}")
+  least = min(kept, key=lambda c: (c.memory, c.step_s), default=None)
+  for c in kept[:6] + ([least] if least is not None and least not in kept[:6] else []):
+    lines.append(f"  {'least memory: ' if c is least else ''}rank {pos[id(c)]} of {len(ranked)}: "
+                 f"{c.layout()}: {'fits' if c.fits else 'does NOT fit'}, {fmt_bytes(c.memory)} "
+                 f"({fmt_bytes(c.param_opt)} + {fmt_bytes(c.temp)}), {c.step_s:.3f} s/step, "
+                 f"{c.tokens_per_s:,.0f} tok/s/dev, MFU {c.mfu:.1%}")
   for e in sorted({c.error for c in mine if c.error}):
     lines.append(f"  refused: {e}")
   return "\n".join(lines)
