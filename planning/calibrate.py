@@ -109,7 +109,9 @@ def main() -> None:
   print("TEMP_COEF = {" + ", ".join(f'"{k}": {v:.3f}' for k, v in coef.items()) + "}")
   for f, t, po, case in rows:
     pred = sum(coef[k] * v for k, v in f.items())
-    print(f"{case[0][0]:<17} {case[1]:<18} {case[2]:<24} remat={case[3]:<5} M={case[4]} "
+    over = case[0][1]
+    label = f"{case[0][0]} D{over['d_model']} F{over['d_ff']} V{over.get('vocab', 'preset')}"
+    print(f"{label:<38} {case[1]:<18} {case[2]:<24} remat={case[3]:<5} M={case[4]} "
           f"cf={case[5]:<4}  temp {t / 2**20:7.0f} MiB pred {pred / 2**20:7.0f} "
           f"({pred / t - 1:+.0%})  total {(t + po) / 2**20:7.0f} pred {(pred + po) / 2**20:7.0f} "
           f"({(pred + po) / (t + po) - 1:+.0%})")
