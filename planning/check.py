@@ -23,14 +23,6 @@ class Checked:
   def memory_ratio(self) -> float:
     return self.candidate.memory / self.compiled_memory
 
-  @property
-  def worst_bytes_ratio(self) -> float:
-    """The (kind, axes) whose predicted / compiled bytes is furthest from 1 (inf: a key only
-    one side has)."""
-    ratios = [v["ratio"] for v in self.bytes_by_axes.values()]
-    return max(ratios, key=lambda r: abs(r - 1) if r != float("inf") else float("inf"),
-               default=1.0)
-
 
 def distinct(ranked: list[plan.Candidate], k: int) -> list[plan.Candidate]:
   """The first k candidates that compile to different programs (placements of one layout

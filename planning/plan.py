@@ -27,16 +27,17 @@ Per candidate, per device:
            computation on a device (the padded exchange buffer EP x C where tokens move by
            all-to-all, ep_tp's compaction bound, else T x K); L_held = the layers whose
            activations a device keeps (pp: n_moe / P x (M + P - 1) / M + the dense prefix).
-           Features the fit gave weight 0 were dropped: the gradients (the update consumes them
-           leaf by leaf into outputs that alias the donated inputs), the reduced gradients, one
-           layer's residual-sized working set, R x F_local.
+           Not terms: the local gradients, the reduced gradients, a residual-sized working set
+           and R x F_local each got weight 0 when fitted beside these.
            TEMP_COEF: saved_block held at 1 (the calibration models have 4-5 layers, too few for
            the fit to see it); the rest fitted by non-negative least squares on relative error
            to XLA:CPU's temp bytes of 23 compiled steps on 8 devices (`python -m
            planning.calibrate`: --gmm=scan, bf16, small models shaped like Mixtral-8x7B and
            DeepSeek-V2-Lite). On those 23, total memory is within -16% .. +10% of XLA's (temp
-           alone -25% .. +32%); the README's "Planner" section has the table. At 61 layers
-           and D = 7168 it is an extrapolation that nothing here has checked.
+           alone -25% .. +32%); the README's "Planner" section has the table. At full scale
+           it was compiled for ep with remat block only (Mixtral-8x7B on 64 devices,
+           DeepSeek-V3 on 256 and 2048: 0.99 .. 1.06); other strategies and remat none at full
+           scale are extrapolations.
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
@@ -199,8 +200,11 @@ def _routed_rows(name: str, cfg, shape: dict, t: float, terms) -> float:
     return a2a / calls / (cfg.d_model * cost.act_bytes(cfg))
   if name == "ep_tp":
     from layout import dispatch
-    ep = shape.get("expert", 1)
-    return ep * dispatch.send_rows(cfg, cfg.batch // shape.get("data", 1), cfg.seq_len // ep, ep)
+    from modeling import routing
+    b = cfg.batch // shape.get("data", 1)
+    e = cfg.n_experts // shape.get("expert", 1)
+    return dispatch.rows_bound(b * cfg.seq_len, cfg.top_k, e, seqs=b,
+                               slots=routing.expert_slots(cfg, cfg.seq_len))
   return t * cfg.top_k
 
 
@@ -216,7 +220,7 @@ def _expert_f_shards(name: str, shape: dict) -> int:
   return shape.get("tensor", 1) if name == "tp" else 1
 
 
-def _runs(name: str, cfg, shape: dict) -> int:
+def _runs(name: str, cfg, shape: dict) -> float:
   """pp runs each local MoE layer once per time step (M + P - 1 of them): how many exchanges of
   one layer its a2a terms add up, per MoE layer of the model."""
   if name != "pp":
