@@ -29,7 +29,7 @@ def distinct(ranked: list[plan.Candidate], k: int) -> list[plan.Candidate]:
   compile alike: only the device order differs)."""
   out, seen = [], set()
   for c in ranked:
-    key = (c.strategy, c.sizes, c.microbatches, c.remat, c.capacity_factor)
+    key = (c.strategy, c.sizes, c.opts, c.microbatches, c.remat, c.capacity_factor)
     if key not in seen:
       seen.add(key)
       out.append(c)
@@ -51,7 +51,7 @@ def compile_candidate(c: plan.Candidate, cfg) -> Checked:
   if jax.default_backend() == "cpu":
     c_cfg = c_cfg.replace(gmm_backend="scan")
   mesh = mesh_lib.make_mesh(dict(c.sizes))
-  opts = strat.Options()
+  opts = c.opts if c.opts is not None else strat.Options()
   job = train.build(strat, c_cfg, mesh, opts, compile_only=True)
   temp = job.compiled.memory_analysis().temp_size_in_bytes
   got = hlo.collective_stats_by_axes(job.hlo, mesh)

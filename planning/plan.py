@@ -2,8 +2,11 @@
 of devices and without compiling: every candidate is a strategy's `check`, `param_specs` and
 `cost` evaluated on a `jax.sharding.AbstractMesh` (they read axis sizes only), plus arithmetic.
 
-A candidate is (strategy, mesh sizes over its AXES, microbatches, remat policy, capacity factor,
-which axes lie inside a node). Microbatches vary for pp only (its pipeline's M, every divisor of
+A candidate is (strategy, mesh sizes over its AXES, the strategy's options, microbatches, remat
+policy, capacity factor, which axes lie inside a node). OPTION_GRID names the options varied:
+the K/V exchange of cp and ep_as_cp, ep_tp's routed exchange, shard_exp_on_fsdp's mode; the
+rest stay at their defaults (ep's dispatch=ragged needs a GPU's ragged_all_to_all, dispatch=none
+is a demonstration of a bug). The temp model was calibrated at the default options only. Microbatches vary for pp only (its pipeline's M, every divisor of
 the sequences a (data, expert) shard holds, up to PP_MAX_MICROBATCHES): the cost model
 has no terms for the gradient accumulation the other strategies run with M > 1 (a second forward
 pass, the weight gathers per microbatch), so those candidates could not be held to the compiled
@@ -68,6 +71,11 @@ CAPACITY_FACTORS = (0.0, 1.25)
 PP_MAX_MICROBATCHES = 256     # pp's M: every divisor of its per-shard batch up to this
 NAMES = tuple(n for n in strategies.NAMES if n != "reference")
 EFFICIENCY = 0.5      # the fraction of peak FLOP/s the matmuls reach: an assumption, stated
+# Strategy options the enumeration varies: {strategy: {field: values}} (module docstring)
+OPTION_GRID = {"cp": {"kv_exchange": ("allgather", "ring")},
+               "ep_as_cp": {"kv_exchange": ("allgather", "ring")},
+               "ep_tp": {"exchange": ("ring", "folded")},
+               "shard_exp_on_fsdp": {"mode": ("gather", "ep")}}
 # Residual-stream sequence splits that batch_spec does not show: ep_tp keeps [B@data, S@expert, D]
 SEQ_SPLIT = {"ep_tp": ("expert",)}
 # Fitted by planning/calibrate.py (bytes of temp per byte of feature); see the module docstring.
@@ -83,6 +91,7 @@ class Candidate:
   microbatches: int
   remat: str
   capacity_factor: float
+  opts: object = None          # the strategy's Options
   inner: tuple = ()            # the axes (size > 1) that lie inside one node
   param_opt: float = 0.0       # bytes per device
   temp: float = 0.0
@@ -110,10 +119,25 @@ class Candidate:
   def layout(self) -> str:
     """One line: strategy, mesh, M (pp), remat, capacity factor, the axes inside a node."""
     out = f"{self.strategy} {self.mesh_str}"
+    for k, v in sorted(_varied(self.strategy, self.opts).items()):
+      out += f" {k}={v}"
     if self.strategy == "pp":
       out += f" M={self.microbatches}"
     out += f" remat={self.remat} cf={self.capacity_factor:g}"
     return out + f" node[{','.join(self.inner) or '-'}]"
+
+
+def _varied(name: str, opts) -> dict:
+  """The options of OPTION_GRID's fields for this strategy, as set in opts."""
+  return {k: getattr(opts, k) for k in OPTION_GRID.get(name, {})} if opts is not None else {}
+
+
+def option_sets(name: str) -> list:
+  """Every combination of the strategy's OPTION_GRID values, as its Options."""
+  strat = strategies.get(name)
+  grid = OPTION_GRID.get(name, {})
+  return [strat.Options(**dict(zip(grid, values)))
+          for values in itertools.product(*grid.values())] or [strat.Options()]
 
 
 def splits(n: int, k: int):
@@ -286,34 +310,34 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
   out, last = [], time.perf_counter()
   for name in names:
     strat = strategies.get(name)
-    opts = strat.Options()
     for sizes in splits(n, len(strat.AXES)):
       shape = dict(zip(strat.AXES, sizes))
       mesh = mesh_lib.abstract_mesh(shape)
       mem = None
-      for m in (_pp_microbatches(cfg, shape, pp_max_microbatches) if name == "pp" else (1,)):
-        for cf in capacity_factors:
-          base = cfg.replace(microbatches=m, capacity_factor=cf)
-          try:
-            base.validate()
-            strat.check(base, mesh, opts)
-          except ConfigError as e:
+      for opts in option_sets(name):
+        for m in (_pp_microbatches(cfg, shape, pp_max_microbatches) if name == "pp" else (1,)):
+          for cf in capacity_factors:
+            base = cfg.replace(microbatches=m, capacity_factor=cf)
+            key = (name, tuple(shape.items()), m, cf, opts)
+            try:
+              base.validate()
+              strat.check(base, mesh, opts)
+            except ConfigError as e:
+              out += [Candidate(*key[:3], remat, cf, opts, error=str(e)) for remat in remats]
+              continue
+            if mem is None:
+              mem = cost.param_memory(shapes, strat.param_specs(cfg, mesh), mesh, cfg.optimizer)
+            raw = strat.cost(base, mesh, opts)
             for remat in remats:
-              out.append(Candidate(name, tuple(shape.items()), m, remat, cf, error=str(e)))
-            continue
-          if mem is None:
-            mem = cost.param_memory(shapes, strat.param_specs(cfg, mesh), mesh, cfg.optimizer)
-          raw = strat.cost(base, mesh, opts)
-          for remat in remats:
-            c_cfg = base.replace(remat=remat)
-            terms = _step_terms(raw, remat)
-            temp = predict_temp(temp_features(name, c_cfg, mesh, raw))
-            for inner in placements(shape, cluster.node_size):
-              c = Candidate(name, tuple(shape.items()), m, remat, cf, inner,
-                            param_opt=mem["param_bytes"] + mem["opt_bytes"], temp=temp)
-              timing(c, c_cfg, terms, cluster, efficiency)
-              c.fits = c.memory <= hbm_bytes
-              out.append(c)
+              c_cfg = base.replace(remat=remat)
+              terms = _step_terms(raw, remat)
+              temp = predict_temp(temp_features(name, c_cfg, mesh, raw))
+              for inner in placements(shape, cluster.node_size):
+                c = Candidate(*key[:3], remat, cf, opts, inner,
+                              param_opt=mem["param_bytes"] + mem["opt_bytes"], temp=temp)
+                timing(c, c_cfg, terms, cluster, efficiency)
+                c.fits = c.memory <= hbm_bytes
+                out.append(c)
       if progress is not None and time.perf_counter() - last > 2:
         progress(len(out), name, sum(1 for c in out if not c.error))
         last = time.perf_counter()

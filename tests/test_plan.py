@@ -48,6 +48,22 @@ def test_enumeration_counts_on_tiny():
   assert by_mesh["fsdp:8"] == [()]
 
 
+def test_option_grid():
+  """cp's K/V exchange is part of the candidate: each admitted cp layout comes with allgather
+  and ring, says which in its layout, and the two predict different bytes."""
+  cfg = get_config("tiny", dtype="bfloat16")
+  cands = [c for c in plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("cp",),
+                                                remats=("block",), capacity_factors=(0.0,))
+           if not c.error]
+  by_mesh = {}
+  for c in cands:
+    by_mesh.setdefault(c.sizes, {})[c.opts.kv_exchange] = c
+  assert by_mesh and all(set(v) == {"allgather", "ring"} for v in by_mesh.values())
+  ctx = next(v for k, v in by_mesh.items() if dict(k)["context"] > 1)
+  assert "kv_exchange=ring" in ctx["ring"].layout()
+  assert ctx["ring"].comm_s != ctx["allgather"].comm_s
+
+
 def test_admissibility_errors_are_check_lines():
   """tiny has 2 layers: pp on stage:4 or stage:8 is refused with check()'s one line, and a
   refused candidate carries no prediction and is not ranked."""
