@@ -20,7 +20,8 @@ Per candidate, per device:
              gathered          one layer's gathered weights (the cost model's forward
                                all-gathers of weights, per layer)
              attn_chunk        one key chunk's float32 scores, T x H_local x chunk x 4
-             saved_block       remat block: each of L_held layers keeps its input, T x D x 4
+             saved_block       remat block: each of L_held layers keeps its input, T x D in the
+                               compute dtype (the residual stream's)
              saved_none_res    remat none: each of L_held layers keeps its activations,
              saved_none_routed   T x D x 4 (res) and R x (D + F_local) in the compute dtype
              work_rows_d       one MoE layer's expert rows, R x D x 4
@@ -79,9 +80,9 @@ OPTION_GRID = {"cp": {"kv_exchange": ("allgather", "ring")},
 # Residual-stream sequence splits that batch_spec does not show: ep_tp keeps [B@data, S@expert, D]
 SEQ_SPLIT = {"ep_tp": ("expert",)}
 # Fitted by planning/calibrate.py (bytes of temp per byte of feature); see the module docstring.
-TEMP_COEF = {"logits": 1.177, "gathered": 0.716, "attn_chunk": 0.607, "saved_block": 1.000,
-             "saved_none_res": 29.510, "saved_none_routed": 2.920, "work_rows_d": 3.410,
-             "work_rows_tokens": 3.894}
+TEMP_COEF = {"logits": 1.200, "gathered": 0.754, "attn_chunk": 0.879, "saved_block": 1.000,
+             "saved_none_res": 28.751, "saved_none_routed": 2.930, "work_rows_d": 3.443,
+             "work_rows_tokens": 3.879}
 
 
 @dataclasses.dataclass
@@ -208,7 +209,8 @@ def temp_features(name: str, cfg, mesh, terms) -> dict:
   chunk = min(cfg.attention_chunk, cfg.seq_len) if cfg.attention_impl == "chunked" else cfg.seq_len
   return {"logits": t * v_loc * 4, "gathered": gathered,
           "attn_chunk": t * heads * chunk * 4,
-          "saved_block": held * res * block, "saved_none_res": held * res * none,
+          "saved_block": held * t * cfg.d_model * cost.act_bytes(cfg) * block,
+          "saved_none_res": held * res * none,
           "saved_none_routed": held * routed * none, "work_rows_d": rows * cfg.d_model * 4,
           "work_rows_tokens": rows * t}
 
