@@ -124,9 +124,9 @@ def test_ranks_a_thousand_real_candidates_quickly():
 
 # Predicted memory against XLA's, params + optimizer + temp, on the two compiled candidates
 # below: held out (D, heads, F and vocab differ from planning/calibrate.py's models), at the
-# calibration's depth and length (4 layers, S = 1024), where they come out at 0.91 and 1.07.
-# Shallower and shorter (2 layers, S = 512) the same two come out at 0.79 and 0.78: XLA's temp
-# there has a part the model does not scale down, so MEMORY_RTOL holds only at this scale.
+# calibration's depth and length (4 layers, S = 1024), where they come out at 0.918 and 1.077.
+# Shallower and shorter (2 layers, S = 512) they came out near 0.8 (README, "Planner"): XLA's
+# temp there has a part the model does not scale down, so MEMORY_RTOL holds at this scale only.
 MEMORY_RTOL = 0.10
 SMALL = dict(d_model=512, n_heads=8, n_kv_heads=8, head_dim=64, d_ff=1024, n_layers=4,
              seq_len=1024, batch=16, dtype="bfloat16", vocab=8000)
