@@ -38,10 +38,10 @@ Per candidate, per device:
            to XLA:CPU's temp bytes of 23 compiled steps on 8 devices (`python -m
            planning.calibrate`: --gmm=scan, bf16, small models shaped like Mixtral-8x7B and
            DeepSeek-V2-Lite). On those 23, total memory is within -16% .. +10% of XLA's (temp
-           alone -25% .. +32%); the README's "Planner" section has the table. At full scale
-           it was compiled for ep with remat block only (Mixtral-8x7B on 64 devices,
-           DeepSeek-V3 on 256 and 2048: 0.99 .. 1.06); other strategies and remat none at full
-           scale are extrapolations.
+           alone -25% .. +32%). At full scale (README, "Planner": Mixtral-8x7B on 64 devices,
+           DeepSeek-V3 on 256 and 2048) ep and pp come out within 0.94 .. 1.06 of XLA's total,
+           while dp, fsdp, cp, ep_tp (0.83 .. 0.88) and tp (1.12) miss: their replicated or
+           data-reduced gradients are a term the small models barely show.
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
