@@ -130,6 +130,9 @@ def check_plan_flags():
                "checkpoint_dir", "restore", "metrics_file", "steps"):
     if getattr(F, flag) is not None:
       raise UsageError(f"--{flag} does not apply to --plan (it enumerates the layouts itself)")
+  if F.opt is not None or any(getattr(F, flag) is not None for flag in ALIASES):
+    raise UsageError("--opt: --plan enumerates the strategy options it varies "
+                     "(planning/plan.py OPTION_GRID) and keeps the rest at their defaults")
   for flag in ("microbatches", "remat", "capacity_factor"):
     if F[flag].present:
       raise UsageError(f"--{flag}: --plan enumerates it (pp's microbatches, remat none|block, "

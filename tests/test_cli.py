@@ -111,6 +111,7 @@ BAD_FLAGS = [
     (["--plan", "--plan_find=pp@stage:4"], "--plan_find=pp@stage:4 has 4 devices, not --devices=8"),
     (["--plan", "--plan_find=pp@tensor:8"], "mesh axis 'tensor' is not used by strategy 'pp'"),
     (["--plan", "--compile_only"], "--plan compiles its best candidates itself"),
+    (["--plan", "--opt=kv_exchange=ring"], "--opt: --plan enumerates the strategy options"),
 ]
 
 # Every BAD_FLAGS row through run.py's own entry point (`_run`: absl flags, the checks, the
