@@ -9,6 +9,7 @@
   python run.py --strategy=ep --steps=3 --checkpoint_dir=ck                # then, any strategy:
   python run.py --strategy=fsdp --steps=2 --checkpoint_dir=ck --restore=latest
   python run.py --strategy=ep --opt=dispatch=none                          # a strategy's options
+  python run.py --plan --model=mixtral-8x7b --devices=64 --cluster=h100   # rank layouts (planning/)
 """
 from __future__ import annotations
 
@@ -99,12 +100,103 @@ flags.DEFINE_string("checkpoint_dir", None, "save (and --restore) orbax checkpoi
 flags.DEFINE_integer("save_every", 0, "save every N steps (0 = only after the last step)")
 flags.DEFINE_string("restore", None, "'latest' or a step: resume from --checkpoint_dir, in any "
                     "strategy and mesh (same model and --optimizer)")
+flags.DEFINE_bool("plan", False, "rank every admissible layout of --model on --devices devices of "
+                  "--cluster by predicted step time, among those whose predicted memory fits "
+                  "--hbm_gb (default: the cluster's), then compile the best --plan_compile "
+                  "(planning/)")
+flags.DEFINE_string("cluster", "h100", "--plan: the cluster profile (planning/clusters.py): h100 | h800")
+flags.DEFINE_integer("plan_compile", 2, "--plan: compile (compile only) this many of the best "
+                     "layouts and print predicted vs compiled memory and bytes (0 = none)")
+flags.DEFINE_integer("plan_top", 15, "--plan: rows of the ranked table to print")
+flags.DEFINE_string("plan_find", None, "--plan: also print where one layout ranks, or why it "
+                    "was refused: STRATEGY@MESH, e.g. pp@stage:16,data:2,expert:64")
+flags.DEFINE_float("plan_efficiency", 0.5, "--plan: the fraction of peak FLOP/s the step's "
+                   "matmuls are assumed to reach")
 flags.DEFINE_string("compilation_cache", "~/.cache/moe-sharding/jax",
                     "persistent XLA compilation cache ('' = off); reruns skip compiles")
 
 
 class UsageError(Exception):
   pass
+
+
+def check_plan_flags():
+  """--plan's flags, judged before JAX starts. The planner enumerates the mesh, microbatches,
+  remat and capacity factor itself: giving them is an error, not a silent override."""
+  import math
+
+  from planning import clusters
+  for flag in ("strategy", "mesh", "coordinator_address", "num_processes", "process_id",
+               "checkpoint_dir", "restore", "metrics_file", "steps"):
+    if getattr(F, flag) is not None:
+      raise UsageError(f"--{flag} does not apply to --plan (it enumerates the layouts itself)")
+  if F.opt is not None or any(getattr(F, flag) is not None for flag in ALIASES):
+    raise UsageError("--opt: --plan enumerates the strategy options it varies "
+                     "(planning/plan.py OPTION_GRID) and keeps the rest at their defaults")
+  for flag in ("microbatches", "remat", "capacity_factor"):
+    if F[flag].present:
+      raise UsageError(f"--{flag}: --plan enumerates it (pp's microbatches, remat none|block, "
+                       "capacity factor 0|1.25)")
+  if F.compile_only or F.full_parity or F.breakdown or F.hlo_stats:
+    raise UsageError("--plan compiles its best candidates itself (--plan_compile); it takes no "
+                     "--compile_only, --full_parity, --breakdown or --hlo_stats")
+  cluster = clusters.get(F.cluster)
+  if not 2 <= F.devices <= MAX_DEVICES:
+    raise UsageError(f"--devices={F.devices} must be in [2, {MAX_DEVICES}] for --plan")
+  if F.devices % cluster.node_size and cluster.node_size % F.devices:
+    raise UsageError(f"--devices={F.devices}: whole nodes of {cluster.node_size} "
+                     f"({cluster.name}), or part of one")
+  for name in ("batch", "seq", "layers"):
+    v = getattr(F, name)
+    if v is not None and v < 1:
+      raise UsageError(f"--{name}={v} must be >= 1")
+  if F.hbm_gb is not None and not (math.isfinite(F.hbm_gb) and F.hbm_gb > 0):
+    raise UsageError(f"--hbm_gb={F.hbm_gb} must be a finite number > 0")
+  if F.plan_compile < 0:
+    raise UsageError(f"--plan_compile={F.plan_compile} must be >= 0")
+  if F.plan_top < 1:
+    raise UsageError(f"--plan_top={F.plan_top} must be >= 1")
+  if not (math.isfinite(F.plan_efficiency) and 0 < F.plan_efficiency <= 1):
+    raise UsageError(f"--plan_efficiency={F.plan_efficiency} must be in (0, 1]")
+  if F.report_dir:
+    _writable_dir("report_dir", F.report_dir)
+  return plan_find()
+
+
+def plan_find():
+  """--plan_find=STRATEGY@MESH -> (strategy, {axis: size}) or None; one-line errors."""
+  import math
+
+  from layout import mesh as mesh_lib
+  import strategies
+  if F.plan_find is None:
+    return None
+  name, sep, spec = F.plan_find.partition("@")
+  if not sep:
+    raise UsageError(f"--plan_find={F.plan_find}: expected STRATEGY@MESH, e.g. ep@fsdp:8,expert:8")
+  strat = strategies.get(name)
+  sizes = mesh_lib.parse_mesh_spec(spec)
+  mesh_lib.mesh_shape(strat.AXES, strat.MAIN_AXIS, spec, math.prod(sizes.values()), name)
+  if math.prod(sizes.values()) != F.devices:
+    raise UsageError(f"--plan_find={F.plan_find} has {math.prod(sizes.values())} devices, "
+                     f"not --devices={F.devices}")
+  return name, sizes
+
+
+def plan(argv_names, find) -> None:
+  """--plan: the planner (planning/cli.py) on the model's config, bf16 unless --dtype, with a
+  global batch of max(the preset's, --devices) sequences unless --batch."""
+  from modeling.config import PRESETS
+  from planning import cli
+  cfg = make_config()
+  if not F["dtype"].present:
+    cfg = cfg.replace(dtype="bfloat16")
+  if F.batch is None:
+    cfg = cfg.replace(batch=max(PRESETS[F.model].batch, F.devices))
+  cfg = cfg.validate()
+  cli.main(cfg, F.model, F.devices, F.cluster,
+           None if F.hbm_gb is None else F.hbm_gb * 2**30, argv_names, F.plan_compile,
+           F.plan_top, F.plan_efficiency, F.report_dir, lambda n: _setup_devices(n, None), find)
 
 
 def check_flags():
@@ -415,6 +507,10 @@ def main(argv):
     raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if F.strategy and F.compare:
     raise UsageError("give --strategy or --compare, not both")
+  if F.plan:
+    find = check_plan_flags()
+    plan([n for n in strategy_names() if n != "reference"], find)
+    return
   dist = check_flags()
   names = strategy_names()
   opts = strategy_options(names)

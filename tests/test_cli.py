@@ -100,6 +100,18 @@ BAD_FLAGS = [
      "strategy 'dp' has no option 'kv_exchange' (it is an option of cp, ep_as_cp)"),
     (["--model=deepseek-v3", "--layers=3", "--describe"],
      "first_k_dense_replace=3 must be in [0, n_layers=3) (at least one MoE layer)"),
+    # --plan (planning/): refused before anything is enumerated or compiled
+    (["--plan", "--cluster=tpu"], "unknown cluster 'tpu'; choose from h100, h800"),
+    (["--plan", "--devices=12"], "--devices=12: whole nodes of 8 (h100), or part of one"),
+    (["--plan", "--remat=block"], "--remat: --plan enumerates it"),
+    (["--plan", "--mesh=data:8"], "--mesh does not apply to --plan"),
+    (["--plan", "--plan_compile=-1"], "--plan_compile=-1 must be >= 0"),
+    (["--plan", "--plan_efficiency=2"], "--plan_efficiency=2.0 must be in (0, 1]"),
+    (["--plan", "--plan_find=pp"], "--plan_find=pp: expected STRATEGY@MESH"),
+    (["--plan", "--plan_find=pp@stage:4"], "--plan_find=pp@stage:4 has 4 devices, not --devices=8"),
+    (["--plan", "--plan_find=pp@tensor:8"], "mesh axis 'tensor' is not used by strategy 'pp'"),
+    (["--plan", "--compile_only"], "--plan compiles its best candidates itself"),
+    (["--plan", "--opt=kv_exchange=ring"], "--opt: --plan enumerates the strategy options"),
 ]
 
 # Every BAD_FLAGS row through run.py's own entry point (`_run`: absl flags, the checks, the

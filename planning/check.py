@@ -1,0 +1,59 @@
+"""Compile the best few candidates (compile only) and set the prediction beside the program:
+per-device memory (params + optimizer + the temp model vs params + optimizer + XLA's temp
+bytes) and bytes per (kind, axes) (the cost model vs the HLO, measure.hlo). On CPU the step is
+compiled with --gmm=scan: XLA:CPU lowers ragged_dot through an [E, M, K] buffer no accelerator
+holds (README, "Does it fit?"), and the temp model is calibrated on scan's programs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from planning import plan
+
+
+@dataclasses.dataclass
+class Checked:
+  candidate: plan.Candidate
+  compiled_memory: float            # params + optimizer + XLA temp, bytes per device
+  compiled_temp: float
+  bytes_by_axes: dict               # measure.cost.versus(..., by="axes")
+  compile_s: float
+
+  @property
+  def memory_ratio(self) -> float:
+    return self.candidate.memory / self.compiled_memory
+
+
+def distinct(ranked: list[plan.Candidate], k: int) -> list[plan.Candidate]:
+  """The first k candidates that compile to different programs (placements of one layout
+  compile alike: only the device order differs)."""
+  out, seen = [], set()
+  for c in ranked:
+    key = (c.strategy, c.sizes, c.opts, c.microbatches, c.remat, c.capacity_factor)
+    if key not in seen:
+      seen.add(key)
+      out.append(c)
+    if len(out) == k:
+      break
+  return out
+
+
+def compile_candidate(c: plan.Candidate, cfg) -> Checked:
+  """Compile c (compile only) on this process's devices and compare it with its prediction."""
+  import jax
+
+  from layout import mesh as mesh_lib
+  from measure import cost, hlo
+  from runtime import train
+  import strategies
+  strat = strategies.get(c.strategy)
+  c_cfg = plan.config_for(c, cfg)
+  if jax.default_backend() == "cpu":
+    c_cfg = c_cfg.replace(gmm_backend="scan")
+  mesh = mesh_lib.make_mesh(dict(c.sizes))
+  opts = c.opts if c.opts is not None else strat.Options()
+  job = train.build(strat, c_cfg, mesh, opts, compile_only=True)
+  temp = job.compiled.memory_analysis().temp_size_in_bytes
+  got = hlo.collective_stats_by_axes(job.hlo, mesh)
+  table = cost.versus(cost.step_terms(strat, c_cfg, mesh, opts), got, by="axes")
+  return Checked(c, c.param_opt + temp, temp, table, job.compile_s)

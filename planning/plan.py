@@ -1,0 +1,373 @@
+"""Enumerate, predict and rank layouts for one model on N devices of one cluster, without a mesh
+of devices and without compiling: every candidate is a strategy's `check`, `param_specs` and
+`cost` evaluated on a `jax.sharding.AbstractMesh` (they read axis sizes only), plus arithmetic.
+
+A candidate is (strategy, mesh sizes over its AXES, the strategy's options, microbatches, remat
+policy, capacity factor, which axes lie inside a node). OPTION_GRID names the options varied:
+the K/V exchange of cp and ep_as_cp, ep_tp's routed exchange, shard_exp_on_fsdp's mode; the
+rest stay at their defaults (ep's dispatch=ragged needs a GPU's ragged_all_to_all, dispatch=none
+is a demonstration of a bug). The temp model was calibrated at the default options only. Microbatches vary for pp only (its pipeline's M, every divisor of
+the sequences a (data, expert) shard holds, up to PP_MAX_MICROBATCHES): the cost model
+has no terms for the gradient accumulation the other strategies run with M > 1 (a second forward
+pass, the weight gathers per microbatch), so those candidates could not be held to the compiled
+program and are not enumerated. Remat varies over none and block (the two policies the memory
+model below is calibrated for).
+
+Per candidate, per device:
+  memory = params + optimizer state (exact: the strategy's param_specs, measure.cost.param_memory)
+         + temp, a model of XLA's temporaries: TEMP_COEF . `temp_features`, bytes per device:
+             logits            the float32 logits of the device's tokens, T_head x V_local x 4
+             gathered          one layer's gathered weights (the cost model's forward
+                               all-gathers of weights, per layer)
+             attn_chunk        one key chunk's float32 scores, T x H_local x chunk x 4
+             saved_block       remat block: each of L_held layers keeps its input, T x D in the
+                               compute dtype (the residual stream's)
+             saved_none_res    remat none: each of L_held layers keeps its activations,
+             saved_none_routed   T x D x 4 (res) and R x (D + F_local) in the compute dtype
+             work_rows_d       one MoE layer's expert rows, R x D x 4
+             work_rows_tokens  R x T bytes: temp grows by about 4 x R x T bytes whatever D, F
+                               and E (measured); which op holds it is not traced
+           T = tokens per device in the residual stream; R = rows of one MoE layer's expert
+           computation on a device (the padded exchange buffer EP x C where tokens move by
+           all-to-all, ep_tp's compaction bound, else T x K); L_held = the layers whose
+           activations a device keeps (pp: n_moe / P x (M + P - 1) / M + the dense prefix).
+           Not terms: the local gradients, the reduced gradients, a residual-sized working set
+           and R x F_local each got weight 0 when fitted beside these.
+           TEMP_COEF: saved_block held at 1 (the calibration models have 4-5 layers, too few for
+           the fit to see it); the rest fitted by non-negative least squares on relative error
+           to XLA:CPU's temp bytes of 23 compiled steps on 8 devices (`python -m
+           planning.calibrate`: --gmm=scan, bf16, small models shaped like Mixtral-8x7B and
+           DeepSeek-V2-Lite). On those 23, total memory is within -16% .. +10% of XLA's (temp
+           alone -25% .. +32%). At full scale (README, "Planner": Mixtral-8x7B on 64 devices,
+           DeepSeek-V3 on 256 and 2048) ep and pp come out within 0.94 .. 1.06 of XLA's total,
+           while dp, fsdp, cp, ep_tp (0.83 .. 0.88) and tp (1.12) miss: their replicated or
+           data-reduced gradients are a term the small models barely show.
+  step time = compute + communication, no overlap:
+             compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
+               tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
+               recomputed forward); pp: x (M + P - 1) / M (the bubble) and its dense prefix run
+               on every stage
+             communication = per cost-model term (measure.cost.step_terms: kind, axes, bytes),
+               its wire bytes over the bandwidth of the links its group spans: the node's when
+               every axis of the group lies inside a node, else the inter-node one.
+  MFU = model FLOPs (6 x active params x tokens + attention, no recompute) / (step time x peak).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import sys
+import time
+
+from layout import mesh as mesh_lib
+from measure import cost
+from modeling import model
+from modeling.config import ConfigError
+from parallel.sharding import spec_shards
+import strategies
+
+REMATS = ("none", "block")
+CAPACITY_FACTORS = (0.0, 1.25)
+PP_MAX_MICROBATCHES = 256     # pp's M: every divisor of its per-shard batch up to this
+NAMES = tuple(n for n in strategies.NAMES if n != "reference")
+EFFICIENCY = 0.5      # the fraction of peak FLOP/s the matmuls reach: an assumption, stated
+# Strategy options the enumeration varies: {strategy: {field: values}} (module docstring)
+OPTION_GRID = {"cp": {"kv_exchange": ("allgather", "ring")},
+               "ep_as_cp": {"kv_exchange": ("allgather", "ring")},
+               "ep_tp": {"exchange": ("ring", "folded")},
+               "shard_exp_on_fsdp": {"mode": ("gather", "ep")}}
+# Residual-stream sequence splits that batch_spec does not show: ep_tp keeps [B@data, S@expert, D]
+SEQ_SPLIT = {"ep_tp": ("expert",)}
+# Fitted by planning/calibrate.py (bytes of temp per byte of feature); see the module docstring.
+TEMP_COEF = {"logits": 1.200, "gathered": 0.754, "attn_chunk": 0.879, "saved_block": 1.000,
+             "saved_none_res": 28.751, "saved_none_routed": 2.930, "work_rows_d": 3.443,
+             "work_rows_tokens": 3.879}
+
+
+@dataclasses.dataclass
+class Candidate:
+  strategy: str
+  sizes: tuple                 # ((axis, size), ...) in the strategy's AXES order
+  microbatches: int
+  remat: str
+  capacity_factor: float
+  opts: object = None          # the strategy's Options
+  inner: tuple = ()            # the axes (size > 1) that lie inside one node
+  param_opt: float = 0.0       # bytes per device
+  temp: float = 0.0
+  compute_s: float = 0.0
+  comm_s: float = 0.0
+  dominant: str = ""           # the collective (kind over axes) taking the most time
+  dominant_s: float = 0.0
+  tokens_per_s: float = 0.0    # per device
+  mfu: float = 0.0
+  fits: bool = False
+  error: str = ""              # why check() refused it (then nothing is predicted)
+
+  @property
+  def memory(self) -> float:
+    return self.param_opt + self.temp
+
+  @property
+  def step_s(self) -> float:
+    return self.compute_s + self.comm_s
+
+  @property
+  def mesh_str(self) -> str:
+    return ",".join(f"{a}:{n}" for a, n in self.sizes if n > 1) or "1 device"
+
+  def layout(self) -> str:
+    """One line: strategy, mesh, M (pp), remat, capacity factor, the axes inside a node."""
+    out = f"{self.strategy} {self.mesh_str}"
+    for k, v in sorted(_varied(self.strategy, self.opts).items()):
+      out += f" {k}={v}"
+    if self.strategy == "pp":
+      out += f" M={self.microbatches}"
+    out += f" remat={self.remat} cf={self.capacity_factor:g}"
+    return out + f" node[{','.join(self.inner) or '-'}]"
+
+
+def _varied(name: str, opts) -> dict:
+  """The options of OPTION_GRID's fields for this strategy, as set in opts."""
+  return {k: getattr(opts, k) for k in OPTION_GRID.get(name, {})} if opts is not None else {}
+
+
+def option_sets(name: str) -> list:
+  """Every combination of the strategy's OPTION_GRID values, as its Options."""
+  strat = strategies.get(name)
+  grid = OPTION_GRID.get(name, {})
+  return [strat.Options(**dict(zip(grid, values)))
+          for values in itertools.product(*grid.values())] or [strat.Options()]
+
+
+def splits(n: int, k: int):
+  """Every ordered k-tuple of positive integers whose product is n."""
+  if k == 1:
+    yield (n,)
+    return
+  for d in range(1, n + 1):
+    if n % d == 0:
+      for rest in splits(n // d, k - 1):
+        yield (d,) + rest
+
+
+def placements(sizes: dict, node: int) -> list[tuple]:
+  """The distinct sets of axes that can lie inside a node of `node` devices: the mesh is laid
+  out with some order of its axes, inner first (the innermost varies fastest over device ids);
+  an axis lies inside the node when its size times the sizes of the axes inside it is <= node.
+  -> [tuple of axes inside a node], each set once."""
+  axes = [a for a, n in sizes.items() if n > 1]
+  seen = []
+  for order in itertools.permutations(axes):
+    inside, span = [], 1
+    for a in order:
+      span *= sizes[a]
+      if span > node:
+        break
+      inside.append(a)
+    key = tuple(sorted(inside))
+    if key not in seen:
+      seen.append(key)
+  return seen or [()]
+
+
+def flops_per_step(cfg) -> float:
+  """Model FLOPs of one train step (forward + backward = 3 x forward, no recompute): 2 x the
+  active matmul params per token (every weight but the embedding lookup, top_k of the routed
+  experts) + the attention core, q.k and p.v over S/2 keys on average (causal), per layer."""
+  _, active = model.param_counts(cfg)
+  active -= cfg.d_model                                 # the embedding row: a lookup
+  qk = cfg.qk_head_dim if cfg.mla else cfg.head_dim
+  v = cfg.v_head_dim if cfg.mla else cfg.head_dim
+  attn = 2 * cfg.n_layers * cfg.n_heads * (qk + v) * cfg.seq_len / 2
+  return 3 * (2 * active + attn) * cfg.batch * cfg.seq_len
+
+
+def _dense_flops_share(cfg) -> float:
+  """The dense prefix's share of the model FLOPs (pp runs it on every stage)."""
+  return cfg.first_k_dense_replace / cfg.n_layers
+
+
+def temp_features(name: str, cfg, mesh, terms) -> dict:
+  """The features of the temp model (module docstring), in bytes per device. terms: the
+  strategy's cost terms (without remat's copies)."""
+  strat = strategies.get(name)
+  shape = dict(mesh.shape)
+  t = cfg.batch * cfg.seq_len / spec_shards(strat.batch_spec(cfg, mesh), mesh)
+  t /= math.prod(shape.get(a, 1) for a in SEQ_SPLIT.get(name, ()))
+  v_loc = cfg.vocab / _dim_shards(strat.param_specs(cfg, mesh)["unembed"], 1, mesh)
+  f_loc = cfg.d_ff / _expert_f_shards(name, shape)
+  gathered = sum(x.bytes for x in terms if x.kind == "all-gather" and x.phase == "fwd"
+                 and x.what.endswith("gathered")) / cfg.n_layers
+  res = t * cfg.d_model * 4
+  rows = _routed_rows(name, cfg, shape, t, terms)
+  routed = rows * (cfg.d_model + f_loc) * cost.act_bytes(cfg)
+  held = _layers_held(name, cfg, shape)
+  block, none = cfg.remat == "block", cfg.remat == "none"
+  heads = cfg.n_heads / shape.get("tensor", 1)
+  chunk = min(cfg.attention_chunk, cfg.seq_len) if cfg.attention_impl == "chunked" else cfg.seq_len
+  return {"logits": t * v_loc * 4, "gathered": gathered,
+          "attn_chunk": t * heads * chunk * 4,
+          "saved_block": held * t * cfg.d_model * cost.act_bytes(cfg) * block,
+          "saved_none_res": held * res * none,
+          "saved_none_routed": held * routed * none, "work_rows_d": rows * cfg.d_model * 4,
+          "work_rows_tokens": rows * t}
+
+
+def _routed_rows(name: str, cfg, shape: dict, t: float, terms) -> float:
+  """Rows of one MoE layer's expert computation on a device: the padded exchange buffer
+  [EP, C] where tokens move by all-to-all (C from its cost terms: the forward all-to-all bytes
+  of one layer's dispatch, per row of D values); ep_tp's compaction bound over the data shard's
+  gathered tokens; else the device's T x K routed copies."""
+  a2a = sum(x.bytes for x in terms if x.kind == "all-to-all" and x.phase == "fwd")
+  if a2a:
+    calls = 2 * cfg.n_moe_layers * _runs(name, cfg, shape)       # dispatch + combine per call
+    return a2a / calls / (cfg.d_model * cost.act_bytes(cfg))
+  if name == "ep_tp":
+    from layout import dispatch
+    from modeling import routing
+    b = cfg.batch // shape.get("data", 1)
+    e = cfg.n_experts // shape.get("expert", 1)
+    return dispatch.rows_bound(b * cfg.seq_len, cfg.top_k, e, seqs=b,
+                               slots=routing.expert_slots(cfg, cfg.seq_len))
+  return t * cfg.top_k
+
+
+def _dim_shards(spec, dim: int, mesh) -> int:
+  if spec is None or dim >= len(spec) or spec[dim] is None:
+    return 1
+  axes = (spec[dim],) if isinstance(spec[dim], str) else spec[dim]
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _expert_f_shards(name: str, shape: dict) -> int:
+  """How many ways a routed expert's hidden width F is split: tp's tensor axis."""
+  return shape.get("tensor", 1) if name == "tp" else 1
+
+
+def _runs(name: str, cfg, shape: dict) -> float:
+  """pp runs each local MoE layer once per time step (M + P - 1 of them): how many exchanges of
+  one layer its a2a terms add up, per MoE layer of the model."""
+  if name != "pp":
+    return 1
+  p = shape["stage"]
+  return (cfg.microbatches + p - 1) / p
+
+
+def _layers_held(name: str, cfg, shape: dict) -> float:
+  """Layers whose saved activations a device holds through the backward (module docstring)."""
+  if name != "pp":
+    return cfg.n_layers
+  p, m = shape["stage"], cfg.microbatches
+  return cfg.n_moe_layers / p * (m + p - 1) / m + cfg.first_k_dense_replace
+
+
+def predict_temp(features: dict) -> float:
+  return sum(TEMP_COEF[k] * v for k, v in features.items())
+
+
+def _axes_inside(axes, inner) -> bool:
+  return all(a in inner for a in axes)
+
+
+def timing(c: Candidate, cfg, terms, cluster, efficiency: float) -> None:
+  """Fill c's compute, communication, dominant collective, tokens/s and MFU (module docstring)."""
+  model_flops = flops_per_step(cfg)
+  n = math.prod(s for _, s in c.sizes)
+  work = model_flops / n
+  if cfg.remat == "block":
+    work *= 4 / 3
+  shape = dict(c.sizes)
+  if c.strategy == "pp":
+    p, m = shape["stage"], cfg.microbatches
+    work *= (1 - _dense_flops_share(cfg)) * (m + p - 1) / m + _dense_flops_share(cfg) * p
+  c.compute_s = work / (efficiency * cluster.peak_flops)
+  per_key: dict = {}
+  for x in terms:
+    bw = cluster.intra_bw if _axes_inside(x.axes, c.inner) else cluster.inter_bw
+    key = f"{x.kind} over {','.join(x.axes)}"
+    per_key[key] = per_key.get(key, 0.0) + x.wire_bytes / bw
+  c.comm_s = sum(per_key.values())
+  if per_key:
+    c.dominant, c.dominant_s = max(per_key.items(), key=lambda kv: kv[1])
+  c.tokens_per_s = cfg.batch * cfg.seq_len / c.step_s / n
+  c.mfu = model_flops / (c.step_s * n * cluster.peak_flops)
+
+
+def _step_terms(terms, remat: str) -> list:
+  """measure.cost.step_terms on terms already computed: remat's recomputed forward copies."""
+  return terms + [dataclasses.replace(t, phase="bwd", what=f"{t.what}, recomputed", remat=())
+                  for t in terms if remat in t.remat]
+
+
+def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
+                         remats=REMATS, capacity_factors=CAPACITY_FACTORS,
+                         pp_max_microbatches=PP_MAX_MICROBATCHES, efficiency: float = EFFICIENCY,
+                         progress=None) -> list[Candidate]:
+  """Every candidate of the grid (module docstring), predicted; refused ones carry `error`
+  (check()'s one line) and no prediction. progress: called as progress(done, name, kept) now
+  and then."""
+  shapes = model.init_params_shapes(cfg)
+  out, last = [], time.perf_counter()
+  for name in names:
+    strat = strategies.get(name)
+    for sizes in splits(n, len(strat.AXES)):
+      shape = dict(zip(strat.AXES, sizes))
+      mesh = mesh_lib.abstract_mesh(shape)
+      mem = None
+      for opts in option_sets(name):
+        for m in (_pp_microbatches(cfg, shape, pp_max_microbatches) if name == "pp" else (1,)):
+          for cf in capacity_factors:
+            base = cfg.replace(microbatches=m, capacity_factor=cf)
+            key = (name, tuple(shape.items()), m, cf, opts)
+            try:
+              base.validate()
+              strat.check(base, mesh, opts)
+            except ConfigError as e:
+              out += [Candidate(*key[:3], remat, cf, opts, error=str(e)) for remat in remats]
+              continue
+            if mem is None:
+              mem = cost.param_memory(shapes, strat.param_specs(cfg, mesh), mesh, cfg.optimizer)
+            raw = strat.cost(base, mesh, opts)
+            for remat in remats:
+              c_cfg = base.replace(remat=remat)
+              terms = _step_terms(raw, remat)
+              temp = predict_temp(temp_features(name, c_cfg, mesh, raw))
+              for inner in placements(shape, cluster.node_size):
+                c = Candidate(*key[:3], remat, cf, opts, inner,
+                              param_opt=mem["param_bytes"] + mem["opt_bytes"], temp=temp)
+                timing(c, c_cfg, terms, cluster, efficiency)
+                c.fits = c.memory <= hbm_bytes
+                out.append(c)
+      if progress is not None and time.perf_counter() - last > 2:
+        progress(len(out), name, sum(1 for c in out if not c.error))
+        last = time.perf_counter()
+  return out
+
+
+def _pp_microbatches(cfg, shape: dict, most: int) -> list[int]:
+  """pp's M: every divisor of the sequences one (data, expert) shard holds, up to `most` (a
+  batch the shard does not divide gets M = 1, for check() to refuse)."""
+  b, rest = divmod(cfg.batch, shape.get("data", 1) * shape.get("expert", 1))
+  if rest or b < 1:
+    return [1]
+  return [m for m in range(1, min(b, most) + 1) if b % m == 0]
+
+
+def rank(cands: list[Candidate]) -> list[Candidate]:
+  """The admitted candidates, those that fit first, each group by predicted step time (then
+  memory)."""
+  return sorted((c for c in cands if not c.error),
+                key=lambda c: (not c.fits, c.step_s, c.memory))
+
+
+def config_for(c: Candidate, cfg):
+  """The Config a candidate runs: its microbatches, remat and capacity factor."""
+  return cfg.replace(microbatches=c.microbatches, remat=c.remat,
+                     capacity_factor=c.capacity_factor)
+
+
+def progress_line(done: int, name: str, kept: int) -> None:
+  print(f"  ... {done} candidates so far ({kept} admitted), at {name}", file=sys.stderr,
+        flush=True)

@@ -1,0 +1,188 @@
+"""The planner (planning/): enumeration counts, admissibility errors, ranking order, the speed
+of ranking on real shapes, and the honesty check: two compiled candidates whose predicted bytes
+per (kind, axes) are within 1% of the HLO's and whose predicted memory is within MEMORY_RTOL of
+XLA's."""
+import math
+import time
+
+import pytest
+
+from layout import mesh as mesh_lib
+from measure import cost
+from modeling import model
+from modeling.config import get_config
+from planning import check, clusters, plan
+
+H100 = clusters.get("h100")
+NODE4 = clusters.Cluster("node4", H100.peak_flops, H100.hbm_bytes, 4, H100.intra_bw,
+                         H100.inter_bw, "a node of 4, for the tests")
+
+
+def test_splits_and_placements():
+  assert sorted(plan.splits(8, 1)) == [(8,)]
+  triples = list(plan.splits(8, 3))
+  assert len(triples) == 10 and len(set(triples)) == 10          # C(3 + 2, 2) ordered triples
+  assert all(math.prod(t) == 8 for t in triples)
+  assert plan.placements({"data": 2, "expert": 4}, 8) == [("data", "expert")]
+  assert plan.placements({"data": 2, "expert": 4}, 4) == [("data",), ("expert",)]
+  assert plan.placements({"data": 16, "expert": 1}, 8) == [()]    # data:16 spans two nodes
+
+
+def test_enumeration_counts_on_tiny():
+  """dp: one mesh x 2 capacity factors x 2 remats, one placement; ep: the 10 splits of 8
+  devices over (data, fsdp, expert), all admitted by tiny (8 experts, batch 8), each inside one
+  node of 8: 10 x 2 x 2."""
+  cfg = get_config("tiny", dtype="bfloat16")
+  dp = plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("dp",))
+  assert len(dp) == 4 and not any(c.error for c in dp)
+  ep = plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("ep",))
+  assert len(ep) == 40 and not any(c.error for c in ep)
+  assert len({(c.sizes, c.remat, c.capacity_factor) for c in ep}) == 40
+  # nodes of 4: a mesh with two axes of size 2 and 4 has two placements, fsdp:8 none inside
+  ep4 = plan.enumerate_candidates(cfg, 8, NODE4, 80e9, names=("ep",), remats=("block",),
+                                  capacity_factors=(0.0,))
+  by_mesh = {}
+  for c in ep4:
+    by_mesh.setdefault(c.mesh_str, []).append(c.inner)
+  assert sorted(by_mesh["data:2,expert:4"]) == [("data",), ("expert",)]
+  assert by_mesh["fsdp:8"] == [()]
+
+
+def test_option_grid():
+  """cp's K/V exchange is part of the candidate: each admitted cp layout comes with allgather
+  and ring, says which in its layout, and the two predict different bytes."""
+  cfg = get_config("tiny", dtype="bfloat16")
+  cands = [c for c in plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("cp",),
+                                                remats=("block",), capacity_factors=(0.0,))
+           if not c.error]
+  by_mesh = {}
+  for c in cands:
+    by_mesh.setdefault(c.sizes, {})[c.opts.kv_exchange] = c
+  assert by_mesh and all(set(v) == {"allgather", "ring"} for v in by_mesh.values())
+  ctx = next(v for k, v in by_mesh.items() if dict(k)["context"] > 1)
+  assert "kv_exchange=ring" in ctx["ring"].layout()
+  assert ctx["ring"].comm_s != ctx["allgather"].comm_s
+
+
+def test_admissibility_errors_are_check_lines():
+  """tiny has 2 layers: pp on stage:4 or stage:8 is refused with check()'s one line, and a
+  refused candidate carries no prediction and is not ranked."""
+  cfg = get_config("tiny", dtype="bfloat16")
+  cands = plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("pp",))
+  refused = [c for c in cands if c.error]
+  assert "n_layers=2 is not divisible by mesh axis stage=4" in {c.error for c in refused}
+  assert all(c.step_s == 0 and c.memory == 0 for c in refused)
+  ranked = plan.rank(cands)
+  assert ranked and all(not c.error for c in ranked)
+  assert all(dict(c.sizes)["stage"] in (1, 2) for c in ranked)
+
+
+def test_ranking_order_and_exact_params():
+  """Those that fit come first, each group by predicted step time; dp's params + optimizer
+  state are 3 x the float32 params (param + 2 Adam moments), exactly; a candidate whose axes
+  all lie inside a node communicates no slower than the same layout with none inside."""
+  cfg = get_config("mixtral-8x7b", dtype="bfloat16", n_layers=4)
+  cands = plan.enumerate_candidates(cfg, 64, H100, 60 * 2**30, names=("dp", "fsdp", "ep"))
+  ranked = plan.rank(cands)
+  fits = [c.fits for c in ranked]
+  assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
+  for group in (True, False):
+    times = [c.step_s for c in ranked if c.fits == group]
+    assert times == sorted(times)
+  full = sum(cost.nbytes(l.shape) for l in model.param_leaves(cfg))
+  dp = next(c for c in ranked if c.strategy == "dp")
+  assert dp.param_opt == 3 * full and not dp.fits
+  same = {}
+  for c in ranked:
+    same.setdefault((c.strategy, c.sizes, c.remat, c.capacity_factor), []).append(c)
+  groups = [g for g in same.values() if len(g) > 1]
+  assert groups                                   # placements differ only in communication
+  for g in groups:
+    assert len({c.compute_s for c in g}) == 1 and len({c.memory for c in g}) == 1
+  # one link class (inter = intra): every placement communicates alike, and no faster than
+  # any placement on the real cluster, whose inter-node links are slower
+  flat = clusters.Cluster("flat", H100.peak_flops, H100.hbm_bytes, 8, H100.intra_bw,
+                          H100.intra_bw, "one link class")
+  even = plan.enumerate_candidates(cfg, 64, flat, 60 * 2**30, names=("ep",))
+  by_layout = {}
+  for c in even:
+    if not c.error:
+      by_layout.setdefault((c.sizes, c.remat, c.capacity_factor), set()).add(round(c.comm_s, 12))
+  assert all(len(v) == 1 for v in by_layout.values())
+  for c in ranked:
+    if c.strategy == "ep":
+      assert c.comm_s >= min(by_layout[(c.sizes, c.remat, c.capacity_factor)]) * (1 - 1e-9)
+
+def test_ranks_a_thousand_real_candidates_quickly():
+  """The speed the README claims, loosely (a shared 2-core host): Mixtral-8x7B on 64 devices
+  enumerates over a thousand candidates in well under a minute, without a device mesh."""
+  cfg = get_config("mixtral-8x7b", dtype="bfloat16")
+  t = time.perf_counter()
+  ranked = plan.rank(plan.enumerate_candidates(cfg, 64, H100, 80e9))
+  assert len(ranked) >= 1000 and time.perf_counter() - t < 30
+
+
+# Predicted memory against XLA's, params + optimizer + temp, on the two compiled candidates
+# below: held out (D, heads, F and vocab differ from planning/calibrate.py's models), at the
+# calibration's depth and length (4 layers, S = 1024), where they come out at 0.918 and 1.077.
+# Shallower and shorter (2 layers, S = 512) they came out near 0.8 (README, "Planner"): XLA's
+# temp there has a part the model does not scale down, so MEMORY_RTOL holds at this scale only.
+MEMORY_RTOL = 0.10
+SMALL = dict(d_model=512, n_heads=8, n_kv_heads=8, head_dim=64, d_ff=1024, n_layers=4,
+             seq_len=1024, batch=16, dtype="bfloat16", vocab=8000)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+  """The planner's two best distinct layouts of ep and fsdp for a small Mixtral-shaped model on
+  the 8 test devices, compiled (compile only)."""
+  cfg = get_config("mixtral-8x7b", **SMALL)
+  ranked = plan.rank(plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("ep", "fsdp"),
+                                               remats=("block",), capacity_factors=(0.0,)))
+  return [check.compile_candidate(c, cfg) for c in check.distinct(ranked, 2)]
+
+
+def test_compiled_bytes_per_kind_and_axes_within_one_percent(compiled):
+  for r in compiled:
+    assert r.bytes_by_axes, r.candidate.layout()
+    bad = {k: v for k, v in r.bytes_by_axes.items() if not 0.99 <= v["ratio"] <= 1.01}
+    assert not bad, (r.candidate.layout(), bad)
+
+
+def test_compiled_memory_within_tolerance(compiled):
+  for r in compiled:
+    assert abs(r.memory_ratio - 1) <= MEMORY_RTOL, (r.candidate.layout(), r.memory_ratio,
+                                                    r.candidate.temp, r.compiled_temp)
+
+
+def test_plan_command_line(tmp_path):
+  """`run.py --plan`: the first line, the table, the refusals, --plan_find's rank, the PNG, and
+  one compiled candidate's predicted vs compiled bytes, every (kind, axes) within 1%."""
+  import re
+
+  from tests.test_cli import _run
+  r = _run("--plan", "--model=tiny", "--devices=8", "--plan_compile=1", "--plan_top=3",
+           "--plan_find=ep@data:2,expert:4", f"--report_dir={tmp_path}")
+  assert r.returncode == 0, r.stderr
+  lines = r.stdout.splitlines()
+  m = re.fullmatch(r"ranked (\d+) candidates \((\d+) fit\) in [\d.]+ s", lines[0])
+  assert m and int(m[1]) >= int(m[2]) > 0, lines[0]
+  assert lines[2].startswith("| # | layout") and len([l for l in lines if l.startswith("| ")]) == 4
+  assert any(l.startswith("refused by check():") for l in lines)
+  assert any(l.startswith("ep data:2,expert:4: ") for l in lines)
+  assert any(l.startswith("wrote ") and l.endswith("plan.png") for l in lines)
+  ratios = [float(l.rsplit("ratio ", 1)[1]) for l in lines if l.startswith("  ") and "ratio" in l]
+  assert ratios and all(0.99 <= x <= 1.01 for x in ratios), ratios
+  assert any(l.startswith("compiled ") for l in lines)
+
+
+def test_abstract_mesh_is_what_enumeration_uses():
+  """check, param_specs and cost read axis sizes only: the same terms on an abstract mesh as on
+  the devices' mesh."""
+  import strategies
+  cfg = get_config("tiny")
+  strat = strategies.get("ep")
+  shape = {"data": 2, "fsdp": 1, "expert": 4}
+  a = cost.by_axes(strat.cost(cfg, mesh_lib.abstract_mesh(shape), strat.Options()))
+  b = cost.by_axes(strat.cost(cfg, mesh_lib.make_mesh(shape), strat.Options()))
+  assert a == b and a
