@@ -30,7 +30,9 @@ Per candidate, per device:
            T = tokens per device in the residual stream; R = rows of one MoE layer's expert
            computation on a device (the padded exchange buffer EP x C where tokens move by
            all-to-all, ep_tp's compaction bound, else T x K); L_held = the layers whose
-           activations a device keeps (pp: n_moe / P x (M + P - 1) / M + the dense prefix).
+           activations a device keeps (pp: n_moe / P x (M + P - 1) / M + the dense prefix under
+           gpipe, min(M, 2P - 1) / M in place of (M + P - 1) / M under 1f1b; the temp model
+           was fitted on gpipe and default options only).
            Not terms: the local gradients, the reduced gradients, a residual-sized working set
            and R x F_local each got weight 0 when fitted beside these.
            TEMP_COEF: saved_block held at 1 (the calibration models have 4-5 layers, too few for
@@ -45,7 +47,8 @@ Per candidate, per device:
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
-               recomputed forward); pp: x (M + P - 1) / M (the bubble) and its dense prefix run
+               recomputed forward); pp: x (M + P - 1) / M (the bubble; 1f1b's counts pre-pass x 4/3 of
+               that) and its dense prefix run
                on every stage
              communication = per cost-model term (measure.cost.step_terms: kind, axes, bytes),
                its wire bytes over the bandwidth of the links its group spans: the node's when
@@ -74,6 +77,7 @@ NAMES = tuple(n for n in strategies.NAMES if n != "reference")
 EFFICIENCY = 0.5      # the fraction of peak FLOP/s the matmuls reach: an assumption, stated
 # Strategy options the enumeration varies: {strategy: {field: values}} (module docstring)
 OPTION_GRID = {"cp": {"kv_exchange": ("allgather", "ring")},
+               "pp": {"schedule": ("gpipe", "1f1b")},
                "ep_as_cp": {"kv_exchange": ("allgather", "ring")},
                "ep_tp": {"exchange": ("ring", "folded")},
                "shard_exp_on_fsdp": {"mode": ("gather", "ep")}}
@@ -189,9 +193,9 @@ def _dense_flops_share(cfg) -> float:
   return cfg.first_k_dense_replace / cfg.n_layers
 
 
-def temp_features(name: str, cfg, mesh, terms) -> dict:
+def temp_features(name: str, cfg, mesh, terms, opts=None) -> dict:
   """The features of the temp model (module docstring), in bytes per device. terms: the
-  strategy's cost terms (without remat's copies)."""
+  strategy's cost terms (without remat's copies); opts: its Options (None = the defaults)."""
   strat = strategies.get(name)
   shape = dict(mesh.shape)
   t = cfg.batch * cfg.seq_len / spec_shards(strat.batch_spec(cfg, mesh), mesh)
@@ -201,9 +205,9 @@ def temp_features(name: str, cfg, mesh, terms) -> dict:
   gathered = sum(x.bytes for x in terms if x.kind == "all-gather" and x.phase == "fwd"
                  and x.what.endswith("gathered")) / cfg.n_layers
   res = t * cfg.d_model * 4
-  rows = _routed_rows(name, cfg, shape, t, terms)
+  rows = _routed_rows(name, cfg, shape, t, terms, opts)
   routed = rows * (cfg.d_model + f_loc) * cost.act_bytes(cfg)
-  held = _layers_held(name, cfg, shape)
+  held = _layers_held(name, cfg, shape, opts)
   block, none = cfg.remat == "block", cfg.remat == "none"
   heads = cfg.n_heads / shape.get("tensor", 1)
   chunk = min(cfg.attention_chunk, cfg.seq_len) if cfg.attention_impl == "chunked" else cfg.seq_len
@@ -215,14 +219,14 @@ def temp_features(name: str, cfg, mesh, terms) -> dict:
           "work_rows_tokens": rows * t}
 
 
-def _routed_rows(name: str, cfg, shape: dict, t: float, terms) -> float:
+def _routed_rows(name: str, cfg, shape: dict, t: float, terms, opts=None) -> float:
   """Rows of one MoE layer's expert computation on a device: the padded exchange buffer
   [EP, C] where tokens move by all-to-all (C from its cost terms: the forward all-to-all bytes
   of one layer's dispatch, per row of D values); ep_tp's compaction bound over the data shard's
   gathered tokens; else the device's T x K routed copies."""
   a2a = sum(x.bytes for x in terms if x.kind == "all-to-all" and x.phase == "fwd")
   if a2a:
-    calls = 2 * cfg.n_moe_layers * _runs(name, cfg, shape)       # dispatch + combine per call
+    calls = 2 * cfg.n_moe_layers * _runs(name, cfg, shape, opts)  # dispatch + combine per call
     return a2a / calls / (cfg.d_model * cost.act_bytes(cfg))
   if name == "ep_tp":
     from layout import dispatch
@@ -246,21 +250,35 @@ def _expert_f_shards(name: str, shape: dict) -> int:
   return shape.get("tensor", 1) if name == "tp" else 1
 
 
-def _runs(name: str, cfg, shape: dict) -> float:
-  """pp runs each local MoE layer once per time step (M + P - 1 of them): how many exchanges of
-  one layer its a2a terms add up, per MoE layer of the model."""
+def _runs(name: str, cfg, shape: dict, opts=None) -> float:
+  """pp runs each local MoE layer once per time step (M + P - 1 of them), and 1f1b's counts
+  pre-pass once more: how many exchanges of one layer its forward a2a terms add up, per MoE
+  layer of the model."""
   if name != "pp":
     return 1
   p = shape["stage"]
-  return (cfg.microbatches + p - 1) / p
+  return (cfg.microbatches + p - 1) / p * (1 + _pre_pass(cfg, opts))
 
 
-def _layers_held(name: str, cfg, shape: dict) -> float:
+def _pre_pass(cfg, opts) -> bool:
+  """pp's 1f1b with the batch-wise aux loss runs a forward pass for the step's counts first."""
+  return opts is not None and strategies.get("pp").counts_pre_pass(cfg, opts)
+
+
+def _in_flight(cfg, shape: dict, opts) -> float:
+  """pp: microbatches whose activations a stage holds, per microbatch of the step: gpipe's
+  time loop keeps M + P - 1, 1f1b's ring min(M, 2P - 1) (strategies/pp.py)."""
+  p, m = shape["stage"], cfg.microbatches
+  if opts is not None and opts.schedule == "1f1b":
+    return min(m, 2 * p - 1) / m
+  return (m + p - 1) / m
+
+
+def _layers_held(name: str, cfg, shape: dict, opts=None) -> float:
   """Layers whose saved activations a device holds through the backward (module docstring)."""
   if name != "pp":
     return cfg.n_layers
-  p, m = shape["stage"], cfg.microbatches
-  return cfg.n_moe_layers / p * (m + p - 1) / m + cfg.first_k_dense_replace
+  return cfg.n_moe_layers / shape["stage"] * _in_flight(cfg, shape, opts) + cfg.first_k_dense_replace
 
 
 def predict_temp(features: dict) -> float:
@@ -281,7 +299,8 @@ def timing(c: Candidate, cfg, terms, cluster, efficiency: float) -> None:
   shape = dict(c.sizes)
   if c.strategy == "pp":
     p, m = shape["stage"], cfg.microbatches
-    work *= (1 - _dense_flops_share(cfg)) * (m + p - 1) / m + _dense_flops_share(cfg) * p
+    pipe = (m + p - 1) / m * (1 + _pre_pass(cfg, c.opts) / 3)   # the pre-pass: one more forward
+    work *= (1 - _dense_flops_share(cfg)) * pipe + _dense_flops_share(cfg) * p
   c.compute_s = work / (efficiency * cluster.peak_flops)
   per_key: dict = {}
   for x in terms:
@@ -333,7 +352,7 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
             for remat in remats:
               c_cfg = base.replace(remat=remat)
               terms = _step_terms(raw, remat)
-              temp = predict_temp(temp_features(name, c_cfg, mesh, raw))
+              temp = predict_temp(temp_features(name, c_cfg, mesh, raw, opts))
               for inner in placements(shape, cluster.node_size):
                 c = Candidate(*key[:3], remat, cf, opts, inner,
                               param_opt=mem["param_bytes"] + mem["opt_bytes"], temp=temp)
