@@ -80,12 +80,16 @@ def render(rows: list[dict], compile_only: bool, simulated: bool, hbm_gb: float 
       cells["final loss"] = cells["max dloss"] = "-"
       cells["parity"] = f"NON-FINITE at step {r['nonfinite_step']}"
     lines.append([cells[h] for h in head])
-  widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h)
+  return markdown_table(head, lines)
+
+
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+  """A Markdown table whose columns are padded to their widest cell."""
+  widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
             for i, h in enumerate(head)]
-  out = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |",
-         "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-  out += ["| " + " | ".join(c.ljust(w) for c, w in zip(l, widths)) + " |" for l in lines]
-  return "\n".join(out)
+  line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+  return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+                   + [line(r) for r in rows])
 
 
 def header(info: dict, simulated: bool) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 
 from planning import plan
-from report import fmt_bytes
+from report import fmt_bytes, markdown_table
 
 
 def verdict(c: plan.Candidate, best: plan.Candidate | None, hbm: float) -> str:
@@ -28,10 +28,7 @@ def table(ranked: list[plan.Candidate], top: int, hbm: float) -> str:
            f"{c.step_s:.3f}", f"{c.tokens_per_s:,.0f}", f"{c.mfu:.1%}",
            f"{c.dominant} {c.dominant_s:.3f}s" if c.dominant else "none",
            verdict(c, best, hbm)] for i, c in enumerate(ranked[:top])]
-  widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-  line = lambda r: "| " + " | ".join(x.ljust(w) for x, w in zip(r, widths)) + " |"
-  return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-                   + [line(r) for r in rows])
+  return markdown_table(head, rows)
 
 
 def refused(cands: list[plan.Candidate], most: int = 6) -> str:
