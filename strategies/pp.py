@@ -358,7 +358,7 @@ def check_schedule(table: dict, m: int) -> None:
         assert when(bwd, s, i) == when(bwd, s + 1, i) + 1, ("backward hop", s, i)
       else:
         assert when(bwd, s, i) >= when(fwd, s, i), ("backward before forward", i)
-  r = min(in_flight(table), m)
+  r = in_flight(table)
   for s in range(p):
     live = {}
     for f, b in zip(fwd[:, s], bwd[:, s]):
@@ -423,7 +423,7 @@ def _run_table(p, tokens, targets, positions, *, cfg, n_stage, ep_size, table, p
   once, after the loop, over the axes each weight is replicated on."""
   m, all_axes = cfg.microbatches, (STAGE,) + TOKENS
   n_tokens = cfg.batch * cfg.seq_len
-  r = min(in_flight(table), m)
+  r = in_flight(table)                        # <= m: only forwards run make residuals
   stage = jax.lax.axis_index(STAGE)
   first, last = stage == 0, stage == n_stage - 1
   split = lambda a: einops.rearrange(a, "(m mb) s -> m mb s", m=m)   # [M, b/M, S]
@@ -478,8 +478,8 @@ def _run_table(p, tokens, targets, positions, *, cfg, n_stage, ep_size, table, p
   weight = _weight_index(leaves0, layers)
   ring0 = [l for i, l in enumerate(leaves0) if i not in weight]
 
-  def zeros_like(a, lead=(), also=()):   # zeros typed as `a` (varying also over `also`)
-    return sharding.to_varying(jnp.zeros(lead + a.shape, a.dtype),
+  def zeros_like(a, lead=(), also=(), dtype=None):   # zeros typed as `a` (varying also over
+    return sharding.to_varying(jnp.zeros(lead + a.shape, dtype or a.dtype),   # `also`)
                                sharding.varying_axes(a) | set(also))
 
   def run_forward(layers, x, pos_m):
@@ -544,9 +544,9 @@ def _run_table(p, tokens, targets, positions, *, cfg, n_stage, ep_size, table, p
       "recv": act, "recv_ct": act,
       "ring": [zeros_like(a, (r,), also=(STAGE,)) for a in ring0],
       "dy": zeros_like(y0, (r,)),
-      "dx0": vary(jnp.zeros(x0.shape, x0.dtype), x0),
-      "g_layers": jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32), a), layers),
-      "g_head": jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32), a), ph),
+      "dx0": zeros_like(x0),
+      "g_layers": jax.tree.map(lambda a: zeros_like(a, dtype=jnp.float32), layers),
+      "g_head": jax.tree.map(lambda a: zeros_like(a, dtype=jnp.float32), ph),
       "stats": {"ce": vary(jnp.zeros((), jnp.float32), act),
                 **{k: zeros_like(v, also=(STAGE,)) for k, v in zip(("aux", "z"), aux0[1:])},
                 **{k: zeros_like(aux0[0][k], also=(STAGE,)) for k in ("dropped", "counts")}}}
