@@ -21,10 +21,12 @@ from modeling import model, moe
 from parallel.sharding import gather_weight
 
 
-def table(fsdp_axes) -> dict:
-  """role -> PartitionSpec: every matrix on its model dim D (modeling.model.D_DIM) over
-  `fsdp_axes` (str or tuple); norms and the router bias are left out, i.e. replicated."""
-  return {role: P(*(None,) * d, fsdp_axes) for role, d in model.D_DIM.items()}
+def table(fsdp_axes, roles=None) -> dict:
+  """role -> PartitionSpec: every matrix (or those of `roles`) on its model dim D
+  (modeling.model.D_DIM) over `fsdp_axes` (str or tuple); norms and the router bias are left
+  out, i.e. replicated."""
+  return {role: P(*(None,) * d, fsdp_axes) for role, d in model.D_DIM.items()
+          if roles is None or role in roles}
 
 
 def check(cfg, mesh, fsdp_axes) -> None:

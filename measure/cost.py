@@ -151,7 +151,8 @@ def param_memory(param_shapes, specs, mesh, optimizer: str) -> dict[str, float]:
   return {"param_bytes": params, "opt_bytes": opt}
 
 
-def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None) -> list[Term]:
+def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None,
+                 once=False) -> list[Term]:
   """The weight traffic of a train step, derived once for every strategy from each parameter's
   role, stored spec (`specs`, the strategy's param_specs) and how the step uses it:
 
@@ -164,6 +165,7 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None) -> list
       is not split over, all-reduced at the stored size. grads[role] overrides `grad_axes` for a
       role; a tuple of axis tuples is reduced one group after the other (XLA splits the sum of
       a norm scale that meets a batch- and sequence-sharded activation: sequence axes first).
+  once: the gathers run once per step outside the layers (pp), so --remat never re-issues them.
   Plus the gradient norm: one scalar all-reduced over every mesh axis (runtime.train.global_norm).
   The router bias gets no gradient (stop_gradient), hence no traffic."""
   from modeling import model
@@ -185,7 +187,7 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None) -> list
       for m in reversed(moves):
         shards //= math.prod(mesh.shape[a] for a in m)
         out += term(mesh, "all-gather", "fwd", f"{leaf.role} gathered", full / shards, m,
-                    RECOMPUTED if leaf.role in model.LAYER_ROLES else ())
+                    RECOMPUTED if leaf.role in model.LAYER_ROLES and not once else ())
       for m in moves:
         shards *= math.prod(mesh.shape[a] for a in m)
         out += term(mesh, "reduce-scatter", "bwd", f"{leaf.role} grads", grad / shards, m)
@@ -198,6 +200,30 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None) -> list
       out += term(mesh, "all-reduce", "bwd", f"{leaf.role} grads",
                   local, tuple(a for a in group if a not in stored))
   return out + term(mesh, "all-reduce", "opt", "grad norm", F32, tuple(mesh.axis_names))
+
+
+def muon_terms(cfg, mesh, specs, axes) -> list[Term]:
+  """Muon's Newton-Schulz runs on whole matrices (modeling.optim.orthogonalize): each Muon leaf
+  whose matrix dims are stored split over some of `axes` has its float32 direction all-gathered
+  over them once per step (the batch dims, layers and experts, stay split). [] unless Muon."""
+  from modeling import model, optim
+  if cfg.optimizer != "muon":
+    return []
+  flat = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+  out = []
+  for leaf, spec in zip(model.param_leaves(cfg), flat):
+    if leaf.role not in optim.MUON_ROLES:
+      continue
+    dims = optim.muon_dims(leaf.role)
+    shift = 1 if leaf.role in model.LAYER_ROLES else 0
+    matrix = {d + shift for d in dims.reduction_axis + dims.output_axis}
+    entries = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))
+    moved = tuple(a for d in sorted(matrix) for a in entry_axes(entries[d]) if a in axes)
+    kept = math.prod(mesh.shape[a] for d, e in enumerate(entries) if d not in matrix
+                     for a in entry_axes(e))
+    out += term(mesh, "all-gather", "opt", f"{leaf.role} whole for Newton-Schulz",
+                nbytes(leaf.shape) / kept, moved)
+  return out
 
 
 def fsdp_gathered(grad_axes) -> dict:

@@ -7,10 +7,13 @@ M = cfg.microbatches (--microbatches) microbatches per step; EP = |expert|.
 | tensor                                   | sharding                                          |
 |------------------------------------------|---------------------------------------------------|
 | MoE layer params [L, ...]                | L over stage: stage s holds layers s*L/P..(s+1)*L/P-1 |
-| dense prefix params [L_dense, ...]       | replicated                                        |
 | experts wi_0/wi_1 [L, E, D, F], wo       | (stage, expert, None, None): e = E/EP per device  |
-| attn, norms, router, bias, shared [L, ..]| (stage, ...), replicated over (data, expert)      |
-| embed, final_norm, unembed               | replicated                                        |
+| attn, router, shared experts [L, ..]     | (stage, D over data): wq [L@stage, D@data, H, Dh] |
+| norms, router bias [L, ..]               | (stage, ...), replicated over (data, expert)      |
+| dense prefix matrices [L_dense, ..]      | D over data: wq [L_dense, D@data, H, Dh]          |
+| embed [V, D], unembed [D, V]             | D over (stage, data): [V, D@(stage,data)]         |
+| final_norm, the prefix's norms           | replicated                                        |
+| optimizer state                          | like its parameter                                |
 | tokens / targets / positions [B, S]      | ((data, expert), None), replicated over stage     |
 | a microbatch between stages [b/M, S, D]  | per device: its b = B/(data*expert) rows, 1/M     |
 
@@ -22,6 +25,18 @@ stage s runs its L/P layers (model.block, scanned) on what stage s-1 sent at t-1
 ppermutes its output to s+1 after each time step; the last stage keeps the M outputs and
 computes the head. Inside a stage the MoE is ep.py's moe_body with its padded all-to-all over
 expert (pp takes no --opt=dispatch: the ragged exchange is ep's alone until a GPU run holds it).
+
+The stage's weights over data: ZeRO-3 at rest, ZeRO-1's traffic. Every non-expert matrix, its
+float32 master and its optimizer state are stored split on D over data (1/data of them per
+device, DeepSeek-V3's ZeRO-1 saving and more), all-gathered once per step before the time
+loop in the compute dtype (`_use`), and their gradients reduce-scattered once, after it:
+1x the weight gathered and 1/data reduce-scattered per step, the wire bytes of the all-reduce
+they replace. FSDP's per-use gather would move the weight at every one of the M+P-1 ticks;
+ZeRO-1's replicated bf16 copy would keep a whole stage's weights between steps. The gathered
+copy lives for the step (its temp memory). The experts stay split over expert only. Embedding
+and head are split over every stage too, D over (stage, data): the first stage alone reads the
+embedding and the last alone the head, but a stored share on each device (1/(P x data) of
+them and of their optimizer state) costs less than whole copies on two stages.
 
 Schedules (--opt=schedule=gpipe|1f1b), each a table (`schedule`: which microbatch's forward
 F<m> and backward B<m> each stage runs at each tick; . = idle), P = 4.
@@ -83,20 +98,29 @@ Collectives per step (x = expert; T_mb = b/M*S tokens per device per microbatch)
                the expert outputs; all-reduce over (data, x) of the router statistics
   backward: 3. collective-permute over stage of the activation cotangents, M+P-1 steps (1f1b:
                M+P-2)
-            4. the all-to-all transposes; weight grads: layer params all-reduced over (data, x)
-               (the experts over data), embed / final_norm / unembed and the dense prefix's
-               params over (stage, data, x)
+            4. the all-to-all transposes; weight grads once after the loop: the matrices
+               reduce-scattered over data (embed, unembed: over (stage, data)), then the shard
+               all-reduced over x (a layer's, embed, unembed) or (stage, x) (the dense
+               prefix's); the experts all-reduced over data; norms over (data, x) (a layer's)
+               or (stage, data, x) (final_norm, the prefix's)
+  before  : the matrices all-gathered over data (embed, unembed: (stage, data)), once per step
   once    : the loss sums: CE over (stage, data, x), aux / z / dropped over stage; grad norm.
   1f1b with the batch-wise aux loss: the counts pre-pass, 1. and 2. once more (no recompute).
 HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
 (kind, axes) set equals it, and tests/test_pp.py holds both to the program, both ways):
+  all-gather over data: the non-expert matrices, once per step before the time loop
+  all-gather over (stage, data): embed, unembed, with them
+  reduce-scatter over data: their gradients, once after it
+  reduce-scatter over (stage, data): embed and unembed grads
   collective-permute over stage: activations forward, cotangents backward
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
-  all-reduce over (data, expert): router statistics per microbatch, layer-param grads
+  all-reduce over (data, expert): router statistics per microbatch, layer norm-scale grads
+  all-reduce over expert: layer matrix, embed and unembed grad shards after the reduce-scatter
   all-reduce over data: expert grads
   all-reduce over stage: aux / z / dropped sums
-  all-reduce over (stage, data, expert): embed / final_norm / unembed / dense-prefix grads, CE
-    sum, grad norm
+  all-reduce over (stage, expert): dense-prefix matrix grad shards
+  all-reduce over (stage, data, expert): final_norm and dense-prefix norm grads, CE sum, grad norm
+  (Muon adds its float32 directions all-gathered over data for Newton-Schulz, after the step.)
 When to use: the model's layers do not fit on one EP group (pipeline across nodes over slow
 links: only [b/M, S, D] activations cross a stage boundary), with M >= P microbatches to keep
 the bubble small. Cost: the bubble, and P-1 idle stages during warm-up and drain; gpipe keeps
@@ -115,7 +139,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from layout import dispatch, mesh as mesh_lib, options
+from layout import dispatch, fsdp, mesh as mesh_lib, options
 from measure import cost as cost_lib
 from modeling import model, routing
 from parallel import sharding
@@ -128,6 +152,7 @@ MAIN_AXIS = STAGE
 COMPARE_MESH = "data:1,stage:2,expert:4"        # tiny has 2 layers: 2 stages, EP inside; more
                                                 # devices scale data
 TOKENS = (DATA, EXPERT)                         # the batch axes (replicated over stage)
+SPREAD = (STAGE, DATA)                          # embed and unembed's D dim: every stage's share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +188,9 @@ BAD_INPUT = [
     BadInput(dict(microbatches=4), "stage:2,expert:4", Options(),
              "batch=8 is not divisible by microbatches=4 x mesh axis dataxexpert=4"),
     BadInput(dict(n_experts=6, top_k=2), "stage:2,expert:4", Options(),
-             "n_experts=6 is not divisible by mesh axis expert=4")]
+             "n_experts=6 is not divisible by mesh axis expert=4"),
+    BadInput(dict(n_layers=4, d_model=36), "stage:4,data:2", Options(),   # embed's D
+             "d_model=36 is not divisible by mesh axis stagexdata=8")]
 
 
 def check(cfg, mesh, opts):
@@ -171,11 +198,17 @@ def check(cfg, mesh, opts):
                              else "n_layers", cfg.n_moe_layers, mesh, STAGE)
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)
+  fsdp.check(cfg, mesh, DATA)                 # the stage's matrices on their D dim over data
+  mesh_lib.require_divisible("d_model", cfg.d_model, mesh, SPREAD)   # embed, unembed
   mesh_lib.require_microbatches(cfg, mesh, batch_spec(cfg, mesh))  # B % (M x data x expert)
 
 
 def param_specs(cfg, mesh):
-  return model.param_specs(cfg, {"expert_in": P(EXPERT, None, None),     # [L@stage, E@x, D, F]
+  # role -> spec of one layer: every non-expert matrix on its D dim over data (wq [D@data, H, Dh],
+  # ...), embed and unembed over (stage, data), the routed experts' E over expert; norms and
+  # the router bias replicated. The MoE layers' stacked L over stage, the dense prefix's not.
+  return model.param_specs(cfg, {**fsdp.table(DATA), **fsdp.table(SPREAD, ("embed", "unembed")),
+                                 "expert_in": P(EXPERT, None, None),     # [L@stage, E@x, D, F]
                                  "expert_out": P(EXPERT, None, None)}, layer_axis=STAGE)
 
 
@@ -200,7 +233,7 @@ def loss(params, batch, *, cfg, mesh):
   specs = param_specs(cfg, mesh)
   bspec = batch_spec(cfg, mesh)
   keys = ("tokens", "targets", "positions")
-  body = functools.partial(_pipeline, cfg=cfg, n_stage=mesh.shape[STAGE],
+  body = functools.partial(_pipeline, specs=specs, cfg=cfg, n_stage=mesh.shape[STAGE],
                            ep_size=mesh.shape[EXPERT])
   out_specs = (P(), {"loss": P(), "ce_loss": P(), "aux_loss": P(), "z_loss": P(), "dropped": P(),
                      "counts": P(STAGE, None)})
@@ -211,22 +244,25 @@ def loss(params, batch, *, cfg, mesh):
 def logits(params, batch, *, cfg, mesh):
   """The model's logits [B, S, V] under the pipeline (no loss; for inference and the Hugging
   Face parity tests): the last stage's head, summed over stage (the other stages add zeros)."""
+  specs = param_specs(cfg, mesh)
   def body(p, tokens, positions):
-    outs, _, p = _stages(p, tokens, positions, cfg=cfg, n_stage=mesh.shape[STAGE],
+    p = _use(p, specs, cfg)
+    outs, _ = _stages(p, tokens, positions, cfg=cfg, n_stage=mesh.shape[STAGE],
                       ep_size=mesh.shape[EXPERT])
     out = _head(outs, p, cfg)                                       # [M, b/M, S, V]
     last = jax.lax.axis_index(STAGE) == mesh.shape[STAGE] - 1
     out = jax.lax.psum(jnp.where(last, out, 0.0), STAGE)
     return einops.rearrange(out, "m mb s v -> (m mb) s v")          # [b, S, V]
   bspec = batch_spec(cfg, mesh)
-  return jax.shard_map(body, in_specs=(param_specs(cfg, mesh), bspec, bspec),
+  return jax.shard_map(body, in_specs=(specs, bspec, bspec),
                        out_specs=P(TOKENS, None, None))(params, batch["tokens"], batch["positions"])
 
 
-def _pipeline(p, tokens, targets, positions, *, cfg, n_stage, ep_size):
+def _pipeline(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size):
   """One device. tokens / targets / positions [b, S] local rows; p: this stage's layers."""
   m, all_axes = cfg.microbatches, (STAGE,) + TOKENS
-  outs, stats, p = _stages(p, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size)
+  p = _use(p, specs, cfg)
+  outs, stats = _stages(p, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size)
   last = jax.lax.axis_index(STAGE) == n_stage - 1
   tgt = einops.rearrange(targets, "(m mb) s -> m mb s", m=m)        # [M, b/M, S]
   ce = _ce_sum(_head(outs, p, cfg), tgt)
@@ -251,10 +287,61 @@ def _head(outs, p, cfg):
   return jnp.einsum("mbsd,dv->mbsv", h, p["unembed"]).astype(jnp.float32)
 
 
+def _use(p, specs, cfg):
+  """This device's weights as the stage uses them, once per step, before the time loop: varying
+  over every axis (each device sums its own gradient contributions over the ticks, and the
+  reduction runs once, after the loop), cast to the compute dtype (router, bias, norms stay
+  float32: model.KEEP_F32), and the sharded matrices all-gathered over data (embed and unembed
+  over (stage, data)). Their gradient comes back reduce-scattered over those axes
+  (`_gather`), then all-reduced over the axes the shard is replicated on (the pcast's
+  transpose): scattering first makes that all-reduce 1/data of the weight. Mixed precision: the all-gather moves the compute dtype; the
+  gradient is summed in grad_reduce_dtype (the cast after the pcast when that is float32)."""
+  all_axes = (STAGE,) + TOKENS
+  f32_sum = cfg.grad_reduce_dtype == "float32"
+
+  def one(a, spec, role):
+    dtype = a.dtype if role in model.KEEP_F32 else jnp.dtype(cfg.dtype)
+    a = sharding.to_varying(a if f32_sum else a.astype(dtype), all_axes)
+    dim, axes = _split_dim(spec)
+    return a.astype(dtype) if dim is None else _gather(a, dim, axes, dtype)
+  return jax.tree.map(one, p, specs, model.param_roles(cfg))
+
+
+def _split_dim(spec) -> tuple:
+  """(the dim a stored spec splits over data or (stage, data), its axes of size > 1), or
+  (None, ()): the weight is used as stored (experts, norms; or nothing to gather)."""
+  for dim, entry in enumerate(spec):
+    axes = tuple(a for a in sharding.entry_axes(entry)
+                 if a in SPREAD and DATA in sharding.entry_axes(entry)
+                 and jax.lax.axis_size(a) > 1)
+    if axes:
+      return dim, axes
+  return None, ()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather(a, dim, axes, dtype):
+  """[.., D/n, ..] -> [.., D, ..] in `dtype`, n = |axes|; backward: the cotangent in a's dtype
+  (the sum's), reduce-scattered over `axes` (XLA:CPU emits a reduce-scatter only from an
+  explicit psum_scatter)."""
+  return jax.lax.all_gather(a.astype(dtype), axes, axis=dim, tiled=True)
+
+
+def _gather_fwd(a, dim, axes, dtype):
+  return _gather(a, dim, axes, dtype), jnp.zeros((), a.dtype)
+
+
+def _gather_bwd(dim, axes, dtype, like, ct):
+  return (jax.lax.psum_scatter(ct.astype(like.dtype), axes, scatter_dimension=dim, tiled=True),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
 def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
-  """The GPipe time loop on one device -> (the last stage's outputs [M, b/M, S, D] (zeros on
-  the other stages), this stage's router stats summed over the microbatches {name: [L/P, ..]},
-  p cast and varying: the head reads its final_norm and unembed)."""
+  """The GPipe time loop on one device, p as `_use` returns it -> (the last stage's outputs
+  [M, b/M, S, D] (zeros on the other stages), this stage's router stats summed over the
+  microbatches {name: [L/P, ..]})."""
   m, all_axes = cfg.microbatches, (STAGE,) + TOKENS
   b, s = tokens.shape
   mb = b // m
@@ -264,15 +351,6 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
   pos = split(positions)
   stage = jax.lax.axis_index(STAGE)
   first, last = stage == 0, stage == n_stage - 1
-  # varying over every axis before the time loop: each device accumulates its weight grads over
-  # the M+P-1 steps, and the psum (pcast's transpose) runs ONCE, after the loop, not per step
-  # mixed precision: the cast comes after the pcast, so the one psum sums float32 gradients
-  # (before it with --grad_reduce_dtype=bfloat16); router, bias, norms stay float32 (KEEP_F32)
-  cast = lambda t: jax.tree.map(lambda a, role: a if role in model.KEEP_F32 else
-                                a.astype(cfg.dtype), t, model.param_roles(cfg))
-  f32_sum = cfg.grad_reduce_dtype == "float32"
-  p = jax.tree.map(lambda a: sharding.to_varying(a, all_axes), p if f32_sum else cast(p))
-  p = cast(p) if f32_sum else p
   # the leading dense layers (DeepSeek) before the pipeline, on every device for its own rows
   # (stages > 0 compute it too and discard it: their gradient of it is zero)
   x0 = model.dense_prefix(p["embed"][tokens], p, positions, cfg, model.Layout())   # [b, S, D]
@@ -302,7 +380,7 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
                        jax.eval_shape(run_stage, zeros((mb, s, cfg.d_model)), pos[0])[1])
   carry = (zeros((mb, s, cfg.d_model)), zeros((m, mb, s, cfg.d_model)), stat0)
   (_, outs, stats), _ = jax.lax.scan(step, carry, jnp.arange(m + n_stage - 1), unroll=unroll)
-  return outs, stats, p
+  return outs, stats
 
 
 # ----------------------------------------------------------------------------- schedule tables
@@ -391,7 +469,7 @@ def _scheduled_loss(params, batch, *, cfg, mesh, name):
   specs, bspec = param_specs(cfg, mesh), batch_spec(cfg, mesh)
   keys = ("tokens", "targets", "positions")
   table = schedule(name, mesh.shape[STAGE], cfg.microbatches)
-  body = functools.partial(_run_table, cfg=cfg, n_stage=mesh.shape[STAGE],
+  body = functools.partial(_run_table, specs=specs, cfg=cfg, n_stage=mesh.shape[STAGE],
                            ep_size=mesh.shape[EXPERT], table=table,
                            pre_pass=counts_pre_pass(cfg, Options(schedule=name)))
   out_specs = ((P(), {"loss": P(), "ce_loss": P(), "aux_loss": P(), "z_loss": P(),
@@ -413,14 +491,16 @@ def _scheduled_loss(params, batch, *, cfg, mesh, name):
   return f(params, *(batch[k] for k in keys))
 
 
-def _run_table(p, tokens, targets, positions, *, cfg, n_stage, ep_size, table, pre_pass):
+def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, table,
+               pre_pass):
   """One device: ((loss, metrics), grads) of its shards, running `table` (see `schedule`).
 
   State across ticks: the activation received from s-1 and the cotangent from s+1 (one tick
   each: check_schedule), a ring of R = in_flight(table) microbatches' vjp residuals (the
   stage's weights, which every residual set shares, are not copied into it), the last stage's
-  d(loss)/d(output) per microbatch, and float32 gradient sums. Weight gradients are psum'd
-  once, after the loop, over the axes each weight is replicated on."""
+  d(loss)/d(output) per microbatch, and float32 gradient sums. Weight gradients are reduced
+  once, after the loop: reduce-scattered over data where the weight is stored split over it,
+  then psum'd over the axes the weight (its shard) is replicated on."""
   m, all_axes = cfg.microbatches, (STAGE,) + TOKENS
   n_tokens = cfg.batch * cfg.seq_len
   r = in_flight(table)                        # <= m: only forwards run make residuals
@@ -428,12 +508,9 @@ def _run_table(p, tokens, targets, positions, *, cfg, n_stage, ep_size, table, p
   first, last = stage == 0, stage == n_stage - 1
   split = lambda a: einops.rearrange(a, "(m mb) s -> m mb s", m=m)   # [M, b/M, S]
   pos, tgt = split(positions), split(targets)
-  cast = lambda t: jax.tree.map(lambda a, role: a if role in model.KEEP_F32 else
-                                a.astype(cfg.dtype), t, model.param_roles(cfg))
   f32_sum = cfg.grad_reduce_dtype == "float32"
   home = jax.tree.map(sharding.varying_axes, p)                 # the axes each weight varies over
-  # varying over every axis: each device sums its own gradient contributions over the ticks
-  pc = cast(jax.tree.map(lambda a: sharding.to_varying(a, all_axes), p))
+  pc = _use(p, specs, cfg)            # gathered over data; its gradients are summed explicitly
   layers = pc["layers"]
   lay = model.Layout(moe=functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
                                            token_axes=TOKENS, transport=ep.a2a_exchange))
@@ -444,7 +521,7 @@ def _run_table(p, tokens, targets, positions, *, cfg, n_stage, ep_size, table, p
   if pre_pass:                                # unrolled: a second while loop beside
     # the table's, reloaded from the persistent compilation cache, crashes XLA:CPU (stage:4,data:2)
     counts = jax.lax.stop_gradient(
-        _stages(p, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
+        _stages(pc, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
                 unroll=True)[1]["counts"])
 
   def stage_fn(lp, x, pos_m, cnt):            # [b/M, S, D] -> ([b/M, S, D], aux + z terms)
@@ -563,11 +640,13 @@ def _run_table(p, tokens, targets, positions, *, cfg, n_stage, ep_size, table, p
   (d_prefix,) = prefix_vjp(carry["dx0"])
   grads = {**jax.tree.map(lambda a: a.astype(jnp.float32), d_prefix), **carry["g_head"],
            "layers": carry["g_layers"]}
-  def reduce(g, a, axes):                     # over the axes the weight is replicated on
+  def reduce(g, a, axes, spec):               # scattered where split, summed where replicated
     g = g if f32_sum else g.astype(cfg.dtype)
+    dim, split = _split_dim(spec)
+    g = g if dim is None else jax.lax.psum_scatter(g, split, scatter_dimension=dim, tiled=True)
     over = tuple(ax for ax in all_axes if ax not in axes)
     return (jax.lax.psum(g, over) if over else g).astype(a.dtype)
-  grads = jax.tree.map(reduce, grads, p, home)
+  grads = jax.tree.map(reduce, grads, p, home, specs)
 
   st = carry["stats"]
   ce = jax.lax.psum(st["ce"], all_axes)
@@ -634,7 +713,12 @@ def cost(cfg, mesh, opts):
   runs = steps * local_layers                                       # moe_body calls per pass
   term = functools.partial(cost_lib.term, mesh)
   stats = cost_lib.stats_values(cfg) * cost_lib.F32
-  out = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), AXES)
+  # the non-expert matrices gathered whole over data once per step (outside any remat'd layer)
+  gathered = {**{role: (P(STAGE), AXES) for role in model.D_DIM
+                 if role not in ("expert_in", "expert_out")},
+              "embed": (P(), AXES), "unembed": (P(), AXES)}           # over (stage, data)
+  out = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), AXES, gathered, once=True)
+         + cost_lib.muon_terms(cfg, mesh, param_specs(cfg, mesh), (DATA,))
          + term("collective-permute", "fwd", "activations to the next stage", sends[0] * act,
                 STAGE)
          + term("collective-permute", "bwd", "cotangents to the previous stage", sends[1] * act,

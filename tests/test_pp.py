@@ -25,11 +25,17 @@ IDS = ["tiny-s2e4-m4", "tiny-s4d2-m8", "deepseek-s2d2e2-m2", "deepseek-s4e2-m4-c
 
 
 @pytest.mark.parametrize("model_name,over,mesh", CASES[:3], ids=IDS[:3])
-def test_permute_bytes_exact(model_name, over, mesh):
+def test_permute_and_weight_bytes_exact(model_name, over, mesh):
+  """The permutes are 2 x (M+P-1) x [b/M, S, D]; with a data axis, the stage's non-expert
+  matrices are all-gathered over data once per step (not per tick: that would be M+P-1 x) and
+  their gradients reduce-scattered once, to the byte."""
   cfg = get_config(model_name, **over)
   table = parity.assert_cost_model("pp", cfg, mesh)
-  permute = table[("collective-permute", frozenset({"stage"}))]
-  assert permute["predicted"] == permute["measured"]           # 2 x (M+P-1) x [b/M, S, D]
+  keys = [("collective-permute", frozenset({"stage"}))]
+  if "data" in mesh:
+    keys += [("all-gather", frozenset({"data"})), ("reduce-scatter", frozenset({"data"}))]
+  for key in keys:
+    assert table[key]["predicted"] == table[key]["measured"], (key, table[key])
 
 
 def test_microbatch_aux_loss_is_not_a_mean_of_microbatch_losses():

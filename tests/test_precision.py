@@ -12,9 +12,10 @@ import strategies
 from tests import parity
 
 # (strategy, mesh): every registered strategy on its comparison mesh (run.py --compare); fsdp,
-# cp and ep_as_cp with a data axis too, so their gradient sums span two axes
-MESHES = [(n, {"fsdp": "data:2,fsdp:4", "cp": "data:2,context:4",
-               "ep_as_cp": "data:2,expert:4"}.get(n, strategies.get(n).COMPARE_MESH))
+# cp and ep_as_cp with a data axis too, so their gradient sums span two axes; pp with one, so its
+# stage weights are gathered over data in bf16 and their gradients reduce-scattered in float32
+MESHES = [(n, {"fsdp": "data:2,fsdp:4", "cp": "data:2,context:4", "ep_as_cp": "data:2,expert:4",
+               "pp": "stage:2,data:2,expert:2"}.get(n, strategies.get(n).COMPARE_MESH))
           for n in strategies.NAMES if n != "reference"]
 IDS = [m[0] for m in MESHES]
 # ep_as_cp runs its ring K/V exchange here (MLA's latent around the ring in bf16); cp's all-gather;
