@@ -27,6 +27,10 @@ Per candidate, per device:
              work_rows_d       one MoE layer's expert rows, R x D x 4
              work_rows_tokens  R x T bytes: temp grows by about 4 x R x T bytes whatever D, F
                                and E (measured); which op holds it is not traced
+             pp_weights        pp: the weights its _use gathers once per step (over data, the
+                               embedding and head over (stage, data)), at their gathered size,
+                               a copy in the compute dtype plus its float32 gradient sum, both
+                               live through the time loop (strategies/pp.py)
            T = tokens per device in the residual stream; R = rows of one MoE layer's expert
            computation on a device (the padded exchange buffer EP x C where tokens move by
            all-to-all, ep_tp's compaction bound, else T x K); L_held = the layers whose
@@ -41,9 +45,10 @@ Per candidate, per device:
            planning.calibrate`: --gmm=scan, bf16, small models shaped like Mixtral-8x7B and
            DeepSeek-V2-Lite). On those 23, total memory is within -16% .. +10% of XLA's (temp
            alone -25% .. +32%). At full scale (README, "Planner": Mixtral-8x7B on 64 devices,
-           DeepSeek-V3 on 256 and 2048) ep and pp come out within 0.94 .. 1.06 of XLA's total,
-           while dp, fsdp, cp, ep_tp (0.83 .. 0.88) and tp (1.12) miss: their replicated or
-           data-reduced gradients are a term the small models barely show.
+           DeepSeek-V3 on 256 and 2048) ep, and pp without a data axis, come out within
+           0.94 .. 1.06 of XLA's total, while dp, fsdp, cp, ep_tp (0.83 .. 0.88) and tp (1.12)
+           miss: their replicated or data-reduced gradients are a term the small models barely
+           show. pp with a data axis: gpipe 1.12, 1f1b 0.57 .. 0.80 (an untraced buffer).
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
@@ -58,6 +63,7 @@ Per candidate, per device:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import sys
@@ -67,7 +73,7 @@ from layout import mesh as mesh_lib
 from measure import cost
 from modeling import model
 from modeling.config import ConfigError
-from parallel.sharding import spec_shards
+from parallel.sharding import entry_axes, spec_shards
 import strategies
 
 REMATS = ("none", "block")
@@ -83,10 +89,14 @@ OPTION_GRID = {"cp": {"kv_exchange": ("allgather", "ring")},
                "shard_exp_on_fsdp": {"mode": ("gather", "ep")}}
 # Residual-stream sequence splits that batch_spec does not show: ep_tp keeps [B@data, S@expert, D]
 SEQ_SPLIT = {"ep_tp": ("expert",)}
+# pp_weights' coefficient, not from planning/calibrate.py (whose pp rows predate the gathered
+# weights): the value that puts the two full-scale pp compiles with a data axis in the README
+# ("Planner", "pp at full scale") nearest XLA's temp, stated there
+PP_WEIGHTS_COEF = 0.75
 # Fitted by planning/calibrate.py (bytes of temp per byte of feature); see the module docstring.
 TEMP_COEF = {"logits": 1.200, "gathered": 0.754, "attn_chunk": 0.879, "saved_block": 1.000,
              "saved_none_res": 28.751, "saved_none_routed": 2.930, "work_rows_d": 3.443,
-             "work_rows_tokens": 3.879}
+             "work_rows_tokens": 3.879, "pp_weights": PP_WEIGHTS_COEF}
 
 
 @dataclasses.dataclass
@@ -216,7 +226,35 @@ def temp_features(name: str, cfg, mesh, terms, opts=None) -> dict:
           "saved_block": held * t * cfg.d_model * cost.act_bytes(cfg) * block,
           "saved_none_res": held * res * none,
           "saved_none_routed": held * routed * none, "work_rows_d": rows * cfg.d_model * 4,
-          "work_rows_tokens": rows * t}
+          "work_rows_tokens": rows * t,
+          "pp_weights": _pp_weights(name, cfg, mesh) * (cost.act_bytes(cfg) + 4)}
+
+
+def _pp_weights(name: str, cfg, mesh) -> float:
+  """pp: how many parameter values a device holds gathered by _use (strategies/pp.py): each
+  leaf stored split over data, or (stage, data), at its size times those shards. 0 otherwise."""
+  if name != "pp":
+    return 0.0
+  return _pp_gathered(cfg.replace(microbatches=1, capacity_factor=0.0, remat="none"),
+                      tuple(dict(mesh.shape).items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _pp_gathered(cfg, shape: tuple) -> float:
+  import jax
+  from jax.sharding import PartitionSpec
+  strat = strategies.get("pp")
+  mesh = mesh_lib.abstract_mesh(dict(shape))
+  leaves = jax.tree.leaves(model.init_params_shapes(cfg), is_leaf=lambda l: hasattr(l, "role"))
+  specs = jax.tree.leaves(strat.param_specs(cfg, mesh),
+                          is_leaf=lambda x: isinstance(x, PartitionSpec))
+  out = 0.0
+  for leaf, spec in zip(leaves, specs):
+    n = math.prod(mesh.shape[a] for e in spec for a in entry_axes(e)
+                  if strat.DATA in entry_axes(e) and a in strat.SPREAD)
+    if n > 1:
+      out += math.prod(leaf.shape) / spec_shards(spec, mesh) * n
+  return out
 
 
 def _routed_rows(name: str, cfg, shape: dict, t: float, terms, opts=None) -> float:

@@ -1,0 +1,59 @@
+"""The planner's predicted memory per device against XLA's, for chosen candidates: each is
+enumerated as `python run.py --plan` does (bf16, global batch max(the preset's, N)), then
+compiled only (planning.check.compile_candidate) on N simulated devices.
+
+Run from the repo root:
+  python bench/plan_memory.py --model=mixtral-8x7b --devices=64 --cluster=h100 \
+      pp@stage:4,data:2,expert:8/M=4/block/schedule=1f1b ...
+A candidate is STRATEGY@MESH/M=m/REMAT[/option=value...]; capacity factor 1.25.
+"""
+import argparse
+import os
+import sys
+import time
+
+ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+ARGS.add_argument("--model", default="mixtral-8x7b")
+ARGS.add_argument("--devices", type=int, default=64)
+ARGS.add_argument("--cluster", default="h100")
+ARGS.add_argument("candidates", nargs="+")
+A = ARGS.parse_args()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_force_host_platform_device_count={A.devices}")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from modeling.config import PRESETS, get_config  # noqa: E402
+from planning import check, clusters, plan  # noqa: E402
+
+G = 2**30
+
+
+def parse(text: str):
+  """STRATEGY@MESH/M=m/REMAT[/k=v...] -> (strategy, {axis: size}, m, remat, {k: v})."""
+  head, m, remat, *opts = text.split("/")
+  name, mesh = head.split("@")
+  sizes = {a: int(n) for a, n in (kv.split(":") for kv in mesh.split(","))}
+  return name, sizes, int(m.removeprefix("M=")), remat, dict(o.split("=") for o in opts)
+
+
+cfg = get_config(A.model, dtype="bfloat16")
+cfg = cfg.replace(batch=max(PRESETS[A.model].batch, A.devices)).validate()
+cluster = clusters.get(A.cluster)
+wanted = [parse(c) for c in A.candidates]
+cands = [c for c in plan.enumerate_candidates(cfg, A.devices, cluster, cluster.hbm_bytes,
+                                              names=tuple({w[0] for w in wanted}))
+         if not c.error and c.capacity_factor == 1.25]
+print("| candidate | params+opt | predicted | compiled | ratio | temp predicted | temp compiled |")
+print("|---|---|---|---|---|---|---|")
+for (name, sizes, m, remat, opts), text in zip(wanted, A.candidates):
+  hit = [c for c in cands if c.strategy == name and c.microbatches == m and c.remat == remat
+         and {a: n for a, n in c.sizes if n > 1} == sizes
+         and all(str(getattr(c.opts, k)) == v for k, v in opts.items())]
+  if not hit:
+    sys.exit(f"error: {text} is not among the planner's admitted candidates")
+  t = time.time()
+  r = check.compile_candidate(hit[0], cfg)
+  c = hit[0]
+  print(f"| {text} | {c.param_opt / G:.1f}G | {c.memory / G:.1f}G | {r.compiled_memory / G:.1f}G "
+        f"| {r.memory_ratio:.3f} | {c.temp / G:.1f}G | {r.compiled_temp / G:.1f}G |", flush=True)
+  print(f"  ({time.time() - t:.0f} s)", file=sys.stderr)
