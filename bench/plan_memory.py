@@ -6,6 +6,8 @@ Run from the repo root:
   python bench/plan_memory.py --model=mixtral-8x7b --devices=64 --cluster=h100 \
       pp@stage:4,data:2,expert:8/M=4/block/schedule=1f1b ...
 A candidate is STRATEGY@MESH/M=m/REMAT[/option=value...]; capacity factor 1.25.
+--bytes adds a second table: the planner's predicted step time and the compiled program's
+bytes per (kind, axes), with the worst predicted-vs-HLO ratio.
 """
 import argparse
 import os
@@ -16,6 +18,7 @@ ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ARGS.add_argument("--model", default="mixtral-8x7b")
 ARGS.add_argument("--devices", type=int, default=64)
 ARGS.add_argument("--cluster", default="h100")
+ARGS.add_argument("--bytes", action="store_true")
 ARGS.add_argument("candidates", nargs="+")
 A = ARGS.parse_args()
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -43,6 +46,7 @@ wanted = [parse(c) for c in A.candidates]
 cands = [c for c in plan.enumerate_candidates(cfg, A.devices, cluster, cluster.hbm_bytes,
                                               names=tuple({w[0] for w in wanted}))
          if not c.error and c.capacity_factor == 1.25]
+checked = []
 print("| candidate | params+opt | predicted | compiled | ratio | temp predicted | temp compiled |")
 print("|---|---|---|---|---|---|---|")
 for (name, sizes, m, remat, opts), text in zip(wanted, A.candidates):
@@ -54,6 +58,17 @@ for (name, sizes, m, remat, opts), text in zip(wanted, A.candidates):
   t = time.time()
   r = check.compile_candidate(hit[0], cfg)
   c = hit[0]
+  checked.append((text, r))
   print(f"| {text} | {c.param_opt / G:.1f}G | {c.memory / G:.1f}G | {r.compiled_memory / G:.1f}G "
         f"| {r.memory_ratio:.3f} | {c.temp / G:.1f}G | {r.compiled_temp / G:.1f}G |", flush=True)
   print(f"  ({time.time() - t:.0f} s)", file=sys.stderr)
+
+if A.bytes:
+  print("\n| candidate | step s (predicted) | dominant | bytes per device (HLO) | worst HLO/cost - 1 |")
+  print("|---|---|---|---|---|")
+  for text, r in checked:
+    c = r.candidate
+    got = ", ".join(f"{k} over {','.join(sorted(a))} {v['measured'] / G:.2f}G"
+                    for (k, a), v in r.bytes_by_axes.items() if v["measured"] > 1e6)
+    worst = max(abs(v["ratio"] - 1) for v in r.bytes_by_axes.values())
+    print(f"| {text} | {c.step_s:.3f} | {c.dominant} | {got} | {worst:.3f} |")
