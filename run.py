@@ -30,6 +30,9 @@ flags.DEFINE_integer("steps", None, "steps to run (after --restore: more steps; 
 flags.DEFINE_integer("batch", None, "global batch (sequences); default from the preset")
 flags.DEFINE_integer("seq", None, "sequence length; default from the preset")
 flags.DEFINE_integer("layers", None, "override the number of layers")
+flags.DEFINE_string("layer_layout", None, "pp: MoE layers per stage, in depth order, e.g. 4,4,3 "
+                    "(stages may differ; the stack is padded to the largest with inert rows). "
+                    "Default: L / P each; the reference takes it too, other strategies refuse it")
 flags.DEFINE_integer("microbatches", 1, "M microbatches per step, one optimizer update: gradient "
                      "accumulation (each microbatch sharded like the batch); pp: its pipeline's")
 flags.DEFINE_string("mesh", None, "e.g. data:2,expert:4; omitted axes get size 1; "
@@ -133,10 +136,10 @@ def check_plan_flags():
   if F.opt is not None or any(getattr(F, flag) is not None for flag in ALIASES):
     raise UsageError("--opt: --plan enumerates the strategy options it varies "
                      "(planning/plan.py OPTION_GRID) and keeps the rest at their defaults")
-  for flag in ("microbatches", "remat", "capacity_factor"):
+  for flag in ("microbatches", "remat", "capacity_factor", "layer_layout"):
     if F[flag].present:
-      raise UsageError(f"--{flag}: --plan enumerates it (pp's microbatches, remat none|block, "
-                       "capacity factor 0|1.25)")
+      raise UsageError(f"--{flag}: --plan enumerates it (pp's microbatches and its balanced "
+                       "layer layout, remat none|block, capacity factor 0|1.25)")
   if F.compile_only or F.full_parity or F.breakdown or F.hlo_stats:
     raise UsageError("--plan compiles its best candidates itself (--plan_compile); it takes no "
                      "--compile_only, --full_parity, --breakdown or --hlo_stats")
@@ -347,7 +350,8 @@ def make_config():
               remat=F.remat, dtype=F.dtype, grad_reduce_dtype=F.grad_reduce_dtype)
   for flag, key in (("batch", "batch"), ("seq", "seq_len"), ("layers", "n_layers"), ("lr", "lr"),
                     ("adam_eps", "adam_eps"), ("aux_loss_kind", "aux_loss_kind"),
-                    ("attention", "attention_impl"), ("attention_chunk", "attention_chunk")):
+                    ("attention", "attention_impl"), ("attention_chunk", "attention_chunk"),
+                    ("layer_layout", "layer_layout")):
     if getattr(F, flag) is not None:
       over[key] = getattr(F, flag)
   from modeling import gmm

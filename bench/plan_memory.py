@@ -19,6 +19,7 @@ ARGS.add_argument("--model", default="mixtral-8x7b")
 ARGS.add_argument("--devices", type=int, default=64)
 ARGS.add_argument("--cluster", default="h100")
 ARGS.add_argument("--bytes", action="store_true")
+ARGS.add_argument("--batch", type=int, default=None, help="global batch (default: the planner's)")
 ARGS.add_argument("candidates", nargs="+")
 A = ARGS.parse_args()
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -40,7 +41,7 @@ def parse(text: str):
 
 
 cfg = get_config(A.model, dtype="bfloat16")
-cfg = cfg.replace(batch=max(PRESETS[A.model].batch, A.devices)).validate()
+cfg = cfg.replace(batch=A.batch or max(PRESETS[A.model].batch, A.devices)).validate()
 cluster = clusters.get(A.cluster)
 wanted = [parse(c) for c in A.candidates]
 cands = [c for c in plan.enumerate_candidates(cfg, A.devices, cluster, cluster.hbm_bytes,

@@ -82,6 +82,10 @@ class Config:
   # intermediate_size)
   first_k_dense_replace: int = _model(0)
   dense_d_ff: int = _model(0)
+  # the MoE layer stack in groups ("4,4,3": MoE layers per group, in depth order; "" = one group
+  # of all of them): each group padded to the largest with inert slots, so that pp's stages can
+  # hold different numbers of layers (strategies/pp.py; layer_slots below)
+  layer_layout: str = _model("")
   # losses / balancing
   aux_loss_coef: float = _run(0.01)
   attention_impl: str = _run("chunked")  # ATTENTION_IMPLS
@@ -113,6 +117,28 @@ class Config:
   @property
   def n_moe_layers(self) -> int:
     return self.n_layers - self.first_k_dense_replace
+
+  @property
+  def layer_groups(self) -> tuple[int, ...]:
+    """MoE layers per group of the stack (layer_layout), (n_moe_layers,) when unset."""
+    if not self.layer_layout:
+      return (self.n_moe_layers,)
+    return tuple(int(c) for c in self.layer_layout.split(","))
+
+  @property
+  def n_layer_slots(self) -> int:
+    """Rows of the stored MoE stack: groups x the largest group (= n_moe_layers when unset)."""
+    return len(self.layer_groups) * max(self.layer_groups)
+
+  @property
+  def layer_slots(self) -> tuple[int, ...]:
+    """For each row of the stored MoE stack, the MoE layer it holds (depth order), or -1 for an
+    inert padding row: group g's layers fill its first rows, padding its last ones."""
+    most, out, depth = max(self.layer_groups), [], 0
+    for count in self.layer_groups:
+      out += list(range(depth, depth + count)) + [-1] * (most - count)
+      depth += count
+    return tuple(out)
 
   @property
   def qk_head_dim(self) -> int:
@@ -181,6 +207,14 @@ class Config:
     need(0 <= self.first_k_dense_replace < self.n_layers,
          f"first_k_dense_replace={self.first_k_dense_replace} must be in [0, n_layers="
          f"{self.n_layers}) (at least one MoE layer)")
+    if self.layer_layout:
+      groups = self.layer_layout.split(",")
+      need(all(g.strip().isdigit() and int(g) >= 1 for g in groups),
+           f"layer_layout={self.layer_layout!r}: expected MoE layers per group, each >= 1, "
+           "e.g. 4,4,3")
+      need(sum(map(int, groups)) == self.n_moe_layers,
+           f"layer_layout={self.layer_layout} holds {sum(map(int, groups))} MoE layers, the "
+           f"model has {self.n_moe_layers}")
     need(not self.first_k_dense_replace or self.dense_d_ff >= 1,
          "dense_d_ff must be >= 1 with first_k_dense_replace > 0")
     if self.mla:
@@ -192,6 +226,13 @@ class Config:
     else:
       need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (RoPE)")
     return self
+
+
+def balanced_layout(n: int, groups: int) -> str:
+  """n layers in `groups` groups as even as they go, the larger groups first (layer_layout):
+  balanced_layout(58, 16) = "4,4,...,4,3,...,3" (ten 4s, six 3s)."""
+  q, r = divmod(n, groups)
+  return ",".join(str(q + (g < r)) for g in range(groups))
 
 
 PRESETS: dict[str, Config] = {

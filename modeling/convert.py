@@ -232,6 +232,9 @@ def from_hf(state: Mapping[str, np.ndarray], cfg, *, ignore: Iterable[str] = ())
   mixtral = _get(cfg, "router") == "softmax" and _get(cfg, "attention", "gqa") == "gqa"
   if not 0 <= n_dense <= n_layers:
     _refuse(f"first_k_dense_replace={n_dense} outside [0, n_layers={n_layers}]")
+  if _get(cfg, "layer_layout", ""):
+    _refuse(f"layer_layout={_get(cfg, 'layer_layout')}: convert to the unpadded model, then "
+            "train with the layout from a fresh init (the padded stack has no HF form)")
   dense, moe = [], []
   for i in range(n_layers):
     p = f"model.layers.{i}."

@@ -144,29 +144,33 @@ def _param_tree(cfg: Config, leaf) -> dict:
   normal(0, 1/fan_in) leaf, fan_in=0 -> ones, fan_in=-1 -> zeros."""
   d, e, f, v = cfg.d_model, cfg.n_experts, cfg.d_ff, cfg.vocab
 
-  def swiglu(width, roles):                                         # a dense SwiGLU FFN
+  def swiglu(width, roles, leaf):                                   # a dense SwiGLU FFN
     r_in, r_out = roles
     return {"wi_0": leaf((d, width), d, r_in), "wi_1": leaf((d, width), d, r_in),
             "wo": leaf((width, d), width, r_out)}
 
-  def layer(dense):
+  def layer(dense, leaf=leaf):
     out = {"attn_norm": leaf((d,), 0, "attn_norm"), "attn": _attention_params(cfg, leaf),
            "mlp_norm": leaf((d,), 0, "mlp_norm")}
     if dense:
-      return {**out, "mlp": swiglu(cfg.dense_d_ff, ("dense_in", "dense_out"))}
+      return {**out, "mlp": swiglu(cfg.dense_d_ff, ("dense_in", "dense_out"), leaf)}
     out["moe"] = {"router": leaf((d, e), d, "router"), "bias": leaf((e,), -1, "bias"),
                   "wi_0": leaf((e, d, f), d, "expert_in"), "wi_1": leaf((e, d, f), d, "expert_in"),
                   "wo": leaf((e, f, d), f, "expert_out")}
     if cfg.n_shared_experts:
-      out["shared"] = swiglu(cfg.shared_d_ff, ("shared_in", "shared_out"))
+      out["shared"] = swiglu(cfg.shared_d_ff, ("shared_in", "shared_out"), leaf)
     return out
 
-  # drawn layer by layer in depth order (the dense prefix first), then stacked per kind
+  # drawn layer by layer in depth order (the dense prefix first), then stacked per kind; the
+  # MoE stack's padding rows (cfg.layer_slots -1, layer_layout) are zeros, drawn from nothing,
+  # so the real layers hold the same values whatever the layout
   layers = [layer(i < cfg.first_k_dense_replace) for i in range(cfg.n_layers)]
+  moe = layers[cfg.first_k_dense_replace:]
+  pad = lambda: layer(False, lambda shape, fan_in, role: leaf(shape, -1, role))
   tree = {"embed": leaf((v, d), 1, "embed")}
   if cfg.first_k_dense_replace:
     tree["dense_layers"] = layers[:cfg.first_k_dense_replace]
-  return {**tree, "layers": layers[cfg.first_k_dense_replace:],
+  return {**tree, "layers": [moe[j] if j >= 0 else pad() for j in cfg.layer_slots],
           "final_norm": leaf((d,), 0, "final_norm"), "unembed": leaf((d, v), d, "unembed")}
 
 
@@ -217,7 +221,7 @@ def param_counts(cfg: Config) -> tuple[int, int]:
   15.71B / 2.45B, DeepSeek-V3 671.03B / 36.63B (tests/test_model.py holds the published
   46.7B / 12.9B, 15.7B / 2.4B, 671B / 37B)."""
   total = active = 0
-  for leaf in param_leaves(cfg):
+  for leaf in param_leaves(cfg.replace(layer_layout="")):     # layer_layout's padding: no params
     n = math.prod(leaf.shape)
     total += n
     if leaf.role in EXPERTS:
@@ -466,6 +470,31 @@ def dense_prefix(x, params, positions, cfg: Config, lay: Layout):
   return jax.lax.scan(body, x, params["dense_layers"])[0]
 
 
+def slot_mask(cfg: Config):
+  """[n_layer_slots] bool: the MoE stack's rows that hold a layer (layer_layout's padding rows
+  are inert), or None when the stack has no padding."""
+  slots = np.asarray(cfg.layer_slots)
+  return None if (slots >= 0).all() else slots >= 0
+
+
+def moe_stack(x, layers, positions, cfg: Config, lay: Layout, mask=None):
+  """x [B, S, D] through a stack of MoE layers (stacked params `layers`, one `block` scanned)
+  -> (x, router stats {name: [rows, ...]}). mask [rows] bool (default: slot_mask(cfg), for the
+  whole stack): a False row is a padding slot, its block computed and discarded (x passes
+  through unchanged, its stats are zeros, its parameters get zero gradients)."""
+  mask = slot_mask(cfg) if mask is None else mask
+  body = remat(lambda x, lp: block(x, lp, positions, cfg, lay), cfg)
+  if mask is None:
+    return jax.lax.scan(body, x, layers)
+
+  def masked(x, xs):
+    lp, real = xs
+    y, stats = body(x, lp)
+    return jnp.where(real, y, x), jax.tree.map(lambda v: jnp.where(real, v, 0).astype(v.dtype),
+                                                stats)
+  return jax.lax.scan(masked, x, (layers, jnp.asarray(mask)))
+
+
 def forward(params, batch, cfg: Config, lay: Layout):
   """-> (logits [B, S, V], router stats {name: [L_moe, ...]}). Each kind of layer is one `block`
   scanned over its stacked params (the dense prefix, then the MoE layers): compile time does not
@@ -474,8 +503,7 @@ def forward(params, batch, cfg: Config, lay: Layout):
   embed = use(lay, "embed", params["embed"], cfg.dtype)
   x = embed.at[tokens].get(out_sharding=lay.x)                                 # [B, S, D] cfg.dtype
   x = dense_prefix(x, params, positions, cfg, lay)
-  body = remat(lambda x, lp: block(x, lp, positions, cfg, lay), cfg)
-  x, stats = jax.lax.scan(body, x, params["layers"])                          # the MoE layers
+  x, stats = moe_stack(x, params["layers"], positions, cfg, lay)               # the MoE layers
   x = rms_norm(x, lay.use("final_norm", params["final_norm"]), cfg.norm_eps)
   logits = jnp.einsum("bsd,dv->bsv", x, use(lay, "unembed", params["unembed"], x.dtype))  # [B, S, V]
   return logits, stats

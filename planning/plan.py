@@ -11,7 +11,10 @@ the sequences a (data, expert) shard holds, up to PP_MAX_MICROBATCHES): the cost
 has no terms for the gradient accumulation the other strategies run with M > 1 (a second forward
 pass, the weight gathers per microbatch), so those candidates could not be held to the compiled
 program and are not enumerated. Remat varies over none and block (the two policies the memory
-model below is calibrated for).
+model below is calibrated for). pp on a stage count that does not divide the MoE layers runs
+the balanced uneven layout (`_layer_layout`, modeling.config.balanced_layout: DeepSeek-V3's 58
+on 16 stages as 4 x 10 + 3 x 6): its padded stack's rows count for memory, exchanges and the
+stage's compute (x rows / L_moe: every stage runs the largest group each tick).
 
 Per candidate, per device:
   memory = params + optimizer state (exact: the strategy's param_specs, measure.cost.param_memory)
@@ -34,7 +37,7 @@ Per candidate, per device:
            T = tokens per device in the residual stream; R = rows of one MoE layer's expert
            computation on a device (the padded exchange buffer EP x C where tokens move by
            all-to-all, ep_tp's compaction bound, else T x K); L_held = the layers whose
-           activations a device keeps (pp: n_moe / P x (M + P - 1) / M + the dense prefix under
+           activations a device keeps (pp: rows / P x (M + P - 1) / M + the dense prefix under
            gpipe, min(M, 2P - 1) / M in place of (M + P - 1) / M under 1f1b; the temp model
            was fitted on gpipe and default options only).
            Not terms: the local gradients, the reduced gradients, a residual-sized working set
@@ -118,6 +121,7 @@ class Candidate:
   mfu: float = 0.0
   fits: bool = False
   error: str = ""              # why check() refused it (then nothing is predicted)
+  layer_layout: str = ""       # pp: MoE layers per stage where they do not divide evenly
 
   @property
   def memory(self) -> float:
@@ -138,6 +142,10 @@ class Candidate:
       out += f" {k}={v}"
     if self.strategy == "pp":
       out += f" M={self.microbatches}"
+      if self.layer_layout:
+        counts = [int(c) for c in self.layer_layout.split(",")]
+        out += " layers=" + "+".join(f"{c}x{counts.count(c)}" for c in sorted(set(counts),
+                                                                         reverse=True))
     out += f" remat={self.remat} cf={self.capacity_factor:g}"
     return out + f" node[{','.join(self.inner) or '-'}]"
 
@@ -264,7 +272,7 @@ def _routed_rows(name: str, cfg, shape: dict, t: float, terms, opts=None) -> flo
   gathered tokens; else the device's T x K routed copies."""
   a2a = sum(x.bytes for x in terms if x.kind == "all-to-all" and x.phase == "fwd")
   if a2a:
-    calls = 2 * cfg.n_moe_layers * _runs(name, cfg, shape, opts)  # dispatch + combine per call
+    calls = 2 * cfg.n_layer_slots * _runs(name, cfg, shape, opts)  # dispatch + combine per call
     return a2a / calls / (cfg.d_model * cost.act_bytes(cfg))
   if name == "ep_tp":
     from layout import dispatch
@@ -316,7 +324,8 @@ def _layers_held(name: str, cfg, shape: dict, opts=None) -> float:
   """Layers whose saved activations a device holds through the backward (module docstring)."""
   if name != "pp":
     return cfg.n_layers
-  return cfg.n_moe_layers / shape["stage"] * _in_flight(cfg, shape, opts) + cfg.first_k_dense_replace
+  return (cfg.n_layer_slots / shape["stage"] * _in_flight(cfg, shape, opts)
+          + cfg.first_k_dense_replace)
 
 
 def predict_temp(features: dict) -> float:
@@ -338,6 +347,8 @@ def timing(c: Candidate, cfg, terms, cluster, efficiency: float) -> None:
   if c.strategy == "pp":
     p, m = shape["stage"], cfg.microbatches
     pipe = (m + p - 1) / m * (1 + _pre_pass(cfg, c.opts) / 3)   # the pre-pass: one more forward
+    # an uneven layout's stages run the largest group's rows each tick (padding included)
+    pipe *= cfg.n_layer_slots / cfg.n_moe_layers
     work *= (1 - _dense_flops_share(cfg)) * pipe + _dense_flops_share(cfg) * p
   c.compute_s = work / (efficiency * cluster.peak_flops)
   per_key: dict = {}
@@ -373,19 +384,24 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
       shape = dict(zip(strat.AXES, sizes))
       mesh = mesh_lib.abstract_mesh(shape)
       mem = None
+      layers = _layer_layout(name, cfg, shape)
+      m_cfg = cfg.replace(layer_layout=layers)
+      m_shapes = shapes if not layers else model.init_params_shapes(m_cfg)
       for opts in option_sets(name):
         for m in (_pp_microbatches(cfg, shape, pp_max_microbatches) if name == "pp" else (1,)):
           for cf in capacity_factors:
-            base = cfg.replace(microbatches=m, capacity_factor=cf)
+            base = m_cfg.replace(microbatches=m, capacity_factor=cf)
             key = (name, tuple(shape.items()), m, cf, opts)
             try:
               base.validate()
               strat.check(base, mesh, opts)
             except ConfigError as e:
-              out += [Candidate(*key[:3], remat, cf, opts, error=str(e)) for remat in remats]
+              out += [Candidate(*key[:3], remat, cf, opts, error=str(e), layer_layout=layers)
+                      for remat in remats]
               continue
             if mem is None:
-              mem = cost.param_memory(shapes, strat.param_specs(cfg, mesh), mesh, cfg.optimizer)
+              mem = cost.param_memory(m_shapes, strat.param_specs(m_cfg, mesh), mesh,
+                                      cfg.optimizer)
             raw = strat.cost(base, mesh, opts)
             for remat in remats:
               c_cfg = base.replace(remat=remat)
@@ -393,7 +409,8 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
               temp = predict_temp(temp_features(name, c_cfg, mesh, raw, opts))
               for inner in placements(shape, cluster.node_size):
                 c = Candidate(*key[:3], remat, cf, opts, inner,
-                              param_opt=mem["param_bytes"] + mem["opt_bytes"], temp=temp)
+                              param_opt=mem["param_bytes"] + mem["opt_bytes"], temp=temp,
+                              layer_layout=layers)
                 timing(c, c_cfg, terms, cluster, efficiency)
                 c.fits = c.memory <= hbm_bytes
                 out.append(c)
@@ -401,6 +418,16 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
         progress(len(out), name, sum(1 for c in out if not c.error))
         last = time.perf_counter()
   return out
+
+
+def _layer_layout(name: str, cfg, shape: dict) -> str:
+  """pp on a stage count that does not divide the MoE layers: the balanced uneven layout
+  (modeling.config.balanced_layout; the larger stages first). "" otherwise."""
+  p = shape.get("stage", 1)
+  if name != "pp" or cfg.layer_layout or cfg.n_moe_layers % p == 0 or p > cfg.n_moe_layers:
+    return cfg.layer_layout
+  from modeling.config import balanced_layout
+  return balanced_layout(cfg.n_moe_layers, p)
 
 
 def _pp_microbatches(cfg, shape: dict, most: int) -> list[int]:
@@ -422,7 +449,7 @@ def rank(cands: list[Candidate]) -> list[Candidate]:
 def config_for(c: Candidate, cfg):
   """The Config a candidate runs: its microbatches, remat and capacity factor."""
   return cfg.replace(microbatches=c.microbatches, remat=c.remat,
-                     capacity_factor=c.capacity_factor)
+                     capacity_factor=c.capacity_factor, layer_layout=c.layer_layout)
 
 
 def progress_line(done: int, name: str, kept: int) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from layout import mesh as mesh_lib
 from measure import hlo
 from modeling import model, optim, routing
+from modeling.config import ConfigError
 from parallel import sharding
 from parallel.sharding import put
 from runtime import data as data_lib
@@ -80,7 +81,7 @@ def accumulated_grads(params, batch, cfg, lay: model.Layout):
   # pass 1 unrolled (forward only, nothing kept for a backward: it costs compile time, not
   # memory): as a second lax.scan beside pass 2's, the executable reloaded from the persistent
   # compilation cache crashes XLA:CPU (jax 0.12: rendezvous "id < num_threads" check failure)
-  zero_counts = jnp.zeros((cfg.n_moe_layers, cfg.n_experts), jnp.float32)
+  zero_counts = jnp.zeros((cfg.n_layer_slots, cfg.n_experts), jnp.float32)
   counts = None
   if not per_sequence:
     counts = zero_counts
@@ -124,6 +125,15 @@ def make_train_step(cfg, lay: model.Layout, opt: optim.Optimizer, with_grads: bo
   return step
 
 
+def check_layer_layout(strategy, cfg) -> None:
+  """--layer_layout pads the MoE stack into groups for pp's stages (modeling/config.py): only a
+  strategy that says it runs the padded stack (LAYER_LAYOUT = True) takes it; every other one's
+  cost model and contract count the MoE layers, not the stack's rows."""
+  if cfg.layer_layout and not getattr(strategy, "LAYER_LAYOUT", False):
+    raise ConfigError(f"--layer_layout={cfg.layer_layout} is pp's (its stages hold the groups); "
+                      f"{strategy.NAME} runs the model without it")
+
+
 def build(strategy, cfg, mesh, opts=None, *, with_grads: bool = False, compile_only: bool = False,
           init: Callable | None = None, state: tuple | None = None) -> Job:
   """strategy: a module from strategies/ (see strategies/__init__.py for the contract); opts:
@@ -133,6 +143,7 @@ def build(strategy, cfg, mesh, opts=None, *, with_grads: bool = False, compile_o
   opts = strategy.Options() if opts is None else opts
   ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
   with ctx:
+    check_layer_layout(strategy, cfg)
     if mesh is not None:
       strategy.check(cfg, mesh, opts)
     specs = strategy.param_specs(cfg, mesh) if mesh is not None else None

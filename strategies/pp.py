@@ -3,10 +3,18 @@
 Mesh axes: (stage, data, expert), stage outermost. P = |stage| stages of L/P contiguous MoE
 layers (L = n_layers - first_k_dense_replace);
 M = cfg.microbatches (--microbatches) microbatches per step; EP = |expert|.
+Uneven layouts (--layer_layout=c_0,..,c_{P-1}: c_s MoE layers on stage s, in depth order; e.g.
+DeepSeek-V3's 58 on 16 stages as 4 x 10 + 3 x 6): the model stores its MoE stack padded to
+P x max(c) rows (modeling/config.py layer_slots), group s in rows s*max(c).., its padding rows
+zeros. A padding row is inert (model.moe_stack): its block runs and is discarded, its stats
+are zeros, its weights get zero gradients. So every stage runs max(c) rows per tick (the
+lockstep tick is the largest stage's anyway), and below "L/P" reads "max(c) rows": the cost
+model counts the padding rows' exchanges, which the program issues. The reference runs the same
+padded stack; tests/test_pp.py holds it to the unpadded model (every layer once, in order).
 
 | tensor                                   | sharding                                          |
 |------------------------------------------|---------------------------------------------------|
-| MoE layer params [L, ...]                | L over stage: stage s holds layers s*L/P..(s+1)*L/P-1 |
+| MoE layer params [L, ...]                | L over stage: stage s holds layers s*L/P..(s+1)*L/P-1 (uneven: its group's padded rows) |
 | experts wi_0/wi_1 [L, E, D, F], wo       | (stage, expert, None, None): e = E/EP per device  |
 | attn, router, shared experts [L, ..]     | (stage, D over data): wq [L@stage, D@data, H, Dh] |
 | norms, router bias [L, ..]               | (stage, ...), replicated over (data, expert)      |
@@ -142,6 +150,7 @@ from jax.sharding import PartitionSpec as P
 from layout import dispatch, fsdp, mesh as mesh_lib, options
 from measure import cost as cost_lib
 from modeling import model, routing
+from modeling.config import ConfigError
 from parallel import sharding
 from strategies import BadInput, Case, ep
 
@@ -153,6 +162,7 @@ COMPARE_MESH = "data:1,stage:2,expert:4"        # tiny has 2 layers: 2 stages, E
                                                 # devices scale data
 TOKENS = (DATA, EXPERT)                         # the batch axes (replicated over stage)
 SPREAD = (STAGE, DATA)                          # embed and unembed's D dim: every stage's share
+LAYER_LAYOUT = True       # --layer_layout: stage s holds group s of the padded MoE stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,18 +179,21 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               # two dense layers before the pipeline: 2 MoE layers, 1 per stage, not n_layers / 2
               Case("deepseek-test", "stage:2,data:2,expert:2",
                    dict(n_layers=4, first_k_dense_replace=2, microbatches=2)),
+              # an uneven layout: 5 MoE layers on 4 stages (2, 1, 1, 1), padded to 8 rows
               Case("deepseek-test", "stage:4,expert:2",
-                   dict(n_layers=5, microbatches=4, capacity_factor=1.0)),
+                   dict(n_layers=6, layer_layout="2,1,1,1", microbatches=4,
+                        capacity_factor=1.0)),
               # Muon's Newton-Schulz maps over each stage's own layers (modeling/optim.py)
               Case("tiny", "stage:2,expert:4", dict(optimizer="muon")),
               # 1f1b: the batch-wise aux loss through the counts pre-pass, 4 stages, M = 8 > 2P-1,
               # Muon on the gradients the table returns
               Case("tiny", "stage:4,data:2",
                    dict(n_layers=4, batch=16, microbatches=8, optimizer="muon"), ONE_F),
-              # the sequence-wise loss, the dense prefix, drops, remat inside the stage's vjp
+              # the sequence-wise loss, the dense prefix, drops, remat inside the stage's vjp,
+              # an uneven layout (3 MoE layers: 2 + 1)
               Case("deepseek-test", "stage:2,data:2,expert:2",
-                   dict(n_layers=4, first_k_dense_replace=2, batch=16, microbatches=4,
-                        capacity_factor=1.0, remat="block"), ONE_F)]
+                   dict(n_layers=5, first_k_dense_replace=2, layer_layout="2,1", batch=16,
+                        microbatches=4, capacity_factor=1.0, remat="block"), ONE_F)]
 COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7]
 BAD_INPUT = [
     BadInput(dict(n_layers=3), "stage:2,expert:4", Options(),
@@ -190,12 +203,20 @@ BAD_INPUT = [
     BadInput(dict(n_experts=6, top_k=2), "stage:2,expert:4", Options(),
              "n_experts=6 is not divisible by mesh axis expert=4"),
     BadInput(dict(n_layers=4, d_model=36), "stage:4,data:2", Options(),   # embed's D
-             "d_model=36 is not divisible by mesh axis stagexdata=8")]
+             "d_model=36 is not divisible by mesh axis stagexdata=8"),
+    BadInput(dict(n_layers=3, layer_layout="1,1,1"), "stage:2,expert:4", Options(),
+             "layer_layout=1,1,1 has 3 groups, mesh axis stage=2: one group per stage")]
 
 
 def check(cfg, mesh, opts):
-  mesh_lib.require_divisible("n_layers - first_k_dense_replace" if cfg.first_k_dense_replace
-                             else "n_layers", cfg.n_moe_layers, mesh, STAGE)
+  if cfg.layer_layout:                        # one group of the padded stack per stage
+    groups = len(cfg.layer_groups)
+    if groups != mesh.shape[STAGE]:
+      raise ConfigError(f"layer_layout={cfg.layer_layout} has {groups} groups, mesh axis "
+                        f"stage={mesh.shape[STAGE]}: one group per stage")
+  else:
+    mesh_lib.require_divisible("n_layers - first_k_dense_replace" if cfg.first_k_dense_replace
+                               else "n_layers", cfg.n_moe_layers, mesh, STAGE)
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)
   fsdp.check(cfg, mesh, DATA)                 # the stage's matrices on their D dim over data
@@ -358,9 +379,10 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
   lay = model.Layout(moe=functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
                                            token_axes=TOKENS, transport=ep.a2a_exchange))
 
+  mask = _stage_mask(cfg, n_stage)
+
   def run_stage(x, pos_m):                                          # L/P layers of this stage
-    body = model.remat(lambda h, lp: model.block(h, lp, pos_m, cfg, lay), cfg)
-    return jax.lax.scan(body, x, p["layers"])
+    return model.moe_stack(x, p["layers"], pos_m, cfg, lay, mask)
 
   def step(carry, t):
     recv, outs, stats = carry
@@ -524,9 +546,10 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
         _stages(pc, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
                 unroll=True)[1]["counts"])
 
+  mask = _stage_mask(cfg, n_stage)
+
   def stage_fn(lp, x, pos_m, cnt):            # [b/M, S, D] -> ([b/M, S, D], aux + z terms)
-    body = model.remat(lambda h, l: model.block(h, l, pos_m, cfg, lay), cfg)
-    y, st = jax.lax.scan(body, x, lp)                               # st: {name: [L/P, ...]}
+    y, st = model.moe_stack(x, lp, pos_m, cfg, lay, mask)          # st: {name: [L/P, ...]}
     aux, z = routing.aux_losses(st if cnt is None else {**st, "counts": cnt}, n_tokens, cfg)
     part = cfg.aux_loss_coef * jnp.sum(aux) + cfg.z_loss_coef * jnp.sum(z)
     return (y, part), (st, aux, z)
@@ -656,6 +679,15 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
                   "dropped": dropped, "counts": st["counts"]}), grads
 
 
+def _stage_mask(cfg, n_stage):
+  """[slots per stage] bool, this device's rows of the padded MoE stack that hold a layer
+  (--layer_layout), or None when the stack has no padding."""
+  mask = model.slot_mask(cfg)
+  if mask is None:
+    return None
+  return jnp.asarray(mask.reshape(n_stage, -1))[jax.lax.axis_index(STAGE)]
+
+
 def _weight_index(leaves, layers) -> dict:
   """{residual leaf index: weight leaf index} for the residuals that ARE the stage's weights."""
   w = jax.tree.leaves(layers)
@@ -704,7 +736,7 @@ def counts_pre_pass(cfg, opts) -> bool:
 def cost(cfg, mesh, opts):
   """Per-device collective bytes per step (measure/cost.py; the docstring's schedule)."""
   p, ep_size = mesh.shape[STAGE], mesh.shape[EXPERT]
-  steps, local_layers = cfg.microbatches + p - 1, cfg.n_moe_layers // p    # MoE layers a stage holds
+  steps, local_layers = cfg.microbatches + p - 1, cfg.n_layer_slots // p   # MoE rows a stage runs
   sends = permutes(opts.schedule, schedule(opts.schedule, p, cfg.microbatches))
   mb = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS) // cfg.microbatches
   act = mb * cfg.seq_len * cfg.d_model * cost_lib.act_bytes(cfg)  # one [b/M, S, D]

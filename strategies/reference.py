@@ -17,6 +17,7 @@ NAME = "reference"
 AXES: tuple[str, ...] = ()
 MAIN_AXIS = None
 COMPARE_MESH = None
+LAYER_LAYOUT = True         # runs --layer_layout's padded MoE stack (model.moe_stack masks it)
 Options = NoOptions
 TEST_CASES, COST_CASES, BAD_INPUT = [], [], []   # the oracle itself: tests/test_reference.py
 

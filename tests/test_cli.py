@@ -100,10 +100,18 @@ BAD_FLAGS = [
      "strategy 'dp' has no option 'kv_exchange' (it is an option of cp, ep_as_cp)"),
     (["--model=deepseek-v3", "--layers=3", "--describe"],
      "first_k_dense_replace=3 must be in [0, n_layers=3) (at least one MoE layer)"),
+    # --layer_layout: pp's stages (and the reference); a layout that is not the model's
+    (["--strategy=ep", "--mesh=expert:8", "--layers=3", "--layer_layout=2,1"],
+     "--layer_layout=2,1 is pp's (its stages hold the groups); ep runs the model without it"),
+    (["--strategy=pp", "--mesh=stage:2,expert:4", "--layers=3", "--layer_layout=2,2"],
+     "layer_layout=2,2 holds 4 MoE layers, the model has 3"),
+    (["--strategy=pp", "--mesh=stage:2,expert:4", "--layer_layout=2,x"],
+     "expected MoE layers per group, each >= 1"),
     # --plan (planning/): refused before anything is enumerated or compiled
     (["--plan", "--cluster=tpu"], "unknown cluster 'tpu'; choose from h100, h800"),
     (["--plan", "--devices=12"], "--devices=12: whole nodes of 8 (h100), or part of one"),
     (["--plan", "--remat=block"], "--remat: --plan enumerates it"),
+    (["--plan", "--layer_layout=1,1"], "--layer_layout: --plan enumerates it"),
     (["--plan", "--mesh=data:8"], "--mesh does not apply to --plan"),
     (["--plan", "--plan_compile=-1"], "--plan_compile=-1 must be >= 0"),
     (["--plan", "--plan_efficiency=2"], "--plan_efficiency=2.0 must be in (0, 1]"),

@@ -78,6 +78,19 @@ def test_admissibility_errors_are_check_lines():
   assert all(dict(c.sizes)["stage"] in (1, 2) for c in ranked)
 
 
+def test_pp_on_stages_that_do_not_divide_the_layers_runs_the_balanced_layout():
+  """3 MoE layers: pp on stage:2 runs 2 + 1 (a padded stack of 4 rows), and the candidate
+  compiles with that layout; stage:4 holds more stages than layers and is refused with
+  check()'s line."""
+  cfg = get_config("tiny", dtype="bfloat16", n_layers=3)
+  cands = plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("pp",))
+  two = [c for c in cands if dict(c.sizes)["stage"] == 2 and not c.error]
+  assert two and all(c.layer_layout == "2,1" and "layers=2x1+1x1" in c.layout() for c in two)
+  assert plan.config_for(two[0], cfg).layer_layout == "2,1"
+  assert all(c.error == "n_layers=3 is not divisible by mesh axis stage=4"
+             for c in cands if dict(c.sizes)["stage"] == 4)
+
+
 def test_ranking_order_and_exact_params():
   """Those that fit come first, each group by predicted step time; dp's params + optimizer
   state are 3 x the float32 params (param + 2 Adam moments), exactly; a candidate whose axes

@@ -122,3 +122,45 @@ def test_1f1b_memory_does_not_grow_with_microbatches():
   one_small, one_big, gpipe_big = temp("1f1b", 2), temp("1f1b", 8), temp("gpipe", 8)
   assert one_big <= 1.1 * one_small, (one_small, one_big)
   assert one_big < 0.7 * gpipe_big, (one_big, gpipe_big)
+
+
+# ----------------------------------------------------------------------------- layer layouts
+@pytest.mark.parametrize("n_layers,dense,groups", [(61, 3, 16), (5, 0, 2)],
+                         ids=["61-layers-16-stages", "5-layers-2-stages"])
+def test_layer_layout_runs_every_layer_once_in_order(n_layers, dense, groups):
+  """An uneven --layer_layout (the balanced one: 58 MoE layers as ten groups of 4 and six of 3;
+  5 as 3 + 2) pads the MoE stack with inert rows. The padded model is the unpadded one: every
+  real row holds the layer of its depth (each once, in order), its loss and its real rows'
+  gradients are the unpadded model's (a skipped, repeated or reordered layer would change
+  them: the layers' weights differ), and its padding rows get zero gradients."""
+  from modeling.config import balanced_layout
+  cfg = get_config("deepseek-test", n_layers=n_layers, first_k_dense_replace=dense, batch=2,
+                   seq_len=8, aux_loss_kind="batch", z_loss_coef=1e-3, vocab=32, d_model=16,
+                   n_heads=2, n_kv_heads=2, d_ff=8, dense_d_ff=8, kv_lora_rank=8,
+                   qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+  padded = cfg.replace(layer_layout=balanced_layout(cfg.n_moe_layers, groups)).validate()
+  slots = np.asarray(padded.layer_slots)
+  assert sorted(slots[slots >= 0]) == list(slots[slots >= 0]) == list(range(cfg.n_moe_layers))
+  assert len(slots) == groups * max(padded.layer_groups) > cfg.n_moe_layers
+  b = {k: jnp.asarray(v) for k, v in data.batch(0, cfg.batch, cfg.seq_len, cfg.vocab,
+                                                  cfg.seed).items()}
+
+  def run(c):
+    params = jax.tree.map(jnp.asarray, model.init_params(c))
+    fn = lambda p: model.loss_fn(p, b, c, model.reference_layout(c))
+    return params, jax.jit(jax.value_and_grad(fn, has_aux=True))(params)
+  p0, ((l0, m0), g0) = run(cfg)
+  p1, ((l1, m1), g1) = run(padded)
+  real = slots >= 0
+  for a, r in zip(jax.tree.leaves(p1["layers"]), jax.tree.leaves(p0["layers"])):
+    np.testing.assert_array_equal(np.asarray(a)[real], r)         # the same layers, in order
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  for k in ("aux_loss", "z_loss"):
+    np.testing.assert_allclose(m1[k], m0[k], rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(m1["counts"])[real], m0["counts"])
+  for a, r in zip(jax.tree.leaves(g1["layers"]), jax.tree.leaves(g0["layers"])):
+    np.testing.assert_allclose(np.asarray(a)[real], r, rtol=1e-5, atol=1e-7)
+    assert not np.asarray(a)[~real].any()                        # padding: zero gradients
+  rest = lambda g: jax.tree.leaves({k: v for k, v in g.items() if k != "layers"})
+  for a, r in zip(rest(g1), rest(g0)):
+    np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-7)
