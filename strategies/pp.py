@@ -28,10 +28,11 @@ padded stack; tests/test_pp.py holds it to the unpadded model (every layer once,
 The whole model is one full-manual shard_map (`loss`). Every device embeds its rows and runs the
 leading dense layers (DeepSeek's, as MaxText runs them: before the pipeline, replicated over
 stage; stages > 0 discard theirs, so it costs P x their FLOPs and one [b, S, D] per dense layer
-of activation memory). Stage 0 feeds microbatch t at time t;
+of activation memory), one microbatch at a time (`_prefix`: the working set of b/M rows, not
+of b). Stage 0 feeds microbatch t at time t;
 stage s runs its L/P layers (model.block, scanned) on what stage s-1 sent at t-1; every stage
 ppermutes its output to s+1 after each time step; the last stage keeps the M outputs and
-computes the head. Inside a stage the MoE is ep.py's moe_body with its padded all-to-all over
+computes the head, one microbatch's logits at a time. Inside a stage the MoE is ep.py's moe_body with its padded all-to-all over
 expert (pp takes no --opt=dispatch: the ragged exchange is ep's alone until a GPU run holds it).
 
 The stage's weights over data: ZeRO-3 at rest, ZeRO-1's traffic. Every non-expert matrix, its
@@ -286,7 +287,8 @@ def _pipeline(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size):
   outs, stats = _stages(p, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size)
   last = jax.lax.axis_index(STAGE) == n_stage - 1
   tgt = einops.rearrange(targets, "(m mb) s -> m mb s", m=m)        # [M, b/M, S]
-  ce = _ce_sum(_head(outs, p, cfg), tgt)
+  ce = jnp.sum(jax.lax.map(lambda ot: _ce_sum(_head(ot[0][None], p, cfg), ot[1][None]),
+                           (outs, tgt)))                        # one microbatch's logits at a time
   n_tokens = cfg.batch * cfg.seq_len
   ce = jax.lax.psum(jnp.where(last, ce, 0.0), all_axes) / n_tokens
   aux, z = routing.aux_losses(stats, n_tokens, cfg)       # [L/P] from the step's stats
@@ -294,6 +296,15 @@ def _pipeline(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size):
   total = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
   return total, {"loss": total, "ce_loss": ce, "aux_loss": aux, "z_loss": z, "dropped": dropped,
                  "counts": stats["counts"]}
+
+
+def _prefix(p, tokens, pos, cfg):
+  """Every microbatch's stage-0 input: the embedding and the leading dense layers (DeepSeek's),
+  tokens / pos [M, b/M, S] -> [M, b/M, S, D], one microbatch at a time (lax.map): the working
+  set of one microbatch, not of the device's b rows at once (its residuals are M microbatches'
+  either way)."""
+  return jax.lax.map(lambda tp: model.dense_prefix(p["embed"][tp[0]], p, tp[1], cfg,
+                                                   model.Layout()), (tokens, pos))
 
 
 def _ce_sum(logits, tgt):
@@ -374,8 +385,7 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
   first, last = stage == 0, stage == n_stage - 1
   # the leading dense layers (DeepSeek) before the pipeline, on every device for its own rows
   # (stages > 0 compute it too and discard it: their gradient of it is zero)
-  x0 = model.dense_prefix(p["embed"][tokens], p, positions, cfg, model.Layout())   # [b, S, D]
-  x0 = einops.rearrange(x0, "(m mb) s d -> m mb s d", m=m)          # [M, b/M, S, D]
+  x0 = _prefix(p, split(tokens), pos, cfg)                          # [M, b/M, S, D]
   lay = model.Layout(moe=functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
                                            token_axes=TOKENS, transport=ep.a2a_exchange))
 
@@ -560,8 +570,7 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
   # embedding and the dense prefix: every microbatch's stage-0 input, and their vjp
   prefix_keys = [k for k in ("embed", "dense_layers") if k in pc]
   def prefix(pe):
-    x = model.dense_prefix(pe["embed"][tokens], pe, positions, cfg, model.Layout())
-    return einops.rearrange(x, "(m mb) s d -> m mb s d", m=m)       # [M, b/M, S, D]
+    return _prefix(pe, split(tokens), pos, cfg)                    # [M, b/M, S, D]
   x0, prefix_vjp = jax.vjp(prefix, {k: pc[k] for k in prefix_keys})
   ph = {k: pc[k] for k in ("final_norm", "unembed")}
 
