@@ -73,7 +73,7 @@ from jax.sharding import PartitionSpec as P
 from layout import dispatch, fsdp, mesh as mesh_lib, options
 from layout.precision import cast_stored, precision
 from measure import cost as cost_lib
-from modeling import model, optim
+from modeling import model
 from parallel.sharding import gather_weight
 from strategies import BadInput, Case
 from strategies.ep import buffer_type, moe_ep
@@ -168,13 +168,12 @@ def cost(cfg, mesh, opts):
   gathered = cost_lib.fsdp_gathered(TOKENS)                 # every matrix but the experts
   for role in model.EXPERTS:                                # gather: E@(e,f) -> E@e, grads over f
     gathered[role] = (P(EXPERT, None, None), (FSDP,)) if gather else (STORED, ())
-  terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), TOKENS, gathered)
-           + cost_lib.stats_terms(cfg, mesh, TOKENS))
-  if cfg.optimizer == "muon":                               # Newton-Schulz on whole matrices
-    muon = sum(cost_lib.nbytes(l.shape) for l in model.param_leaves(cfg)
-               if l.role in optim.MUON_ROLES and l.role not in model.EXPERTS)
-    terms += cost_lib.term(mesh, "all-gather", "opt", "Muon matrices whole for Newton-Schulz",
-                           muon, TOKENS)
+  specs = param_specs(cfg, mesh)
+  terms = (cost_lib.weight_terms(cfg, mesh, specs, TOKENS, gathered)
+           + cost_lib.stats_terms(cfg, mesh, TOKENS)
+           # Newton-Schulz on whole matrices: the D-split ones gathered, the experts (split on E
+           # only) not
+           + cost_lib.muon_terms(cfg, mesh, specs, TOKENS))
   ep = ep_axes(opts)
   n_ep = mesh_lib.axis_size(mesh, *ep)
   c = dispatch.send_rows(cfg, cfg.batch // mesh_lib.axis_size(mesh, *TOKENS), cfg.seq_len, n_ep)
