@@ -212,8 +212,8 @@ class Config:
       need(all(g.strip().isdigit() and int(g) >= 1 for g in groups),
            f"layer_layout={self.layer_layout!r}: expected MoE layers per group, each >= 1, "
            "e.g. 4,4,3")
-      need(sum(map(int, groups)) == self.n_moe_layers,
-           f"layer_layout={self.layer_layout} holds {sum(map(int, groups))} MoE layers, the "
+      need(sum(self.layer_groups) == self.n_moe_layers,
+           f"layer_layout={self.layer_layout} holds {sum(self.layer_groups)} MoE layers, the "
            f"model has {self.n_moe_layers}")
     need(not self.first_k_dense_replace or self.dense_d_ff >= 1,
          "dense_d_ff must be >= 1 with first_k_dense_replace > 0")
