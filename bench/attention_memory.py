@@ -1,14 +1,19 @@
 """Temp memory of the attention core alone, compiled and never run: XLA's temp bytes of
 jit(value_and_grad) of modeling/attention.py's attend at DeepSeek-V3's MLA shape (1 sequence,
 128 heads, KV = H, G = 1, q/k 128 + decoupled RoPE 64, v 128, bf16, chunk 512), for chunked and
-xla at S = 1k, 4k, 16k, 64k (xla up to 16k: at 64k its scores alone are 2 TiB).
+ordered (chunked with ordered=True: query blocks that visit only the key chunks at or before
+them) and xla at S = 1k, 4k, 16k, 64k (xla up to 16k: at 64k its scores alone are 2 TiB).
 
 With --backward: the chunked core's backward as written (a custom_vjp keeping q, k, v, the
 output and the log-sum-exp) against autodiff through its key-chunk scan with each step under
 jax.checkpoint (which keeps every step's running max, sum and output), at 1 sequence, 4 query
 heads on 1 KV head, d 64, float32, chunk 256, S = 1k and 4k.
 
-Run from the repo root:  python bench/attention_memory.py [--backward]
+With --time=IMPL (chunked | ordered): compile, then run value_and_grad once at 1 sequence,
+S = 8192, 8 query heads on 8 KV heads, d 64, float32, chunk 512, and print the run's seconds;
+time whole processes of both with farm-bench to compare.
+
+Run from the repo root:  python bench/attention_memory.py [--backward | --time=IMPL]
 """
 import os
 import sys
@@ -24,12 +29,17 @@ from modeling.attention import attend  # noqa: E402
 H, NOPE, ROPE, V, CHUNK = 128, 128, 64, 128, 512
 
 
+def _impl(name: str) -> dict:
+  """attend's keywords for a column: "ordered" is chunked with ordered=True."""
+  return {"impl": "chunked", "ordered": True} if name == "ordered" else {"impl": name}
+
+
 def temp_gib(impl: str, s: int) -> float:
   bf = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   pos = jax.ShapeDtypeStruct((1, s), jnp.int32)
   scale = (NOPE + ROPE) ** -0.5
-  loss = lambda q, k, v, q_r, k_r, p: attend(q, k, v, p, p, scale, impl=impl, chunk=CHUNK,
-                                             q_r=q_r, k_r=k_r).astype(jnp.float32).sum()
+  loss = lambda q, k, v, q_r, k_r, p: attend(q, k, v, p, p, scale, chunk=CHUNK, q_r=q_r, k_r=k_r,
+                                             **_impl(impl)).astype(jnp.float32).sum()
   f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
   compiled = f.lower(bf(1, s, H, 1, NOPE), bf(1, s, H, NOPE), bf(1, s, H, V),
                      bf(1, s, H, 1, ROPE), bf(1, s, ROPE), pos).compile()
@@ -61,13 +71,33 @@ def backward_mib(kind: str, s: int) -> float:
   return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
-if __name__ == "__main__" and "--backward" in sys.argv:
+def run_seconds(impl: str, s: int = 8192, heads: int = 8, d: int = 64) -> float:
+  """Wall seconds of one value_and_grad of attention, after its compile and one warm-up."""
+  import time
+  import numpy as np
+  rng = np.random.default_rng(0)
+  x = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  q, k, v = x(1, s, heads, 1, d), x(1, s, heads, d), x(1, s, heads, d)
+  pos = jnp.arange(s, dtype=jnp.int32)[None]
+  loss = lambda q, k, v: attend(q, k, v, pos, pos, d ** -0.5, chunk=CHUNK, **_impl(impl)).sum()
+  f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  jax.block_until_ready(f(q, k, v))
+  t0 = time.perf_counter()
+  jax.block_until_ready(f(q, k, v))
+  return time.perf_counter() - t0
+
+
+if __name__ == "__main__" and any(a.startswith("--time=") for a in sys.argv):
+  name = next(a for a in sys.argv if a.startswith("--time="))[len("--time="):]
+  print(f"{name}: {run_seconds(name):.2f} s")
+elif __name__ == "__main__" and "--backward" in sys.argv:
   print("| S | custom_vjp | remat per chunk |\n|---|---|---|")
   for s in (1024, 4096):
     vjp, remat = backward_mib("custom_vjp", s), backward_mib("remat", s)
     print(f"| {s:,} | {vjp:.1f} MiB | {remat:.1f} MiB |")
 elif __name__ == "__main__":
-  print("| S | chunked | xla |\n|---|---|---|")
+  print("| S | chunked | ordered | xla |\n|---|---|---|---|")
   for s in (1024, 4096, 16384, 65536):
     xla = f"{temp_gib('xla', s):.2f} GiB" if s <= 16384 else "-"
-    print(f"| {s:,} | {temp_gib('chunked', s):.2f} GiB | {xla} |", flush=True)
+    print(f"| {s:,} | {temp_gib('chunked', s):.2f} GiB | {temp_gib('ordered', s):.2f} GiB "
+          f"| {xla} |", flush=True)

@@ -52,13 +52,19 @@ Masks in arithmetic: s + (visible - 1) * 1e30 rather than jnp.where(visible, s, 
   Mixtral-8x7B step's temp 12.5 GiB at S = 8192 against 1.3 GiB at 2048). q_pos is tied to q
   (an optimization barrier, _tied) so that the mask itself is per layer too.
 
-Not done: query chunking and skipping of fully-masked chunks. S may be sharded (context
-  parallelism) and is never reshaped here; without query blocks a key chunk is fully masked only
-  when it follows every query, which causal self-attention never has (the last query sees every
-  key), so a skip would save nothing there.
+Ordered (attend(..., ordered=True), the model's call wherever positions are the batch's own
+  0..S-1): the queries are split into blocks of C too, and block i folds only key chunks 0..i,
+  the ones its causal mask does not empty: n (n + 1) / 2 of the n^2 (block, chunk) pairs, about
+  half the score, p.v and backward FLOPs at large n. A scan over the query blocks with a
+  fori_loop of i + 1 visits; the backward scans the key chunks, each visiting blocks j..n-1
+  (dq summed per block in the scan's carry, [n, B, C, ..] float32). A step now holds
+  O(B C KV G C), independent of S. The mask by true positions still applies inside every
+  visited pair; what ordered promises is only that the skipped pairs are empty. It applies
+  where S = T and S is not sharded: cp (positions load-balanced, S split over context) keeps
+  the key-chunk scan above, every query against every chunk.
 
-Sharding: nothing is placed or resharded here. Only the T dim (never sharded) is padded and
-  reshaped into chunks; B, S, KV, G keep their (explicit) shardings through the named-dim einsums.
+Sharding: nothing is placed or resharded here. Only the T dim (never sharded), and S when ordered
+  (only where it is not sharded), is padded and reshaped into chunks; B, S, KV, G keep their (explicit) shardings through the named-dim einsums.
   The backward's dk, dv, dk_r contract S, KV, G, which may be sharded (heads: tp; S: cp; dk_r
   sums over the heads), where jnp.einsum wants an out_sharding: each is typed as JAX's own
   transpose rule types a cotangent, its primal's sharding with reduced <-> unreduced
@@ -80,26 +86,42 @@ PAD_POS = int(np.iinfo(np.int32).max)    # k_pos of a padding key: after every q
 F32 = jnp.float32
 
 
-def attend(q, k, v, q_pos, k_pos, scale, impl="chunked", chunk=512, q_r=None, k_r=None):
+def attend(q, k, v, q_pos, k_pos, scale, impl="chunked", chunk=512, q_r=None, k_r=None,
+           ordered=False):
   """q [B, S, KV, G, Dq], k [B, T, KV, Dq], v [B, T, KV, Dv] -> o [B, S, KV, G, Dv] (dtype of v).
   Causal by TRUE positions: key t is visible to query s iff k_pos[b, t] <= q_pos[b, s]
   (q_pos [B, S], k_pos [B, T] int32; positions may be any permutation, e.g. a load-balanced
   context-parallel order, so never assume contiguity for correctness).
   Optional decoupled RoPE part (MLA): q_r [B, S, KV, G, Dr] and k_r [B, T, Dr] (ONE key shared by
   all heads): scores = q.k + q_r.k_r. Dv may differ from Dq (MLA: 192 vs 128): never pad.
-  scores are computed in float32 whatever the input dtype (bf16 inputs -> float32 statistics)."""
+  scores are computed in float32 whatever the input dtype (bf16 inputs -> float32 statistics).
+  ordered=True promises q_pos = k_pos, increasing along the sequence (the suite's batches, which
+  only cp reorders, and cp shards S): impl="chunked" then also splits the queries into blocks
+  of `chunk` and visits only the key chunks at or before each block (the module docstring,
+  "Ordered"), where S = T and S is not sharded. Any other call ignores it."""
   if (q_r is None) != (k_r is None):
     raise ValueError("q_r and k_r come together (MLA's decoupled RoPE part) or not at all")
   if impl == "xla":
     return _xla(q, k, v, q_pos, k_pos, scale, q_r, k_r)
   if impl == "chunked":
     c = max(1, min(int(chunk), k.shape[1]))          # no chunk longer than T
+    if ordered and q.shape[1] == k.shape[1] and not _seq_sharded(q):
+      return _ordered(scale, c, q, k, v, q_pos, k_pos, q_r, k_r)
     return _chunked(scale, c, q, k, v, q_pos, k_pos, q_r, k_r)
   if impl in ("cudnn", "dpa_xla"):
     if q_r is not None:
       raise ValueError("attention impl cudnn takes no decoupled RoPE part (GQA only)")
     return _dpa(q, k, v, q_pos, k_pos, scale, "cudnn" if impl == "cudnn" else "xla")
   raise ValueError(f"unknown attention impl {impl!r} (xla | chunked | cudnn)")
+
+
+def _seq_sharded(x) -> bool:
+  """Whether x [B, S, ...]'s S is split over a mesh axis (cp): query blocks would reshape it."""
+  sharding = jax.typeof(x).sharding
+  if sharding is None or sharding.mesh.empty:
+    return False                               # unplaced, or local inside a full-manual shard_map
+  spec = tuple(sharding.spec)
+  return len(spec) > 1 and spec[1] is not None
 
 
 def _dpa(q, k, v, q_pos, k_pos, scale, implementation):
@@ -191,24 +213,25 @@ def _init(q, dv):
   return rows - jnp.inf, rows, rows[..., None] + jnp.zeros((dv,), F32)
 
 
+def _fold_chunk(carry, scale, q, q_r, q_pos, k_c, v_c, k_pos_c, k_r_c):
+  """One key chunk folded into the online-softmax state (m, l, acc) of q's rows."""
+  m, l, acc = carry                            # [B, S, KV, G] x2, [B, S, KV, G, Dv] float32
+  s, _ = _chunk_scores(scale, q, q_r, q_pos, k_c, k_r_c, k_pos_c)             # [B, S, KV, G, C]
+  m_new = jnp.maximum(m, s.max(axis=-1))                                      # [B, S, KV, G]
+  alpha = jnp.exp(m - m_new)                   # rescales what was summed under the old max
+  p = jnp.exp(s - m_new[..., None])                                           # [B, S, KV, G, C]
+  l = alpha * l + p.sum(axis=-1)                                              # [B, S, KV, G]
+  pv = jnp.einsum("bskgc,bckv->bskgv", p.astype(v_c.dtype), v_c,
+                  preferred_element_type=F32)                                 # [B, S, KV, G, Dv]
+  return m_new, l, alpha[..., None] * acc + pv
+
+
 def _fold(carry, scale, c, q, k, v, q_pos, k_pos, q_r, k_r):
   """Fold keys k [B, T, ..] (any T, chunks of c) into the online-softmax state `carry`. A chunk
   with no key visible to a row sums its masked keys at the finite MASKED, which the first
   visible key's rescale (exp(MASKED - m) = 0) then wipes: chunks may come in any order."""
   q_pos = _tied(q_pos, q)
-
-  def step(carry, xs):
-    m, l, acc = carry                          # [B, S, KV, G] x2, [B, S, KV, G, Dv] float32
-    k_c, v_c, k_pos_c, k_r_c = xs
-    s, _ = _chunk_scores(scale, q, q_r, q_pos, k_c, k_r_c, k_pos_c)           # [B, S, KV, G, C]
-    m_new = jnp.maximum(m, s.max(axis=-1))                                    # [B, S, KV, G]
-    alpha = jnp.exp(m - m_new)                 # rescales what was summed under the old max
-    p = jnp.exp(s - m_new[..., None])                                         # [B, S, KV, G, C]
-    l = alpha * l + p.sum(axis=-1)                                            # [B, S, KV, G]
-    pv = jnp.einsum("bskgc,bckv->bskgv", p.astype(v.dtype), v_c,
-                    preferred_element_type=F32)                               # [B, S, KV, G, Dv]
-    return (m_new, l, alpha[..., None] * acc + pv), None
-
+  step = lambda carry, xs: (_fold_chunk(carry, scale, q, q_r, q_pos, *xs), None)
   return jax.lax.scan(step, carry, _chunk_xs(k, v, k_pos, k_r, c))[0]
 
 
@@ -244,6 +267,32 @@ def _ct_sharding(x):
   return sharding.update(spec=sharding.spec.to_ct_spec())
 
 
+def _pair_grads(scale, q, q_r, q_pos, lse, d, do, k_c, v_c, k_pos_c, k_r_c):
+  """FlashAttention-2's backward of q's rows against one key chunk, p recomputed from lse:
+  (dq_c, dq_r_c, dk_c, dv_c, dk_r_c) float32, the q-side [B, S, KV, G, ..], the chunk's
+  [B, C, ..] (None where there is no RoPE part)."""
+  s, visible = _chunk_scores(scale, q, q_r, q_pos, k_c, k_r_c, k_pos_c)
+  p = jnp.exp(s - lse[..., None])                                             # [B, S, KV, G, C]
+  dv_c = jnp.einsum("bskgc,bskgv->bckv", p.astype(do.dtype), do, preferred_element_type=F32,
+                    out_sharding=_ct_sharding(v_c))                           # [B, C, KV, Dv]
+  dp = jnp.einsum("bskgv,bckv->bskgc", do, v_c, preferred_element_type=F32)    # [B, S, KV, G, C]
+  # d loss / d (q.k): softmax's backward, zero on masked keys, times the score scale
+  ds = (p * (dp - d[..., None]) * visible * scale).astype(q.dtype)
+  dq_c = jnp.einsum("bskgc,bckh->bskgh", ds, k_c, preferred_element_type=F32)  # [B, S, KV, G, Dq]
+  dk_c = jnp.einsum("bskgc,bskgh->bckh", ds, q, preferred_element_type=F32,
+                    out_sharding=_ct_sharding(k_c))                           # [B, C, KV, Dq]
+  if q_r is None:
+    return dq_c, None, dk_c, dv_c, None
+  dq_r_c = jnp.einsum("bskgc,bcr->bskgr", ds, k_r_c, preferred_element_type=F32)  # [B, S, KV, G, Dr]
+  dk_r_c = jnp.einsum("bskgc,bskgr->bcr", ds, q_r, preferred_element_type=F32,
+                      out_sharding=_ct_sharding(k_r_c))                       # [B, C, Dr]
+  return dq_c, dq_r_c, dk_c, dv_c, dk_r_c
+
+
+def _add(a, b):
+  return None if a is None else a + b
+
+
 def _grads(scale, c, q, k, v, q_pos, k_pos, q_r, k_r, lse, d, do, dq, dq_r):
   """FlashAttention-2's backward against keys k [B, T, ..]: one scan over their chunks that
   recomputes p from lse (d = sum_v do * o); dq (and dq_r) added to the given float32 sums in the
@@ -252,25 +301,8 @@ def _grads(scale, c, q, k, v, q_pos, k_pos, q_r, k_r, lse, d, do, dq, dq_r):
 
   def step(carry, xs):
     dq, dq_r = carry                           # [B, S, KV, G, Dq], [B, S, KV, G, Dr] float32
-    k_c, v_c, k_pos_c, k_r_c = xs
-    s, visible = _chunk_scores(scale, q, q_r, q_pos, k_c, k_r_c, k_pos_c)
-    p = jnp.exp(s - lse[..., None])                                           # [B, S, KV, G, C]
-    dv_c = jnp.einsum("bskgc,bskgv->bckv", p.astype(do.dtype), do, preferred_element_type=F32,
-                      out_sharding=_ct_sharding(v_c))                         # [B, C, KV, Dv]
-    dp = jnp.einsum("bskgv,bckv->bskgc", do, v_c, preferred_element_type=F32)  # [B, S, KV, G, C]
-    # d loss / d (q.k): softmax's backward, zero on masked keys, times the score scale
-    ds = (p * (dp - d[..., None]) * visible * scale).astype(q.dtype)
-    dq = dq + jnp.einsum("bskgc,bckh->bskgh", ds, k_c,
-                         preferred_element_type=F32)                          # [B, S, KV, G, Dq]
-    dk_c = jnp.einsum("bskgc,bskgh->bckh", ds, q, preferred_element_type=F32,
-                      out_sharding=_ct_sharding(k_c))                         # [B, C, KV, Dq]
-    dk_r_c = None
-    if q_r is not None:
-      dq_r = dq_r + jnp.einsum("bskgc,bcr->bskgr", ds, k_r_c,
-                               preferred_element_type=F32)                    # [B, S, KV, G, Dr]
-      dk_r_c = jnp.einsum("bskgc,bskgr->bcr", ds, q_r, preferred_element_type=F32,
-                          out_sharding=_ct_sharding(k_r_c))                   # [B, C, Dr]
-    return (dq, dq_r), (dk_c, dv_c, dk_r_c)
+    dq_c, dq_r_c, dk_c, dv_c, dk_r_c = _pair_grads(scale, q, q_r, q_pos, lse, d, do, *xs)
+    return (dq + dq_c, _add(dq_r, dq_r_c)), (dk_c, dv_c, dk_r_c)
 
   (dq, dq_r), (dk, dv, dk_r) = jax.lax.scan(step, (dq, dq_r), _chunk_xs(k, v, k_pos, k_r, c))
   t = k.shape[1]
@@ -287,12 +319,101 @@ def _zeros_f32(x):
   return None if x is None else jnp.zeros_like(x, dtype=F32)
 
 
+def _cast(x, like):
+  """A float32 gradient sum in its primal's dtype (None for an absent input)."""
+  return None if like is None else x.astype(like.dtype)
+
+
 def _chunked_bwd(scale, c, res, do):
   q, k, v, q_pos, k_pos, q_r, k_r, o, lse = res
   dq, dq_r, dk, dv, dk_r = _grads(scale, c, q, k, v, q_pos, k_pos, q_r, k_r, lse, _row_dot(do, o),
                                   do, _zeros_f32(q), _zeros_f32(q_r))
-  cast = lambda x, like: None if like is None else x.astype(like.dtype)
-  return (cast(dq, q), cast(dk, k), cast(dv, v), None, None, cast(dq_r, q_r), cast(dk_r, k_r))
+  return (_cast(dq, q), _cast(dk, k), _cast(dv, v), None, None, _cast(dq_r, q_r), _cast(dk_r, k_r))
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked, ordered: query blocks too, and only the key chunks a block can see
+
+
+def _index(tree, i):
+  """Entry i of each [n, ...] array in `tree` (None leaves stay None)."""
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _add_at(a, i, x):
+  """a[i] += x for a [n, ...] (None stays None)."""
+  if a is None:
+    return None
+  return jax.lax.dynamic_update_index_in_dim(
+      a, jax.lax.dynamic_index_in_dim(a, i, keepdims=False) + x, i, 0)
+
+
+def _ordered_forward(scale, c, q, k, v, q_pos, k_pos, q_r, k_r):
+  """Query block i [B, C, KV, G, ..] folds key chunks 0..i (a fori_loop of i + 1 visits inside a
+  scan over the blocks): (o [B, S, KV, G, Dv] v.dtype, lse [B, S, KV, G] float32)."""
+  s = q.shape[1]
+  ks = _chunk_xs(k, v, k_pos, k_r, c)                           # [n, B, C, ..] each
+  qs = (_to_chunks(q, c), _to_chunks(q_r, c), _to_chunks(_tied(q_pos, q), c, PAD_POS))
+
+  def block(_, xs):
+    i, q_i, q_r_i, q_pos_i = xs                                 # [B, C, KV, G, Dq], .., [B, C]
+    visit = lambda j, carry: _fold_chunk(carry, scale, q_i, q_r_i, q_pos_i, *_index(ks, j))
+    carry = jax.lax.fori_loop(0, i + 1, visit, _init(q_i, v.shape[-1]))
+    return None, _finish(carry, v.dtype)
+
+  _, (o, lse) = jax.lax.scan(block, None, (jnp.arange(qs[0].shape[0]), *qs))
+  return _from_chunks(o, s), _from_chunks(lse, s)
+
+
+def _ordered_grads(scale, c, q, k, v, q_pos, k_pos, q_r, k_r, o, lse, do):
+  """The backward over the same pairs, key chunk j outermost (a scan) and query blocks j..n-1
+  inside (a fori_loop after the diagonal pair): dk_j, dv_j (dk_r_j) summed in the loop's carry
+  and emitted per chunk; dq (dq_r) [n, B, C, ..] float32 in the scan's carry, block i added to.
+  Padding rows get lse = +inf (p = 0): their zero do would otherwise meet exp(s - 0)."""
+  s = q.shape[1]
+  ks = _chunk_xs(k, v, k_pos, k_r, c)
+  qs = (_to_chunks(q, c), _to_chunks(q_r, c), _to_chunks(_tied(q_pos, q), c, PAD_POS),
+        _to_chunks(lse, c, jnp.inf), _to_chunks(_row_dot(do, o), c), _to_chunks(do, c))
+
+  def chunk(dqs, xs):
+    j, k_j, v_j, k_pos_j, k_r_j = xs
+    pair = lambda i: _pair_grads(scale, *_index(qs, i), k_j, v_j, k_pos_j, k_r_j)
+    add = lambda dqs, i, dq_c, dq_r_c: (_add_at(dqs[0], i, dq_c), _add_at(dqs[1], i, dq_r_c))
+    dq_c, dq_r_c, dk_j, dv_j, dk_r_j = pair(j)        # the diagonal pair starts the sums
+
+    def visit(i, carry):
+      dqs, dk_j, dv_j, dk_r_j = carry
+      dq_c, dq_r_c, dk_c, dv_c, dk_r_c = pair(i)
+      return add(dqs, i, dq_c, dq_r_c), dk_j + dk_c, dv_j + dv_c, _add(dk_r_j, dk_r_c)
+
+    carry = (add(dqs, j, dq_c, dq_r_c), dk_j, dv_j, dk_r_j)
+    dqs, dk_j, dv_j, dk_r_j = jax.lax.fori_loop(j + 1, qs[0].shape[0], visit, carry)
+    return dqs, (dk_j, dv_j, dk_r_j)
+
+  dqs = (_zeros_f32(qs[0]), _zeros_f32(qs[1]))
+  (dq, dq_r), (dk, dv, dk_r) = jax.lax.scan(chunk, dqs, (jnp.arange(ks[0].shape[0]), *ks))
+  t = k.shape[1]
+  return (_from_chunks(dq, s), None if q_r is None else _from_chunks(dq_r, s),
+          _from_chunks(dk, t), _from_chunks(dv, t), None if k_r is None else _from_chunks(dk_r, t))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ordered(scale, c, q, k, v, q_pos, k_pos, q_r, k_r):
+  return _ordered_forward(scale, c, q, k, v, q_pos, k_pos, q_r, k_r)[0]
+
+
+def _ordered_fwd(scale, c, q, k, v, q_pos, k_pos, q_r, k_r):
+  o, lse = _ordered_forward(scale, c, q, k, v, q_pos, k_pos, q_r, k_r)
+  return o, (q, k, v, q_pos, k_pos, q_r, k_r, o, lse)   # inputs, o and lse: O(S)
+
+
+def _ordered_bwd(scale, c, res, do):
+  q, k, v, q_pos, k_pos, q_r, k_r, o, lse = res
+  dq, dq_r, dk, dv, dk_r = _ordered_grads(scale, c, q, k, v, q_pos, k_pos, q_r, k_r, o, lse, do)
+  return (_cast(dq, q), _cast(dk, k), _cast(dv, v), None, None, _cast(dq_r, q_r), _cast(dk_r, k_r))
+
+
+_ordered.defvjp(_ordered_fwd, _ordered_bwd)

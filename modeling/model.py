@@ -15,7 +15,9 @@ A strategy does not rewrite the model. It hands `forward` a `Layout`:
          e.g. the row-parallel attention output under TP)
   kv     sharding K/V [B, T, KV, Dh] and kv_pos [B, T] are resharded to before attention (CP
          all-gathers them over the context axis here; dK/dV come back reduce-scattered); MLA
-         gathers its latent [B, T, Rkv + rope] to the same (batch, T) instead
+         gathers its latent [B, T, Rkv + rope] to the same (batch, T) instead. Without kv the
+         positions are the batch's own order, 0..S-1 (only cp reorders them): attention is
+         called `ordered` and skips the key chunks after each query block
   use    (role, w) -> w, applied to every non-routed weight right before its use (FSDP all-gather);
          role: its entry in ROLES (w is one layer's slice inside the layer scan)
   moe    (p_moe, x [B, S, D], positions [B, S]) -> (y, stats): a MoE layer's routed FFN, where the strategy
@@ -356,7 +358,7 @@ def gqa(p, x, positions, cfg: Config, lay: Layout):
       k, v = _gather_kv(k, lay.kv), _gather_kv(v, lay.kv)                   # [B, T, KV, Dh]
       k_pos = jax.reshard(positions, lay.kv_pos)                               # [B, T]
     o = attention_lib.attend(q, k, v, positions, k_pos, scale, cfg.attention_impl,
-                             cfg.attention_chunk)                              # [B, S, KV, G, Dh]
+                             cfg.attention_chunk, ordered=lay.kv is None)     # [B, S, KV, G, Dh]
   return jnp.einsum("bskgh,kghd->bsd", o, wo, out_sharding=lay.row)            # [B, S, D]
 
 
@@ -418,7 +420,7 @@ def mla(p, x, positions, cfg: Config, lay: Layout):
       k_pos = jax.reshard(positions, lay.kv_pos)                               # [B, T]
     o = attention_lib.attend(q_n, kv[..., :nope], kv[..., nope:], positions, k_pos, scale,
                              cfg.attention_impl, cfg.attention_chunk, q_r=q_r,
-                             k_r=lat[..., r:])                                 # [B, S, H, 1, v]
+                             k_r=lat[..., r:], ordered=lay.kv is None)         # [B, S, H, 1, v]
   return jnp.einsum("bshv,hvd->bsd", o[:, :, :, 0], w("wo", "attn_o"),
                     out_sharding=lay.row)                                      # [B, S, D]
 

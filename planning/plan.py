@@ -22,7 +22,9 @@ Per candidate, per device:
              logits            the float32 logits of the device's tokens, T_head x V_local x 4
              gathered          one layer's gathered weights (the cost model's forward
                                all-gathers of weights, per layer)
-             attn_chunk        one key chunk's float32 scores, T x H_local x chunk x 4
+             attn_chunk        one key chunk's float32 scores, T x H_local x chunk x 4; x chunk
+                               / S where attention runs ordered (query blocks: every strategy
+                               but cp and ep_as_cp, modeling/attention.py)
              saved_block       remat block: each of L_held layers keeps its input, T x D in the
                                compute dtype (the residual stream's)
              saved_none_res    remat none: each of L_held layers keeps its activations,
@@ -92,6 +94,9 @@ OPTION_GRID = {"cp": {"kv_exchange": ("allgather", "ring")},
                "shard_exp_on_fsdp": {"mode": ("gather", "ep")}}
 # Residual-stream sequence splits that batch_spec does not show: ep_tp keeps [B@data, S@expert, D]
 SEQ_SPLIT = {"ep_tp": ("expert",)}
+# The strategies whose attention sees a reordered, split sequence (model.Layout.kv): every query
+# against every key chunk; the rest run it ordered, in query blocks of the chunk
+REORDERED = ("cp", "ep_as_cp")
 # pp_weights' coefficient, not from planning/calibrate.py (whose pp rows predate the gathered
 # weights): the value that puts the two full-scale pp compiles with a data axis in the README
 # ("Planner", "pp at full scale") nearest XLA's temp, stated there
@@ -229,8 +234,9 @@ def temp_features(name: str, cfg, mesh, terms, opts=None) -> dict:
   block, none = cfg.remat == "block", cfg.remat == "none"
   heads = cfg.n_heads / shape.get("tensor", 1)
   chunk = min(cfg.attention_chunk, cfg.seq_len) if cfg.attention_impl == "chunked" else cfg.seq_len
+  blocks = chunk / cfg.seq_len if cfg.attention_impl == "chunked" and name not in REORDERED else 1
   return {"logits": t * v_loc * 4, "gathered": gathered,
-          "attn_chunk": t * heads * chunk * 4,
+          "attn_chunk": t * heads * chunk * 4 * blocks,
           "saved_block": held * t * cfg.d_model * cost.act_bytes(cfg) * block,
           "saved_none_res": held * res * none,
           "saved_none_routed": held * routed * none, "work_rows_d": rows * cfg.d_model * 4,

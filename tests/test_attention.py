@@ -29,19 +29,21 @@ def _data(shape, dtype=jnp.float32, seed=0):
   return args, f(b, s, kv, g, dv)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "chunk", "scale"))
-def _value_and_grads(q, k, v, q_r, k_r, q_pos, k_pos, w, *, impl, chunk, scale):
+@functools.partial(jax.jit, static_argnames=("impl", "chunk", "scale", "ordered"))
+def _value_and_grads(q, k, v, q_r, k_r, q_pos, k_pos, w, *, impl, chunk, scale, ordered=False):
   """(o, grads of sum(o * w) w.r.t. q, k, v, q_r, k_r), the loss in float32."""
   def loss(q, k, v, q_r, k_r):
-    o = attend(q, k, v, q_pos, k_pos, scale, impl=impl, chunk=chunk, q_r=q_r, k_r=k_r)
+    o = attend(q, k, v, q_pos, k_pos, scale, impl=impl, chunk=chunk, q_r=q_r, k_r=k_r,
+               ordered=ordered)
     return jnp.sum(o.astype(jnp.float32) * w.astype(jnp.float32)), o
   argnums = (0, 1, 2) if q_r is None else (0, 1, 2, 3, 4)
   (_, o), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(q, k, v, q_r, k_r)
   return o, grads
 
 
-def _both(shape, chunk, q_pos, k_pos, dtype=jnp.float32):
-  """Chunked and xla: ([o, dq, dk, dv (, dq_r, dk_r)] for each) as float64 numpy."""
+def _both(shape, chunk, q_pos, k_pos, dtype=jnp.float32, ordered=False):
+  """Chunked (with `ordered`) and xla: ([o, dq, dk, dv (, dq_r, dk_r)] for each) as float64
+  numpy."""
   args, w = _data(shape, dtype)
   b = shape[0]
   q_pos = jnp.broadcast_to(jnp.asarray(q_pos, jnp.int32), (b, len(q_pos)))
@@ -49,7 +51,8 @@ def _both(shape, chunk, q_pos, k_pos, dtype=jnp.float32):
   scale = float(shape[5] + (shape[7] or 0)) ** -0.5
   out = []
   for impl in ("chunked", "xla"):
-    o, grads = _value_and_grads(*args, q_pos, k_pos, w, impl=impl, chunk=chunk, scale=scale)
+    o, grads = _value_and_grads(*args, q_pos, k_pos, w, impl=impl, chunk=chunk, scale=scale,
+                                ordered=ordered and impl == "chunked")
     out.append([np.asarray(x, np.float64) for x in (o, *grads)])
     assert o.dtype == dtype and o.shape == shape[:2] + shape[3:5] + shape[6:7]
   return out
@@ -70,11 +73,13 @@ MLA = (2, 37, 37, 4, 1, 24, 16, 8)        # 4 heads, G = 1, decoupled RoPE Dr = 
 
 
 @pytest.mark.parametrize("shape", [GQA, MLA], ids=["gqa", "mla"])
-@pytest.mark.parametrize("chunk", [8, 16])
-def test_matches_xla_f32(shape, chunk):
-  """Outputs and gradients of a random linear functional, T = 37 not a multiple of the chunk."""
+@pytest.mark.parametrize("chunk", [8, 16, 37])
+@pytest.mark.parametrize("ordered", [False, True], ids=["all", "ordered"])
+def test_matches_xla_f32(shape, chunk, ordered):
+  """Outputs and gradients of a random linear functional, T = 37 not a multiple of the chunk
+  (37: one chunk); ordered: query blocks that visit only the key chunks at or before them."""
   pos = np.arange(shape[1])
-  _check_f32(*_both(shape, chunk, pos, pos))
+  _check_f32(*_both(shape, chunk, pos, pos, ordered=ordered))
 
 
 def _load_balanced(s, cp):
@@ -108,11 +113,26 @@ def test_queries_subset_of_keys():
   _check_f32(*_both(shape, 5, np.arange(8, 16), _load_balanced(16, 2)))
 
 
+def test_ordered_skips_the_chunks_after_each_block():
+  """ordered=True never reads a key chunk after a query block: NaN keys and values in the last
+  chunk (positions 32..36) leave the first 32 outputs equal to the oracle's on those 32 tokens.
+  Without ordered, every query visits that chunk and its NaN scores poison every row."""
+  args, _ = _data(GQA)
+  k, v = (a.at[:, 32:].set(jnp.nan) for a in args[1:3])
+  pos = jnp.broadcast_to(jnp.arange(37, dtype=jnp.int32), (2, 37))
+  run = lambda ordered: attend(args[0], k, v, pos, pos, 0.25, chunk=8, ordered=ordered)
+  want = attend(args[0][:, :32], k[:, :32], v[:, :32], pos[:, :32], pos[:, :32], 0.25, "xla")
+  np.testing.assert_allclose(np.asarray(run(True)[:, :32]), np.asarray(want), rtol=1e-6,
+                             atol=1e-6)
+  assert np.isnan(np.asarray(run(False)[:, :32])).all()
+
+
 @pytest.mark.parametrize("shape", [GQA, MLA], ids=["gqa", "mla"])
-def test_bf16(shape):
+@pytest.mark.parametrize("ordered", [False, True], ids=["all", "ordered"])
+def test_bf16(shape, ordered):
   """bf16 inputs (float32 scores and statistics inside): relative L2 error of o and grads."""
   pos = np.arange(shape[1])
-  got, want = _both(shape, 8, pos, pos, dtype=jnp.bfloat16)
+  got, want = _both(shape, 8, pos, pos, dtype=jnp.bfloat16, ordered=ordered)
   for name, a, b in zip(NAMES, got, want):
     err = np.linalg.norm(a - b) / np.linalg.norm(b)
     print(f"bf16 {name}: |chunked - xla| / |xla| = {err:.2e}")
@@ -130,10 +150,12 @@ def test_bad_arguments():
 
 def _temp_bytes(impl, s):
   """temp_size_in_bytes of jit(value_and_grad) of attention at B = 1, KV = 1, G = 4, D = 64,
-  chunk 256, float32 (compiled, never run)."""
+  chunk 256, float32 (compiled, never run); impl "ordered": chunked with ordered=True."""
   f32 = lambda *sh: jax.ShapeDtypeStruct(sh, jnp.float32)
   pos = jax.ShapeDtypeStruct((1, s), jnp.int32)
-  loss = lambda q, k, v, p: attend(q, k, v, p, p, 0.125, impl=impl, chunk=256).sum()
+  kind = "chunked" if impl == "ordered" else impl
+  loss = lambda q, k, v, p: attend(q, k, v, p, p, 0.125, impl=kind, chunk=256,
+                                   ordered=impl == "ordered").sum()
   f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
   compiled = f.lower(f32(1, s, 1, 4, 64), f32(1, s, 1, 64), f32(1, s, 1, 64), pos).compile()
   return compiled.memory_analysis().temp_size_in_bytes
@@ -141,15 +163,18 @@ def _temp_bytes(impl, s):
 
 def test_memory_linear_in_sequence():
   """Chunked: temp memory ~2x per doubling of S (measured on CPU: 22.3, 44.6, 89.1 MiB at
-  S = 1024, 2048, 4096); xla: ~4x (65, 258, 1028 MiB), its [S, S] scores and probabilities."""
+  S = 1024, 2048, 4096); xla: ~4x (65, 258, 1028 MiB), its [S, S] scores and probabilities;
+  ordered: linear too, its per-step buffers [C, C] rather than [S, C] (MEASURED below)."""
   sizes = (1024, 2048, 4096)
-  temp = {impl: [_temp_bytes(impl, s) for s in sizes] for impl in ("chunked", "xla")}
+  temp = {impl: [_temp_bytes(impl, s) for s in sizes] for impl in ("chunked", "ordered", "xla")}
   print({impl: [f"{t / 2**20:.1f} MiB" for t in ts] for impl, ts in temp.items()})
-  for small, big in zip(temp["chunked"], temp["chunked"][1:]):
-    assert big / small < 2.5
+  for impl in ("chunked", "ordered"):
+    for small, big in zip(temp[impl], temp[impl][1:]):
+      assert big / small < 2.5, impl
   for small, big in zip(temp["xla"], temp["xla"][1:]):
     assert big / small > 3.5
   assert temp["chunked"][-1] * 8 < temp["xla"][-1]
+  assert temp["ordered"][-1] < temp["chunked"][-1]
 
 
 def test_dot_product_attention_wrapper():
