@@ -21,7 +21,9 @@ from absl import app, flags
 
 F = flags.FLAGS
 flags.DEFINE_string("strategy", None, "strategy to train (see strategies/); omit to compare all")
-flags.DEFINE_string("compare", None, "'all' or a comma list of strategies to compare")
+flags.DEFINE_string("compare", None, "'all' or a comma list of strategies to compare; an "
+                    "entry may carry its own options, NAME:key=value[:key=value] (e.g. "
+                    "cp:kv_exchange=ring), which override --opt's for that row")
 flags.DEFINE_string("model", "tiny", "model preset: tiny | mixtral-test | deepseek-test (these run "
                     "on CPU) | mixtral-8x7b | deepseek-v2-lite | deepseek-v3 (real shapes: "
                     "--compile_only on CPU)")
@@ -285,10 +287,10 @@ def strategy_names() -> list[str]:
     strategies.get(F.strategy)                 # unknown name -> one-line error
     return [F.strategy]
   names = F.compare or "all"
-  wanted = strategies.available() if names == "all" else [
-      n.strip() for n in names.split(",") if n.strip()]
+  wanted = ([e for n in strategies.available() for e in strategies.compare_entries(n)]
+            if names == "all" else [n.strip() for n in names.split(",") if n.strip()])
   for n in wanted:
-    strategies.get(n)
+    strategies.split_entry(n)                  # unknown name or bad option pair -> one line
   return wanted
 
 
@@ -513,7 +515,9 @@ def main(argv):
     raise UsageError("give --strategy or --compare, not both")
   if F.plan:
     find = check_plan_flags()
-    plan([n for n in strategy_names() if n != "reference"], find)
+    import strategies
+    bases = dict.fromkeys(strategies.split_entry(n)[0] for n in strategy_names())
+    plan([n for n in bases if n != "reference"], find)
     return
   dist = check_flags()
   names = strategy_names()

@@ -26,6 +26,8 @@ Every strategy module exposes the same small functional interface:
                                  device count); None: every device on MAIN_AXIS
   GROW_AXIS                   -> optional: the axis COMPARE_MESH caps for the tiny presets only;
                                  at other device counts it grows while the model admits it
+  COMPARE_VARIANTS            -> optional: option settings ("key=value:...") that the comparison
+                                 of 'all' shows as rows of their own, "NAME:key=value"
   TEST_CASES, COST_CASES, BAD_INPUT -> the strategy's rows of the one table that drives
                                  tests/test_strategies.py (parity and contract per TEST_CASES
                                  row, the cost model per COST_CASES row, one-line errors)
@@ -77,18 +79,43 @@ def get(name: str):
   return importlib.import_module(f"strategies.{name}")
 
 
+def split_entry(entry: str) -> tuple[str, dict[str, str]]:
+  """A comparison entry -> (strategy name, its own options): "cp" -> ("cp", {}),
+  "cp:kv_exchange=ring" -> ("cp", {"kv_exchange": "ring"}) (several joined by ':')."""
+  name, *rest = entry.split(":")
+  get(name)                                    # unknown name -> one-line error
+  own = {}
+  for pair in rest:
+    key, eq, value = pair.partition("=")
+    if not eq or not key or not value:
+      raise ConfigError(f"comparison entry {entry!r}: after the strategy come key=value pairs "
+                        f"joined by ':' (e.g. cp:kv_exchange=ring)")
+    own[key] = value
+  return name, own
+
+
+def compare_entries(name: str) -> list[str]:
+  """A strategy's rows in a comparison of 'all': itself, then its COMPARE_VARIANTS (an option
+  setting each, e.g. cp's ring K/V exchange beside its all-gather)."""
+  return [name] + [f"{name}:{v}" for v in getattr(get(name), "COMPARE_VARIANTS", ())]
+
+
 def parse_options(names: list[str], pairs: dict[str, str]) -> dict:
-  """{strategy name: its Options} from {key: value} (--opt, split by layout.options.split).
+  """{entry: its Options} from {key: value} (--opt, split by layout.options.split); an entry is
+  a strategy name, or one with its own options (split_entry), which override --opt's.
   Single strategy: every key must be one of its options. Several (compare mode): each key must
   belong to at least one of them and goes to those that have it."""
   classes = {n: get(n).Options for n in NAMES}
+  entries = {n: split_entry(n) for n in names}
   if len(names) == 1:
-    others = {n: c for n, c in classes.items() if n != names[0]}
-    return {names[0]: options.parse(names[0], classes[names[0]], pairs, others)}
+    (base, own), = entries.values()
+    others = {n: c for n, c in classes.items() if n != base}
+    return {names[0]: options.parse(base, classes[base], {**pairs, **own}, others)}
   for key in pairs:
-    if not any(key in options.keys(classes[n]) for n in names):
+    if not any(key in options.keys(classes[b]) for b, _ in entries.values()):
       owners = [n for n, c in classes.items() if key in options.keys(c)]
       where = f" (an option of {', '.join(owners)})" if owners else ""
       raise ConfigError(f"--opt key {key!r} belongs to none of the compared strategies{where}")
-  return {n: options.parse(n, classes[n], {k: v for k, v in pairs.items()
-                                           if k in options.keys(classes[n])}) for n in names}
+  return {n: options.parse(b, classes[b], {**{k: v for k, v in pairs.items()
+                                             if k in options.keys(classes[b])}, **own})
+          for n, (b, own) in entries.items()}

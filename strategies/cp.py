@@ -93,6 +93,8 @@ CP = mesh_lib.CONTEXT
 BATCH = (mesh_lib.DATA, mesh_lib.FSDP)           # the axes splitting B
 TOKENS = (mesh_lib.DATA, mesh_lib.FSDP, CP)      # every axis tokens are split over (= grad axes)
 COMPARE_MESH = None
+# `python run.py` (compare 'all') shows the ring K/V exchange as a second row beside the default
+COMPARE_VARIANTS = ("kv_exchange=ring",)
 
 Options = context.Options            # kv_exchange=allgather|ring: the K/V exchange (layout/context.py)
 contract_variant = context.contract_variant

@@ -82,6 +82,8 @@ BATCH = (DATA, FSDP)
 CP = EXPERT
 TOKENS = (DATA, FSDP, EXPERT)                 # axes tokens are split over (= grad axes)
 COMPARE_MESH = None
+# `python run.py` (compare 'all') shows the ring K/V exchange as a second row beside the default
+COMPARE_VARIANTS = ("kv_exchange=ring",)
 Options = context.Options                     # kv_exchange=allgather|ring, as cp.py's
 contract_variant = context.contract_variant
 SEED_MESH = "fsdp:2,expert:2,data:2"          # MaxText #3656's FSDP=2 + EP-as-CP=2 (+ data=2)

@@ -359,6 +359,9 @@ def _check_in_process(*args):
      "--dispatch_batch_on_expert and --opt=dispatch=... disagree"),
     (["--compare=dp,tp", "--opt=mode=ep"],
      "--opt key 'mode' belongs to none of the compared strategies (an option of shard_exp_on_fsdp)"),
+    (["--compare=cp,cp:kv_exchange"], "comparison entry 'cp:kv_exchange': after the strategy"),
+    (["--compare=cp,cp:ring=yes"], "strategy 'cp' has no option 'ring'"),
+    (["--compare=dp,ccp:kv_exchange=ring"], "unknown strategy 'ccp'"),
     (["--strategy=dp", "--full_parity"], "--full_parity is a compare-mode check"),
     (["--compile_only", "--full_parity"], "--full_parity is a compare-mode check"),
     (["--strategy=dp", "--overwrite_checkpoint"], "--overwrite_checkpoint needs --checkpoint_dir"),
@@ -385,6 +388,26 @@ def test_options_reach_the_strategies_that_have_them():
   assert opts == {"ep": strategies.get("ep").Options(dispatch="none"),
                   "ep_tp": strategies.get("ep_tp").Options(capacity=0.5),
                   "dp": strategies.get("dp").Options()}
+
+
+def test_compare_entries_carry_their_own_options():
+  """NAME:key=value rows: their options over --opt's; 'all' adds each COMPARE_VARIANTS row."""
+  import run
+  import strategies
+  run.F.unparse_flags()
+  run.F(["run.py", "--compare=cp,cp:kv_exchange=ring,ep", "--opt=dispatch=none"])
+  try:
+    opts = run.strategy_options(run.strategy_names())
+    run.F.unparse_flags()
+    run.F(["run.py"])
+    every = run.strategy_names()
+  finally:
+    run.F.unparse_flags()
+  cp = strategies.get("cp").Options
+  assert opts == {"cp": cp(), "cp:kv_exchange=ring": cp(kv_exchange="ring"),
+                  "ep": strategies.get("ep").Options(dispatch="none")}
+  assert every == [e for n in strategies.available() for e in strategies.compare_entries(n)]
+  assert "cp:kv_exchange=ring" in every and "ep_as_cp:kv_exchange=ring" in every
 
 
 def test_describe_prints_parameter_counts_without_compiling():

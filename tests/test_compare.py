@@ -24,6 +24,24 @@ def test_compare_dp_and_tp_writes_report(tmp_path):
   assert json.loads((tmp_path / "table.json").read_text())[1]["strategy"] == "dp"
 
 
+def test_cp_ring_row_beside_its_allgather():
+  """A comparison entry with its own options is a row of its own: cp's two K/V exchanges side
+  by side (compile only), the all-gather's bytes in all-gathers, the ring's in
+  collective-permutes, each equal to its own cost model."""
+  rows = compare.main(get_config("tiny"), names=["cp", "cp:kv_exchange=ring"], mesh_spec=None,
+                      steps=0, report_dir=None, compile_only=True, model_name="tiny")
+  by = {r["strategy"]: r for r in rows}
+  assert list(by) == ["cp", "cp:kv_exchange=ring"]
+  permutes = {n: r["collectives"]["collective-permute"]["count"] for n, r in by.items()}
+  gathers = {n: r["collectives"]["all-gather"]["count"] for n, r in by.items()}
+  assert permutes["cp"] == 0 and gathers["cp"] > 0
+  assert permutes["cp:kv_exchange=ring"] > 0 and gathers["cp:kv_exchange=ring"] == 0
+  for r in rows:
+    pred = sum(r["predicted"].values())
+    meas = sum(v["bytes"] for v in r["collectives"].values())
+    assert abs(meas / pred - 1) < 0.01, r["strategy"]
+
+
 def test_fit_column():
   """--hbm_gb: total/dev = params + optimizer + XLA temp; fits iff <= hbm_gb GiB."""
   row = {"strategy": "dp", "mesh": "data:8", "param_bytes": 2**30, "opt_bytes": 2 * 2**30,
