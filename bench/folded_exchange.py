@@ -8,7 +8,8 @@ the activation exchanges, with the norm-scale gradient sums (KiB); the gradient 
 Run from the repo root:  python bench/folded_exchange.py DEVICES MODEL LAYERS MESH [MESH ...]
   e.g. python bench/folded_exchange.py 8 mixtral-8x7b 2 data:2,expert:4 expert:8
 A mesh names `expert`; tp runs on the same sizes with `tensor` in its place. The batch is one
-sequence per data shard at the preset's seq_len, bf16, dropless; bytes are per device per step.
+sequence per data shard at the preset's seq_len, bf16, dropless (or --capacity_factor=F, any
+place among the arguments); bytes are per device per step.
 """
 import os
 import sys
@@ -17,6 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
+CF = [float(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--capacity_factor=")]
+sys.argv = [a for a in sys.argv if not a.startswith("--capacity_factor=")]
 jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
 
 from layout import mesh as mesh_lib  # noqa: E402
@@ -46,7 +49,8 @@ if __name__ == "__main__":
         "worst meas/pred - 1, any (kind, axes) | per kind |\n|---|---|---|---|---|---|---|")
   for spec in specs:
     data = mesh_lib.parse_mesh_spec(spec).get("data", 1)
-    cfg = get_config(model, n_layers=layers, batch=data, dtype="bfloat16")
+    cfg = get_config(model, n_layers=layers, batch=data, dtype="bfloat16",
+                     capacity_factor=CF[-1] if CF else 0.0)
     ep_tp = strategies.get("ep_tp")
     for label, name, opts, s in (
         ("ep_tp ring", "ep_tp", ep_tp.Options(exchange="ring"), spec),
