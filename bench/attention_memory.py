@@ -13,7 +13,12 @@ With --time=IMPL (chunked | ordered): compile, then run value_and_grad once at 1
 S = 8192, 8 query heads on 8 KV heads, d 64, float32, chunk 512, and print the run's seconds;
 time whole processes of both with farm-bench to compare.
 
-Run from the repo root:  python bench/attention_memory.py [--backward | --time=IMPL]
+With --ring_time=balanced|all: the same, through ring attention on 4 simulated devices
+(context:4, the load-balanced order), S = 8192, 8 heads, d 64, float32, chunk 512, balanced
+(each visit after the first computes the half-blocks the causal mask leaves) or not.
+
+Run from the repo root:  python bench/attention_memory.py [--backward | --time=IMPL |
+  --ring_time=KIND]
 """
 import os
 import sys
@@ -22,6 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+
+if any(a.startswith("--ring_time=") for a in sys.argv):
+  jax.config.update("jax_num_cpu_devices", 4)
 
 from modeling import attention  # noqa: E402
 from modeling.attention import attend  # noqa: E402
@@ -87,7 +95,36 @@ def run_seconds(impl: str, s: int = 8192, heads: int = 8, d: int = 64) -> float:
   return time.perf_counter() - t0
 
 
-if __name__ == "__main__" and any(a.startswith("--time=") for a in sys.argv):
+def ring_seconds(balanced: bool, s: int = 8192, heads: int = 8, d: int = 64, n: int = 4) -> float:
+  """Wall seconds of one value_and_grad of ring attention over context:n (after its compile and
+  one warm-up), q = k = v's tokens in the load-balanced order."""
+  import time
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from layout import context, mesh as mesh_lib
+  from modeling import model, ring_attention
+  mesh = mesh_lib.make_mesh({"context": n})
+  rng = np.random.default_rng(0)
+  with jax.set_mesh(mesh):
+    put = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+    x = lambda *shape: put(rng.standard_normal(shape).astype(np.float32),
+                           P(None, "context", *([None] * (len(shape) - 2))))
+    q, k, v = x(1, s, heads, 1, d), x(1, s, heads, d), x(1, s, heads, d)
+    pos = put(context.load_balance_order(s, n)[None].astype(np.int32), P(None, "context"))
+    loss = lambda q, k, v: ring_attention.ring_attend(
+        q, (k, v), (), model._kv_as_is, pos, pos, d ** -0.5, CHUNK, ("context",),
+        balanced=balanced).sum()
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    jax.block_until_ready(f(q, k, v))
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(q, k, v))
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__" and any(a.startswith("--ring_time=") for a in sys.argv):
+  kind = next(a for a in sys.argv if a.startswith("--ring_time="))[len("--ring_time="):]
+  print(f"ring {kind}: {ring_seconds(kind == 'balanced'):.2f} s")
+elif __name__ == "__main__" and any(a.startswith("--time=") for a in sys.argv):
   name = next(a for a in sys.argv if a.startswith("--time="))[len("--time="):]
   print(f"{name}: {run_seconds(name):.2f} s")
 elif __name__ == "__main__" and "--backward" in sys.argv:

@@ -351,7 +351,8 @@ def gqa(p, x, positions, cfg: Config, lay: Layout):
   scale = 1 / np.sqrt(dh)
   if lay.kv_ring:                                             # CP: K/V blocks around the ring
     o = ring_attention.ring_attend(q, (k, v), (), _kv_as_is, positions, positions, scale,
-                                   cfg.attention_chunk, _kv_gather_axes(k, lay.kv))
+                                   cfg.attention_chunk, _kv_gather_axes(k, lay.kv),
+                                   balanced=True)      # cp's load-balanced order
   else:
     k_pos = positions
     if lay.kv is not None:                                                     # CP: gather K/V
@@ -408,7 +409,7 @@ def mla(p, x, positions, cfg: Config, lay: Layout):
     expand = functools.partial(_mla_expand, r=r, nope=nope)
     o = ring_attention.ring_attend(q_n, lat, (wkv_b,), expand, positions, positions, scale,
                                    cfg.attention_chunk, _kv_gather_axes(lat, spec),
-                                   q_r=q_r)                                    # [B, S, H, 1, v]
+                                   q_r=q_r, balanced=True)                     # [B, S, H, 1, v]
   else:
     k_pos = positions
     if lay.kv is None:

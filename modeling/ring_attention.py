@@ -26,6 +26,18 @@ on hardware each send overlaps the previous block's compute. The all-gather move
 messages (about 1/2 of the ring's backward bytes with float32 d(kv)) and runs every block's
 scores in one pass.
 
+Balanced (balanced=True, the model's call: cp's and ep_as_cp's batches come in the load-balanced
+order of layout/context.py, rank r holding chunks r and 2n-1-r of 2n contiguous chunks): at
+visit i > 0 the owner o = r - i (mod n) differs from r, and the causal mask empties half of the
+(query chunk, key chunk) pairs. When o < r, key chunk o precedes both query chunks and key chunk
+2n-1-o follows both: only the first half of the block is folded, for all local queries. When
+o > r, query chunk r precedes both key chunks, 2n-1-r follows both: the whole block is folded
+into the second half of the queries only. Either way a visit costs half of visit 0; the
+backward takes the same halves (the unused half of d(kv) is zero). The choice is a lax.cond on
+the device's own rank: inside the shard_map each device takes its branch, and no collective
+decides it. The bytes do not change: the whole block still travels, since the next device may
+need the other half.
+
 Memory: a jax.custom_vjp keeps only its inputs, the output and the log-sum-exp (O(s)); the
 backward re-sends the blocks rather than keeping the n visitors. Every device runs the whole
 ring in a full-manual shard_map (check_vma=False: the weights come typed reduced, their
@@ -46,14 +58,17 @@ from parallel import sharding
 F32 = jnp.float32
 
 
-def ring_attend(q, kv, w, expand, q_pos, k_pos, scale, chunk, axes, q_r=None):
+def ring_attend(q, kv, w, expand, q_pos, k_pos, scale, chunk, axes, q_r=None, balanced=False):
   """Causal attention of q [B, S@axes, KV, G, Dq] (q_pos [B, S@axes]) to the whole sequence,
   whose blocks kv (a pytree of [B, S@axes, ..] arrays, positions k_pos [B, S@axes]) travel
   around the ring `axes`. expand(kv, w) -> (k [B, s, KV, Dq], v [B, s, KV, Dv], k_r [B, s, Dr]
   or None) makes a block's keys and values from what travels and the weights w (a pytree; ()
   when kv already is (k, v)). q_r [B, S@axes, KV, G, Dr]: MLA's decoupled RoPE query.
+  balanced=True promises q_pos = k_pos in the load-balanced order (layout/context.py: ring rank
+  r holds chunks r and 2n-1-r of 2n contiguous chunks): each visit then computes only the
+  half-blocks the causal mask leaves (the module docstring, "Balanced").
   -> o [B, S@axes, KV, G, Dv] in v's dtype."""
-  return _ring(scale, chunk, tuple(axes), expand, q, q_r, kv, w, q_pos, k_pos)
+  return _ring(scale, chunk, tuple(axes), expand, bool(balanced), q, q_r, kv, w, q_pos, k_pos)
 
 
 def _spec(x) -> P:
@@ -80,19 +95,45 @@ def _send(tree, axes, n):
   return jax.lax.ppermute(tree, axes, [(j, (j + 1) % n) for j in range(n)])
 
 
-def _forward(scale, chunk, axes, expand, q, q_r, kv, w, q_pos, k_pos):
+def _halves(tree):
+  """Each [b, s, ..] array of tree -> (its first s/2 tokens, its last s/2) (None stays None)."""
+  first = jax.tree.map(lambda x: x[:, :x.shape[1] // 2], tree)
+  last = jax.tree.map(lambda x: x[:, x.shape[1] // 2:], tree)
+  return first, last
+
+
+def _join(first, last):
+  """_halves' inverse: the two halves of each array of a tree, concatenated on the tokens."""
+  return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), first, last)
+
+
+def _forward(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_pos):
   n = _ring_size(q, axes)
 
   def body(q, q_r, kv, w, q_pos, k_pos):              # per device: [b, s, ..] blocks
-    carry = None
+    def fold(carry, q, q_r, q_pos, kv, k_pos):
+      k, v, k_r = expand(kv, w)                                               # [b, t, KV, D.]
+      return attention_lib._fold(carry, scale, min(chunk, k.shape[1]), q, k, v, q_pos, k_pos,
+                                 q_r, k_r)
+
+    rank = jax.lax.axis_index(axes)
+    v_type = jax.eval_shape(expand, kv, w)[1]                                 # [b, s, KV, Dv]
+    carry = attention_lib._init(q, v_type.shape[-1])
     for i in range(n):
-      k, v, k_r = expand(kv, w)                                               # [b, s, KV, D.]
-      carry = attention_lib._init(q, v.shape[-1]) if carry is None else carry
-      carry = attention_lib._fold(carry, scale, min(chunk, k.shape[1]), q, k, v, q_pos, k_pos,
-                                  q_r, k_r)
+      if i == 0 or not balanced:                     # own block (or every block): all of it
+        carry = fold(carry, q, q_r, q_pos, kv, k_pos)
+      else:
+        # the owner's first chunk precedes both of ours, its second follows both (owner <
+        # rank): fold that first half-block; else (owner > rank) only our second chunk sees
+        # the owner's: fold the whole block into those rows
+        early = lambda carry: fold(carry, q, q_r, q_pos, *_halves((kv, k_pos))[0])
+        def late(carry):
+          (c0, c1), (q1, q_r1, q_pos1) = _halves(carry), _halves((q, q_r, q_pos))[1]
+          return _join(c0, fold(c1, q1, q_r1, q_pos1, kv, k_pos))
+        carry = jax.lax.cond((rank - i) % n < rank, early, late, carry)
       if i < n - 1:
         kv, k_pos = _send((kv, k_pos), axes, n)       # collective-permute over axes
-    return attention_lib._finish(carry, v.dtype)      # o [b, s, KV, G, Dv], lse [b, s, KV, G]
+    return attention_lib._finish(carry, v_type.dtype)  # o [b, s, KV, G, Dv], lse [b, s, KV, G]
 
   q_spec = _spec(q)
   args = _plain((q, q_r, kv, w, q_pos, k_pos))
@@ -101,13 +142,13 @@ def _forward(scale, chunk, axes, expand, q, q_r, kv, w, q_pos, k_pos):
                        check_vma=False)(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _ring(scale, chunk, axes, expand, q, q_r, kv, w, q_pos, k_pos):
-  return _forward(scale, chunk, axes, expand, q, q_r, kv, w, q_pos, k_pos)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _ring(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_pos):
+  return _forward(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_pos)[0]
 
 
-def _ring_fwd(scale, chunk, axes, expand, q, q_r, kv, w, q_pos, k_pos):
-  o, lse = _forward(scale, chunk, axes, expand, q, q_r, kv, w, q_pos, k_pos)
+def _ring_fwd(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_pos):
+  o, lse = _forward(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_pos)
   return o, (q, q_r, kv, w, q_pos, k_pos, o, lse)
 
 
@@ -118,7 +159,7 @@ def _query_axes(q) -> frozenset:
   return frozenset(sharding.dim_axes(s, 0)) | frozenset(sharding.dim_axes(s, 1))
 
 
-def _ring_bwd(scale, chunk, axes, expand, res, do):
+def _ring_bwd(scale, chunk, axes, expand, balanced, res, do):
   q, q_r, kv, w, q_pos, k_pos, o, lse = res
   n = _ring_size(q, axes)
   partial = _query_axes(q)
@@ -137,14 +178,36 @@ def _ring_bwd(scale, chunk, axes, expand, res, do):
     dq, dq_r = attention_lib._zeros_f32(q), attention_lib._zeros_f32(q_r)
     dkv = jax.tree.map(lambda x: jnp.zeros_like(x, dtype=F32), kv)
     dw = jax.tree.map(lambda x: jnp.zeros_like(x, dtype=F32), w)
-    for i in range(n):
+    rank = jax.lax.axis_index(axes)
+
+    def grads(rows, kv, k_pos):
+      """One visit's gradients: rows = (q, q_r, q_pos, lse, d, do, dq, dq_r) of the queries
+      that see the block kv -> (dq, dq_r) of those rows, d(kv) and d(w) float32."""
+      q, q_r, q_pos, lse, d, do, dq, dq_r = rows
       (k, v, k_r), pull = jax.vjp(expand, kv, w)
       dq, dq_r, dk, dv, dk_r = attention_lib._grads(
           scale, min(chunk, k.shape[1]), q, k, v, q_pos, k_pos, q_r, k_r, lse, d, do, dq, dq_r)
       cts = jax.tree.map(lambda g, x: g.astype(x.dtype), (dk, dv, dk_r), (k, v, k_r))
       dkv_i, dw_i = pull(cts)
-      dkv = jax.tree.map(lambda a, b: a + b.astype(F32), dkv, dkv_i)
-      dw = jax.tree.map(lambda a, b: a + b.astype(F32), dw, dw_i)
+      f32 = lambda t: jax.tree.map(lambda x: x.astype(F32), t)
+      return (dq, dq_r), f32(dkv_i), f32(dw_i)
+
+    for i in range(n):
+      rows = (q, q_r, q_pos, lse, d, do, dq, dq_r)
+      if i == 0 or not balanced:
+        (dq, dq_r), dkv_i, dw_i = grads(rows, kv, k_pos)
+      else:                                 # the forward's two cases (_forward), in reverse
+        def early(rows):
+          (kv0, k_pos0), _ = _halves((kv, k_pos))
+          dqs, dkv0, dw_i = grads(rows, kv0, k_pos0)
+          return dqs, _join(dkv0, jax.tree.map(jnp.zeros_like, dkv0)), dw_i
+        def late(rows):
+          rows0, rows1 = _halves(rows[:6]), _halves(rows[6:])
+          dqs1, dkv_i, dw_i = grads(rows0[1] + rows1[1], kv, k_pos)
+          return _join(rows1[0], dqs1), dkv_i, dw_i
+        (dq, dq_r), dkv_i, dw_i = jax.lax.cond((rank - i) % n < rank, early, late, rows)
+      dkv = jax.tree.map(lambda a, b: a + b, dkv, dkv_i)
+      dw = jax.tree.map(lambda a, b: a + b, dw, dw_i)
       if i < n - 1:
         kv, k_pos, dkv = _send((kv, k_pos, dkv), axes, n)    # the block and its gradient sum
     dkv = _send(dkv, axes, n)                                # each d(kv) home

@@ -40,3 +40,34 @@ def test_kv_gather_bytes(mesh):
   kv_pos = b_local * TINY.seq_len * 4
   assert by[("all-gather", frozenset({"context"}))]["bytes"] == 2 * TINY.n_layers * kv + kv_pos
   assert hlo.collective_stats(job.hlo)["all-to-all"]["count"] == 0
+
+
+def test_ring_balanced_skips_the_empty_half_blocks():
+  """ring_attend(balanced=True) on context:4 never reads the half-blocks the causal mask empties.
+  NaN keys and values in the sequence's last chunk (positions 28..31, rank 0's second half):
+  ranks 1..3 (the chunks before it) match the oracle, since each takes only rank 0's first half
+  when its block visits. Without balanced every rank folds the whole block and gets NaN."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from layout import mesh as mesh_lib
+  from modeling import attention, model, ring_attention
+  n, s, h, d = 4, 32, 2, 8
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal(shape).astype(np.float32)
+             for shape in ((1, s, h, 1, d), (1, s, h, d), (1, s, h, d)))
+  pos = np.arange(s, dtype=np.int32)[None]
+  want = np.asarray(attention.attend(*map(jnp.asarray, (q, k, v, pos, pos)), 0.25, "xla"))
+  k[:, 28:], v[:, 28:] = np.nan, np.nan          # the oracle saw finite values: 0 * NaN = NaN
+  order = context.load_balance_order(s, n)                  # ranks' tokens, in device order
+  mesh = mesh_lib.make_mesh({"context": n})
+  with jax.set_mesh(mesh):
+    put = lambda x: jax.device_put(x[:, order], NamedSharding(
+        mesh, P(None, "context", *([None] * (x.ndim - 2)))))
+    run = lambda balanced: np.asarray(ring_attention.ring_attend(
+        put(q), (put(k), put(v)), (), model._kv_as_is, put(pos), put(pos), 0.25, 4,
+        ("context",), balanced=balanced))[:, np.argsort(order)]
+    got, unbalanced = run(True), run(False)
+  others = np.sort(context.lb_positions(s, n)[1:].ravel())  # the positions ranks 1..3 hold
+  np.testing.assert_allclose(got[:, others], want[:, others], rtol=1e-5, atol=1e-6)
+  assert np.isnan(unbalanced[:, others]).all()
