@@ -72,10 +72,33 @@ BLOCK_ONLY = ("block",)               # the reduction a row-parallel matmul ends
 
 def step_terms(strategy, cfg, mesh, opts=None) -> list[Term]:
   """The strategy's cost model for the step as compiled: its terms, plus a backward copy of each
-  forward term that cfg.remat's recompute issues again. opts: its Options (None = defaults)."""
-  terms = strategy.cost(cfg, mesh, strategy.Options() if opts is None else opts)
-  return terms + [dataclasses.replace(t, phase="bwd", what=f"{t.what}, recomputed", remat=())
-                  for t in terms if cfg.remat in t.remat]
+  forward term that cfg.remat's recompute issues again. opts: its Options (None = defaults).
+
+  Gradient accumulation (cfg.microbatches = M > 1, runtime.train.accumulated_grads; pp runs its
+  own microbatches and prices them in its cost): each microbatch is a whole forward and backward
+  of B/M sequences, so the step is M times the cost of a B/M-sequence step, weight gathers and
+  gradient reductions included (each microbatch's gradient is summed over the devices before
+  the carry adds it), except the once-per-step "opt" terms. The batch-wise aux loss adds pass
+  1: a forward of every microbatch for the step's counts, M more of its forward terms."""
+  opts = strategy.Options() if opts is None else opts
+  m = cfg.microbatches
+  if m <= 1 or strategy.layout(cfg, mesh, opts).loss is not None:
+    terms = strategy.cost(cfg, mesh, opts)
+    return terms + _recomputed(terms, cfg)
+  per_mb = strategy.cost(cfg.replace(batch=cfg.batch // m, microbatches=1), mesh, opts)
+  times = lambda ts, k, note: [dataclasses.replace(t, bytes=t.bytes * k, what=t.what + note)
+                               for t in ts]
+  step = [t for t in per_mb if t.phase != "opt"]
+  out = times(step + _recomputed(step, cfg), m, f", x{m} microbatches")
+  if cfg.aux_loss_kind == "batch" and cfg.aux_loss_coef:
+    out += times([t for t in step if t.phase == "fwd"], m, ", counts pass")
+  return out + [t for t in per_mb if t.phase == "opt"]
+
+
+def _recomputed(terms, cfg) -> list[Term]:
+  """A backward copy of each forward term that cfg.remat's recompute issues again."""
+  return [dataclasses.replace(t, phase="bwd", what=f"{t.what}, recomputed", remat=())
+          for t in terms if cfg.remat in t.remat]
 
 
 # ----------------------------------------------------------------------------- dtypes on the wire

@@ -127,8 +127,7 @@ TEST_CASES = [Case("tiny", "expert:8"),
               Case("tiny", "data:2,expert:4", dict(batch=16, microbatches=2)),
               Case("deepseek-test", "fsdp:2,expert:4"),
               Case("tiny", "data:2,expert:4", opts=Options(dispatch="none"))]
-COST_CASES = [Case("tiny", "expert:8"), Case("deepseek-test", "fsdp:2,expert:4"),
-              Case("tiny", "data:2,expert:4", opts=Options(dispatch="none"))]
+COST_CASES = TEST_CASES                          # accumulation: measure/cost.step_terms
 BAD_INPUT = [
     BadInput(dict(n_experts=6, top_k=2), "expert:4,data:2", Options(),
              "n_experts=6 is not divisible by mesh axis expert=4"),

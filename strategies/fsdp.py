@@ -65,7 +65,7 @@ Options = NoOptions
 TEST_CASES = [Case("tiny", "fsdp:8"), Case("tiny", "data:2,fsdp:4"),
               # gradient accumulation, the sequence-wise loss (no pass 1)
               Case("deepseek-test", "data:2,fsdp:4", dict(batch=16, microbatches=2))]
-COST_CASES = TEST_CASES[:2]
+COST_CASES = TEST_CASES                          # accumulation: measure/cost.step_terms
 LAYOUTS = ("tiny", ("fsdp:8", "data:2,fsdp:4"))   # one model, two layouts: the same losses
 BAD_INPUT = [BadInput(dict(batch=6), "fsdp:8", Options(),
                       "batch=6 is not divisible by mesh axis dataxfsdp=8"),

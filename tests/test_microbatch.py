@@ -25,6 +25,15 @@ def test_parity(name, model_name, over, mesh):
   parity.check(name, get_config(model_name, **over), mesh, steps=2)
 
 
+@pytest.mark.parametrize("name,model_name,over,mesh", CASES, ids=[c[0] for c in CASES])
+def test_cost_model_counts_every_microbatch(name, model_name, over, mesh):
+  """The cost model per (kind, axes) within 10%, test_parity's compile: each microbatch's
+  gradients are reduced over the devices (M x the weight traffic, measure/cost.step_terms), and
+  ep_tp's batch-wise loss adds pass 1's forward. A cost model that priced one pass of the whole
+  batch is off by M on every gradient reduction (ratio 4 here)."""
+  parity.assert_cost_model(name, get_config(model_name, **over), mesh)
+
+
 def test_local_aux_loss_differs():
   """Why pass 1 exists: summing each microbatch's own aux loss (f from its own counts) is not
   the step's aux loss; the global-f sum is (to float32 rounding)."""
