@@ -7,10 +7,11 @@ policy, capacity factor, which axes lie inside a node). OPTION_GRID names the op
 the K/V exchange of cp and ep_as_cp, ep_tp's routed exchange, shard_exp_on_fsdp's mode; the
 rest stay at their defaults (ep's dispatch=ragged needs a GPU's ragged_all_to_all, dispatch=none
 is a demonstration of a bug). The temp model was calibrated at the default options only. Microbatches vary for pp only (its pipeline's M, every divisor of
-the sequences a (data, expert) shard holds, up to PP_MAX_MICROBATCHES): the cost model
-has no terms for the gradient accumulation the other strategies run with M > 1 (a second forward
-pass, the weight gathers per microbatch), so those candidates could not be held to the compiled
-program and are not enumerated. Remat varies over none and block (the two policies the memory
+the sequences a (data, expert) shard holds, up to PP_MAX_MICROBATCHES). The gradient
+accumulation the other strategies run with M > 1 has its bytes in the cost model
+(measure.cost.step_terms: M steps of B/M sequences, pass 1's forwards), but the temp model below
+was calibrated at M = 1 only, so those candidates could not be held to the compiler's memory and
+are not enumerated. Remat varies over none and block (the two policies the memory
 model below is calibrated for). pp on a stage count that does not divide the MoE layers runs
 the balanced uneven layout (`_layer_layout`, modeling.config.balanced_layout: DeepSeek-V3's 58
 on 16 stages as 4 x 10 + 3 x 6): its padded stack's rows count for memory, exchanges and the
