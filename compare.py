@@ -160,7 +160,7 @@ def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = 
   --mesh, a layout the model does not admit falls back to a smaller main axis (see above);
   mesh_spec "search": the mesh search (`search`). A strategy that fails to build, trace or
   compile becomes its row's error (one line); the other rows still run."""
-  strat = strategies.get(strategies.split_entry(name)[0])
+  strat = strategies.of_entry(name)
   opts = strategies.parse_options([name], {})[name] if opts is None else opts   # its own options
   row = {"strategy": name}                   # the entry: "cp", or "cp:kv_exchange=ring"
   try:
@@ -205,7 +205,7 @@ def measure(row: dict, job, steps: int, compile_only: bool, full_parity: bool = 
   reference."""
   if job is None:
     return row
-  strat, cfg, mesh = strategies.get(strategies.split_entry(row["strategy"])[0]), job.cfg, job.mesh
+  strat, cfg, mesh = strategies.of_entry(row["strategy"]), job.cfg, job.mesh
   row["compile_s"] = job.compile_s
   stats = hlo.compiled_stats(job.compiled, mesh, job.hlo)
   row["collectives"] = {k: stats["collectives"][k] for k in KINDS}
@@ -291,7 +291,7 @@ def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: s
   t_start = time.perf_counter()
   if mesh_spec not in (None, "search"):
     for n in wanted:
-      note = mesh_lib.order_note(strategies.get(strategies.split_entry(n)[0]), mesh_spec)
+      note = mesh_lib.order_note(strategies.of_entry(n), mesh_spec)
       if note:
         print(f"note: {note}", file=sys.stderr)
   # Compile concurrently (XLA compiles outside the GIL), then run one at a time so step times

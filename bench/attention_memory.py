@@ -79,15 +79,10 @@ def backward_mib(kind: str, s: int) -> float:
   return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
-def run_seconds(impl: str, s: int = 8192, heads: int = 8, d: int = 64) -> float:
-  """Wall seconds of one value_and_grad of attention, after its compile and one warm-up."""
+def _seconds(loss, q, k, v) -> float:
+  """Wall seconds of one jit(value_and_grad(loss)) over q, k, v, after its compile and one
+  warm-up."""
   import time
-  import numpy as np
-  rng = np.random.default_rng(0)
-  x = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-  q, k, v = x(1, s, heads, 1, d), x(1, s, heads, d), x(1, s, heads, d)
-  pos = jnp.arange(s, dtype=jnp.int32)[None]
-  loss = lambda q, k, v: attend(q, k, v, pos, pos, d ** -0.5, chunk=CHUNK, **_impl(impl)).sum()
   f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
   jax.block_until_ready(f(q, k, v))
   t0 = time.perf_counter()
@@ -95,10 +90,20 @@ def run_seconds(impl: str, s: int = 8192, heads: int = 8, d: int = 64) -> float:
   return time.perf_counter() - t0
 
 
+def run_seconds(impl: str, s: int = 8192, heads: int = 8, d: int = 64) -> float:
+  """Wall seconds of one value_and_grad of attention, after its compile and one warm-up."""
+  import numpy as np
+  rng = np.random.default_rng(0)
+  x = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  q, k, v = x(1, s, heads, 1, d), x(1, s, heads, d), x(1, s, heads, d)
+  pos = jnp.arange(s, dtype=jnp.int32)[None]
+  loss = lambda q, k, v: attend(q, k, v, pos, pos, d ** -0.5, chunk=CHUNK, **_impl(impl)).sum()
+  return _seconds(loss, q, k, v)
+
+
 def ring_seconds(balanced: bool, s: int = 8192, heads: int = 8, d: int = 64, n: int = 4) -> float:
   """Wall seconds of one value_and_grad of ring attention over context:n (after its compile and
   one warm-up), q = k = v's tokens in the load-balanced order."""
-  import time
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
   from layout import context, mesh as mesh_lib
@@ -114,11 +119,7 @@ def ring_seconds(balanced: bool, s: int = 8192, heads: int = 8, d: int = 64, n: 
     loss = lambda q, k, v: ring_attention.ring_attend(
         q, (k, v), (), model._kv_as_is, pos, pos, d ** -0.5, CHUNK, ("context",),
         balanced=balanced).sum()
-    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    jax.block_until_ready(f(q, k, v))
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(q, k, v))
-    return time.perf_counter() - t0
+    return _seconds(loss, q, k, v)
 
 
 if __name__ == "__main__" and any(a.startswith("--ring_time=") for a in sys.argv):

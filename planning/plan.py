@@ -95,9 +95,6 @@ OPTION_GRID = {"cp": {"kv_exchange": ("allgather", "ring")},
                "shard_exp_on_fsdp": {"mode": ("gather", "ep")}}
 # Residual-stream sequence splits that batch_spec does not show: ep_tp keeps [B@data, S@expert, D]
 SEQ_SPLIT = {"ep_tp": ("expert",)}
-# The strategies whose attention sees a reordered, split sequence (model.Layout.kv): every query
-# against every key chunk; the rest run it ordered, in query blocks of the chunk
-REORDERED = ("cp", "ep_as_cp")
 # pp_weights' coefficient, not from planning/calibrate.py (whose pp rows predate the gathered
 # weights): the value that puts the two full-scale pp compiles with a data axis in the README
 # ("Planner", "pp at full scale") nearest XLA's temp, stated there
@@ -235,7 +232,10 @@ def temp_features(name: str, cfg, mesh, terms, opts=None) -> dict:
   block, none = cfg.remat == "block", cfg.remat == "none"
   heads = cfg.n_heads / shape.get("tensor", 1)
   chunk = min(cfg.attention_chunk, cfg.seq_len) if cfg.attention_impl == "chunked" else cfg.seq_len
-  blocks = chunk / cfg.seq_len if cfg.attention_impl == "chunked" and name not in REORDERED else 1
+  # attention runs ordered, in query blocks of the chunk, wherever the layout gathers no K/V
+  # (model.gqa / model.mla: ordered=lay.kv is None); cp's reordered, split sequence does not
+  ordered = strat.layout(cfg, mesh, strat.Options() if opts is None else opts).kv is None
+  blocks = chunk / cfg.seq_len if cfg.attention_impl == "chunked" and ordered else 1
   return {"logits": t * v_loc * 4, "gathered": gathered,
           "attn_chunk": t * heads * chunk * 4 * blocks,
           "saved_block": held * t * cfg.d_model * cost.act_bytes(cfg) * block,

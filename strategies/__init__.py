@@ -94,6 +94,11 @@ def split_entry(entry: str) -> tuple[str, dict[str, str]]:
   return name, own
 
 
+def of_entry(entry: str):
+  """The strategy module a comparison entry runs: "cp:kv_exchange=ring" -> strategies.cp."""
+  return get(split_entry(entry)[0])
+
+
 def compare_entries(name: str) -> list[str]:
   """A strategy's rows in a comparison of 'all': itself, then its COMPARE_VARIANTS (an option
   setting each, e.g. cp's ring K/V exchange beside its all-gather)."""
