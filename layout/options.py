@@ -33,6 +33,12 @@ def number(default: float, doc: str, lo: float | None = None, hi: float | None =
   return dataclasses.field(default=default, metadata={"lo": lo, "hi": hi, "doc": doc})
 
 
+def integer(default: int, doc: str, lo: int | None = None, hi: int | None = None):
+  """An int field in [lo, hi] (either bound optional)."""
+  return dataclasses.field(default=default, metadata={"lo": lo, "hi": hi, "doc": doc,
+                                                      "integer": True})
+
+
 def split(text: str | None) -> dict[str, str]:
   """'a=1,b=x' -> {'a': '1', 'b': 'x'} (order kept); one-line errors for malformed pairs."""
   out: dict[str, str] = {}
@@ -57,6 +63,15 @@ def _value(name: str, key: str, field: dataclasses.Field, text: str):
     if text.lower() not in ("true", "false", "1", "0"):
       raise ConfigError(f"{name} option {key}={text!r}: expected true or false")
     return text.lower() in ("true", "1")
+  if meta.get("integer"):
+    if not text.lstrip("-").isdigit():
+      raise ConfigError(f"{name} option {key}={text!r}: expected an integer")
+    v = int(text)
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+      raise ConfigError(f"{name} option {key}={text}: must be an integer in "
+                        f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]")
+    return v
   try:
     v = float(text)
   except ValueError:

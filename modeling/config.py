@@ -86,6 +86,10 @@ class Config:
   # of all of them): each group padded to the largest with inert slots, so that pp's stages can
   # hold different numbers of layers (strategies/pp.py; layer_slots below)
   layer_layout: str = _model("")
+  # the layout's groups stored round-robin over this many stages: stage s holds groups s, s+P,
+  # s+2P, .. (pp's interleaved schedule, Megatron's virtual-pipeline placement; the rows leave
+  # depth order and `layer_order` puts them back for a model run whole); 0: in depth order
+  layer_stages: int = _model(0)
   # losses / balancing
   aux_loss_coef: float = _run(0.01)
   attention_impl: str = _run("chunked")  # ATTENTION_IMPLS
@@ -132,13 +136,25 @@ class Config:
 
   @property
   def layer_slots(self) -> tuple[int, ...]:
-    """For each row of the stored MoE stack, the MoE layer it holds (depth order), or -1 for an
-    inert padding row: group g's layers fill its first rows, padding its last ones."""
-    most, out, depth = max(self.layer_groups), [], 0
-    for count in self.layer_groups:
-      out += list(range(depth, depth + count)) + [-1] * (most - count)
+    """For each row of the stored MoE stack, the MoE layer it holds, or -1 for an inert padding
+    row: group g's layers fill its first rows, padding its last ones; the groups in depth order,
+    or round-robin over layer_stages stages (stage-major: stage s's groups s, s+P, ..)."""
+    groups, most, depth, rows = self.layer_groups, max(self.layer_groups), 0, []
+    for count in groups:
+      rows.append(list(range(depth, depth + count)) + [-1] * (most - count))
       depth += count
-    return tuple(out)
+    p = self.layer_stages or len(groups)
+    return tuple(r for s in range(p) for g in range(s, len(groups), p) for r in rows[g])
+
+  @property
+  def layer_order(self) -> tuple[int, ...] | None:
+    """The stored rows to read, in that order, for the MoE stack in depth order (padding rows
+    last), or None when the rows already are in depth order (layer_stages unset)."""
+    slots = self.layer_slots
+    real = [j for j in slots if j >= 0]
+    if real == sorted(real):
+      return None
+    return tuple(sorted(range(len(slots)), key=lambda i: (slots[i] < 0, slots[i])))
 
   @property
   def qk_head_dim(self) -> int:
@@ -215,6 +231,10 @@ class Config:
       need(sum(self.layer_groups) == self.n_moe_layers,
            f"layer_layout={self.layer_layout} holds {sum(self.layer_groups)} MoE layers, the "
            f"model has {self.n_moe_layers}")
+    need(self.layer_stages >= 0, f"layer_stages={self.layer_stages} must be >= 0")
+    need(not self.layer_stages or len(self.layer_groups) % self.layer_stages == 0,
+         f"layer_layout={self.layer_layout or self.n_moe_layers}: {len(self.layer_groups)} "
+         f"groups are not a multiple of layer_stages={self.layer_stages}")
     need(not self.first_k_dense_replace or self.dense_d_ff >= 1,
          "dense_d_ff must be >= 1 with first_k_dense_replace > 0")
     if self.mla:

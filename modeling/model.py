@@ -506,7 +506,15 @@ def forward(params, batch, cfg: Config, lay: Layout):
   embed = use(lay, "embed", params["embed"], cfg.dtype)
   x = embed.at[tokens].get(out_sharding=lay.x)                                 # [B, S, D] cfg.dtype
   x = dense_prefix(x, params, positions, cfg, lay)
-  x, stats = moe_stack(x, params["layers"], positions, cfg, lay)               # the MoE layers
+  order = cfg.layer_order                 # rows stored round-robin over stages: depth order
+  if order is None:
+    x, stats = moe_stack(x, params["layers"], positions, cfg, lay)             # the MoE layers
+  else:
+    order = np.asarray(order)
+    layers = jax.tree.map(lambda a: a[order], params["layers"])
+    real = np.asarray(cfg.layer_slots)[order] >= 0
+    x, stats = moe_stack(x, layers, positions, cfg, lay, None if real.all() else real)
+    stats = jax.tree.map(lambda a: a[np.argsort(order)], stats)                # stored row order
   x = rms_norm(x, lay.use("final_norm", params["final_norm"]), cfg.norm_eps)
   logits = jnp.einsum("bsd,dv->bsv", x, use(lay, "unembed", params["unembed"], x.dtype))  # [B, S, V]
   return logits, stats

@@ -132,6 +132,9 @@ def check_layer_layout(strategy, cfg) -> None:
   if cfg.layer_layout and not getattr(strategy, "LAYER_LAYOUT", False):
     raise ConfigError(f"--layer_layout={cfg.layer_layout} is pp's (its stages hold the groups); "
                       f"{strategy.NAME} runs the model without it")
+  if cfg.layer_stages and not getattr(strategy, "LAYER_LAYOUT", False):
+    raise ConfigError(f"layer_stages={cfg.layer_stages} (the MoE stack stored round-robin over "
+                      f"pp's stages) is pp's; {strategy.NAME} runs the model without it")
 
 
 def build(strategy, cfg, mesh, opts=None, *, with_grads: bool = False, compile_only: bool = False,

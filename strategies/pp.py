@@ -47,7 +47,7 @@ and head are split over every stage too, D over (stage, data): the first stage a
 embedding and the last alone the head, but a stored share on each device (1/(P x data) of
 them and of their optimizer state) costs less than whole copies on two stages.
 
-Schedules (--opt=schedule=gpipe|1f1b), each a table (`schedule`: which microbatch's forward
+Schedules (--opt=schedule=gpipe|1f1b|interleaved), each a table (`schedule`: which microbatch's forward
 F<m> and backward B<m> each stage runs at each tick; . = idle), P = 4.
 gpipe, M = 4 (the default; all forwards, then all backwards: autodiff of the forward time
 loop runs it reversed):
@@ -83,6 +83,25 @@ time in SPMD lockstep. They differ in memory:
     each weight is replicated on. The head (final norm, unembed, CE) runs in the last stage's
     forward phase only (a conditional), with its own backward at once: no residuals kept, the
     last stage's d(loss)/d(output) is stored per microbatch instead.
+interleaved (--opt=schedule=interleaved,virtual_stages=v): each stage holds v chunks of the MoE
+stack, placed round-robin (Megatron's virtual pipeline): with the layout's P x v groups (the
+balanced layout when --layer_layout is not given; pp.stored_config sets it), stage s holds
+groups s, s+P, s+2P, .., stored in that order (the model field layer_stages = P: the stored
+rows leave depth order, model.forward reads them back in depth order, a checkpoint records it).
+A tick runs ONE chunk of one microbatch, so a tick costs 1/v of gpipe's, and the hop from stage
+P-1 returns round the ring into stage 0's next chunk. Microbatches go in rounds of P: stage s
+runs round g, chunk r, microbatch g*P + i at tick s + g*v*P + r*P + i (M a multiple of P).
+P = 3, M = 3, v = 2 (F<m><chunk>; gpipe's order: all forwards, then autodiff's reverse):
+  tick     0   1   2   3   4   5   6   7   8   9   10  11  12  13  14  15
+  stage 0  F0a F1a F2a F0b F1b F2b .   .   .   .   B2b B1b B0b B2a B1a B0a
+  stage 1  .   F0a F1a F2a F0b F1b F2b .   .   B2b B1b B0b B2a B1a B0a .
+  stage 2  .   .   F0a F1a F2a F0b F1b F2b B2b B1b B0b B2a B1a B0a .   .
+  v*M+P-1 ticks of 1/v each way: the bubble is (P-1)/(v*M+P-1) (2/8 above; gpipe's 2/5 at
+  M = 3), the compute the same. The costs: v times the permutes (one per tick, each the same
+  [b/M, S, D]), and memory like gpipe's: (v*M+P-1)/v ticks of a whole stage's residuals,
+  (M+(P-1)/v)/M x the stage's activations. A chunk's weights are cut from the stage's stack by
+  a dynamic slice whose vjp (`_chunk`) keeps the chunk's activations and re-cuts the weights in
+  the backward: the stack is kept once, not once per tick.
 
 Exact aux loss under microbatching: every microbatch's router statistics (counts, prob sums, z,
 dropped; psum'd over (data, expert) in moe_body) are summed over the M microbatches per layer
@@ -101,12 +120,13 @@ the sum. The bias update's counts are summed after the step either way.
 Collectives per step (x = expert; T_mb = b/M*S tokens per device per microbatch):
   forward : 1. collective-permute over stage of the activation [b/M, S, D], every time step
                (gpipe: M+P-1 of them, the sends of bubble steps carry zeros; 1f1b: after every
-               forward phase but the last, M+P-2, `permutes`)
+               forward phase but the last, M+P-2, `permutes`; interleaved: v*M+P-1, round the
+               ring, stage P-1 sending to stage 0 too)
             2. per time step and local layer, moe_body: all-to-all over x of the counts [EP, e]
                and of the send buffer [EP, C, D] (C = ep.py's bound for b/M sequences), and of
                the expert outputs; all-reduce over (data, x) of the router statistics
   backward: 3. collective-permute over stage of the activation cotangents, M+P-1 steps (1f1b:
-               M+P-2)
+               M+P-2; interleaved: v*M+P-1)
             4. the all-to-all transposes; weight grads once after the loop: the matrices
                reduce-scattered over data (embed, unembed: over (stage, data)), then the shard
                all-reduced over x (a layer's, embed, unembed) or (stage, x) (the dense
@@ -133,11 +153,15 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
 When to use: the model's layers do not fit on one EP group (pipeline across nodes over slow
 links: only [b/M, S, D] activations cross a stage boundary), with M >= P microbatches to keep
 the bubble small. Cost: the bubble, and P-1 idle stages during warm-up and drain; gpipe keeps
-(M+P-1)/M x the activation memory, 1f1b min(M, 2P-1)/M (pick 1f1b when M > 2P-1).
+(M+P-1)/M x the activation memory, 1f1b min(M, 2P-1)/M (pick 1f1b when M > 2P-1); interleaved
+cuts the bubble to (P-1)/(v*M+P-1) for v x the permutes (pick it when the bubble dominates
+and the stage boundary's link is fast).
 
   python run.py --strategy=pp --mesh=stage:2,expert:4 --microbatches=4 --steps=3
   python run.py --strategy=pp --mesh=stage:4,data:2 --layers=4 --microbatches=8 --steps=3
   python run.py --strategy=pp --mesh=stage:2,expert:4 --microbatches=8 --opt=schedule=1f1b
+  python run.py --strategy=pp --mesh=stage:2,expert:4 --layers=4 --batch=16 --microbatches=4 \
+      --opt=schedule=interleaved,virtual_stages=2
 """
 import dataclasses
 import functools
@@ -151,7 +175,7 @@ from jax.sharding import PartitionSpec as P
 from layout import dispatch, fsdp, mesh as mesh_lib, options
 from measure import cost as cost_lib
 from modeling import model, routing
-from modeling.config import ConfigError
+from modeling.config import ConfigError, balanced_layout
 from parallel import sharding
 from strategies import BadInput, Case, ep
 
@@ -168,13 +192,17 @@ LAYER_LAYOUT = True       # --layer_layout: stage s holds group s of the padded 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  schedule: str = options.choice("gpipe", ("gpipe", "1f1b"),
+  schedule: str = options.choice("gpipe", ("gpipe", "1f1b", "interleaved"),
                                  "the pipeline schedule: all forwards then all backwards (gpipe, "
-                                 "autodiff of the time loop) or one forward and one backward "
-                                 "per tick (1f1b, explicit vjp per stage)")
+                                 "autodiff of the time loop), one forward and one backward "
+                                 "per tick (1f1b, explicit vjp per stage), or gpipe's order over "
+                                 "virtual_stages chunks per stage placed round-robin "
+                                 "(interleaved)")
+  virtual_stages: int = options.integer(1, "interleaved: layer chunks per stage (v)", lo=1)
 
 
 ONE_F = Options(schedule="1f1b")
+INTERLEAVED = Options(schedule="interleaved", virtual_stages=2)
 TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               Case("tiny", "stage:4,data:2", dict(n_layers=4, batch=16, microbatches=8)),
               # two dense layers before the pipeline: 2 MoE layers, 1 per stage, not n_layers / 2
@@ -195,8 +223,21 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               # an uneven layout (3 MoE layers: 2 + 1)
               Case("deepseek-test", "stage:2,data:2,expert:2",
                    dict(n_layers=5, first_k_dense_replace=2, layer_layout="2,1", batch=16,
-                        microbatches=4, capacity_factor=1.0, remat="block"), ONE_F)]
-COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7]
+                        microbatches=4, capacity_factor=1.0, remat="block"), ONE_F),
+              # interleaved, v = 2: 4 MoE layers as 4 chunks, stage 0 holding layers 0 and 2
+              Case("tiny", "stage:2,expert:4",
+                   dict(n_layers=4, batch=16, microbatches=4, layer_layout="1,1,1,1",
+                        layer_stages=2), INTERLEAVED),
+              # the dense prefix, an uneven layout (chunks of 2, 1, 1, 1 MoE layers, padded),
+              # drops, Muon on the round-robin stack
+              Case("deepseek-test", "stage:2,data:2,expert:2",
+                   dict(n_layers=6, layer_layout="2,1,1,1", layer_stages=2, batch=16,
+                        microbatches=4, capacity_factor=1.0, optimizer="muon"), INTERLEAVED),
+              # 4 stages, M = 8
+              Case("tiny", "stage:4,data:2",
+                   dict(n_layers=8, batch=16, microbatches=8, layer_layout="1,1,1,1,1,1,1,1",
+                        layer_stages=4), INTERLEAVED)]
+COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7] + TEST_CASES[8:10]
 BAD_INPUT = [
     BadInput(dict(n_layers=3), "stage:2,expert:4", Options(),
              "n_layers=3 is not divisible by mesh axis stage=2"),
@@ -207,16 +248,54 @@ BAD_INPUT = [
     BadInput(dict(n_layers=4, d_model=36), "stage:4,data:2", Options(),   # embed's D
              "d_model=36 is not divisible by mesh axis stagexdata=8"),
     BadInput(dict(n_layers=3, layer_layout="1,1,1"), "stage:2,expert:4", Options(),
-             "layer_layout=1,1,1 has 3 groups, mesh axis stage=2: one group per stage")]
+             "layer_layout=1,1,1 has 3 groups, mesh axis stage=2: one group per stage"),
+    BadInput(dict(), "stage:2,expert:4", Options(virtual_stages=2),
+             "--opt=virtual_stages=2 is the interleaved schedule's; schedule=gpipe runs one "
+             "chunk per stage"),
+    BadInput(dict(n_layers=4, layer_layout="1,1,1,1", layer_stages=2), "stage:2,expert:4",
+             INTERLEAVED, "interleaved runs microbatches in rounds of stage=2: microbatches=1 "
+             "is not a multiple of 2")]
+
+
+def stored_config(cfg, mesh, opts):
+  """The model as this schedule stores it: interleaved holds v chunks per stage, group j of a
+  P x v group layout on stage j mod P (layer_stages = P; the layout balanced_layout's when
+  --layer_layout is not given). Every other schedule: cfg as given."""
+  if opts.schedule != "interleaved" or cfg.layer_stages:
+    return cfg
+  p = mesh.shape[STAGE]
+  groups = p * opts.virtual_stages
+  if not cfg.layer_layout and cfg.n_moe_layers < groups:
+    raise ConfigError(f"--opt=virtual_stages={opts.virtual_stages} on stage={p} needs {groups} "
+                      f"MoE layers, the model has {cfg.n_moe_layers}")
+  layout = cfg.layer_layout or balanced_layout(cfg.n_moe_layers, groups)
+  return cfg.replace(layer_layout=layout, layer_stages=p).validate()
 
 
 def check(cfg, mesh, opts):
-  if cfg.layer_layout:                        # one group of the padded stack per stage
+  p, v = mesh.shape[STAGE], opts.virtual_stages
+  if opts.schedule != "interleaved" and v != 1:
+    raise ConfigError(f"--opt=virtual_stages={v} is the interleaved schedule's; "
+                      f"schedule={opts.schedule} runs one chunk per stage")
+  if opts.schedule == "interleaved":
+    groups = len(cfg.layer_groups) if cfg.layer_layout else 0
+    if cfg.layer_stages != p or groups != p * v:
+      raise ConfigError(f"interleaved on stage={p} with virtual_stages={v} stores {p * v} layer "
+                        f"groups round-robin over the stages (layer_stages={p}); the model has "
+                        f"layer_layout={cfg.layer_layout or '(none)'}, layer_stages="
+                        f"{cfg.layer_stages} (pp.stored_config makes them)")
+    if cfg.microbatches % p:
+      raise ConfigError(f"interleaved runs microbatches in rounds of stage={p}: microbatches="
+                        f"{cfg.microbatches} is not a multiple of {p}")
+  elif cfg.layer_stages:
+    raise ConfigError(f"layer_stages={cfg.layer_stages} stores the layers for the interleaved "
+                      f"schedule; schedule={opts.schedule} holds one group per stage")
+  if cfg.layer_layout and opts.schedule != "interleaved":   # one group of the stack per stage
     groups = len(cfg.layer_groups)
     if groups != mesh.shape[STAGE]:
       raise ConfigError(f"layer_layout={cfg.layer_layout} has {groups} groups, mesh axis "
                         f"stage={mesh.shape[STAGE]}: one group per stage")
-  else:
+  elif not cfg.layer_layout:
     mesh_lib.require_divisible("n_layers - first_k_dense_replace" if cfg.first_k_dense_replace
                                else "n_layers", cfg.n_moe_layers, mesh, STAGE)
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
@@ -239,20 +318,26 @@ def batch_spec(cfg, mesh):
   return P(TOKENS, None)                                            # [B, S] @ ((data, x), None)
 
 
+def chunks(cfg) -> int:
+  """v: the layer chunks each stage holds (> 1: the stack stored for the interleaved schedule)."""
+  return len(cfg.layer_groups) // cfg.layer_stages if cfg.layer_stages else 1
+
+
 def bubble(cfg, mesh) -> float:
-  p = mesh.shape[STAGE]
-  return (p - 1) / (cfg.microbatches + p - 1)
+  p, v = mesh.shape[STAGE], chunks(cfg)
+  return (p - 1) / (v * cfg.microbatches + p - 1)
 
 
 def layout(cfg, mesh, opts):
-  if opts.schedule == "gpipe":
+  if opts.schedule in ("gpipe", "interleaved"):
     return model.Layout(loss=functools.partial(loss, cfg=cfg, mesh=mesh))
   return model.Layout(loss=functools.partial(_scheduled_loss, cfg=cfg, mesh=mesh,
                                              name=opts.schedule))
 
 
 def loss(params, batch, *, cfg, mesh):
-  """The whole model under the GPipe schedule -> (loss, metrics as model.loss_fn's)."""
+  """The whole model under the GPipe schedule (interleaved when the stack is stored for it:
+  `chunks`) -> (loss, metrics as model.loss_fn's)."""
   specs = param_specs(cfg, mesh)
   bspec = batch_spec(cfg, mesh)
   keys = ("tokens", "targets", "positions")
@@ -375,8 +460,10 @@ _gather.defvjp(_gather_fwd, _gather_bwd)
 def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
   """The GPipe time loop on one device, p as `_use` returns it -> (the last stage's outputs
   [M, b/M, S, D] (zeros on the other stages), this stage's router stats summed over the
-  microbatches {name: [L/P, ..]})."""
-  m, all_axes = cfg.microbatches, (STAGE,) + TOKENS
+  microbatches {name: [rows, ..]}). With v = chunks(cfg) > 1 (interleaved) a tick runs one of
+  the stage's v chunks, and the sends go round the ring: stage P-1's output feeds stage 0's next
+  chunk (`schedule`)."""
+  m, all_axes, v = cfg.microbatches, (STAGE,) + TOKENS, chunks(cfg)
   b, s = tokens.shape
   mb = b // m
   # microbatch i = this device's rows i*b/M .. (i+1)*b/M - 1 (contiguous; train.microbatches
@@ -392,47 +479,108 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
                                            token_axes=TOKENS, transport=ep.a2a_exchange))
 
   mask = _stage_mask(cfg, n_stage)
+  rows = cfg.n_layer_slots // n_stage                               # this stage's stored rows
+  per = rows // v                                                   # a chunk's rows
 
-  def run_stage(x, pos_m):                                          # L/P layers of this stage
-    return model.moe_stack(x, p["layers"], pos_m, cfg, lay, mask)
+  def run_chunk(x, pos_m, r):                                       # chunk r of this stage
+    if v == 1:
+      return model.moe_stack(x, p["layers"], pos_m, cfg, lay, mask)
+    return _chunk(p["layers"], x, pos_m, r, per=per, mask=mask, cfg=cfg, lay=lay)
+
+  # ring: with v chunks the last stage's output feeds the first stage's next chunk
+  pairs = [(i, (i + 1) % n_stage) for i in range(n_stage)] if v > 1 else \
+      [(i, i + 1) for i in range(n_stage - 1)]
 
   def step(carry, t):
     recv, outs, stats = carry
-    mi = t - stage                                                  # this stage's microbatch
-    valid = (mi >= 0) & (mi < m)
-    mc = jnp.clip(mi, 0, m - 1)
-    x = jnp.where(first, x0[jnp.minimum(t, m - 1)], recv)          # [b/M, S, D]
-    y, st = run_stage(x, pos[mc])                                   # st: {name: [L/P, ...]}
-    stats = jax.tree.map(lambda a, v: a + jnp.where(valid, v, 0), stats, st)
-    outs = outs.at[mc].set(jnp.where(valid & last, y, outs[mc]))    # the last stage keeps them
+    # tick t: stage s runs round g, chunk r, microbatch g*P + i where t - s = g*v*P + r*P + i
+    k = t - stage
+    valid = (k >= 0) & (k < v * m)
+    kc = jnp.clip(k, 0, v * m - 1)
+    r = kc % (v * n_stage) // n_stage
+    mc = kc // (v * n_stage) * n_stage + kc % n_stage
+    x = jnp.where(first & (r == 0), x0[mc], recv)                   # [b/M, S, D]
+    y, st = run_chunk(x, pos[mc], r)                                # st: {name: [rows/v, ...]}
+    add = (lambda a, u: a + jnp.where(valid, u, 0)) if v == 1 else (   # into chunk r's rows
+        lambda a, u: jax.lax.dynamic_update_slice_in_dim(
+            a, jax.lax.dynamic_slice_in_dim(a, r * per, per) + jnp.where(valid, u, 0), r * per, 0))
+    stats = jax.tree.map(add, stats, st)
+    done = valid & last & (r == v - 1)                              # the last stage keeps them
+    outs = outs.at[mc].set(jnp.where(done, y, outs[mc]))
     with jax.named_scope("stage_permute"):
-      recv = jax.lax.ppermute(y, STAGE, [(i, i + 1) for i in range(n_stage - 1)])
+      recv = jax.lax.ppermute(y, STAGE, pairs)
     return (recv, outs, stats), None
 
   zeros = lambda shape: sharding.to_varying(jnp.zeros(shape, cfg.dtype), all_axes)
-  stat0 = jax.tree.map(lambda a: sharding.to_varying(jnp.zeros(a.shape, a.dtype), (STAGE,)),
-                       jax.eval_shape(run_stage, zeros((mb, s, cfg.d_model)), pos[0])[1])
+  stat0 = jax.tree.map(
+      lambda a: sharding.to_varying(jnp.zeros((rows,) + a.shape[1:], a.dtype), (STAGE,)),
+      jax.eval_shape(run_chunk, zeros((mb, s, cfg.d_model)), pos[0], 0)[1])
   carry = (zeros((mb, s, cfg.d_model)), zeros((m, mb, s, cfg.d_model)), stat0)
-  (_, outs, stats), _ = jax.lax.scan(step, carry, jnp.arange(m + n_stage - 1), unroll=unroll)
+  (_, outs, stats), _ = jax.lax.scan(step, carry, jnp.arange(v * m + n_stage - 1), unroll=unroll)
   return outs, stats
 
 
+def _chunk(layers, x, pos_m, r, *, per, mask, cfg, lay):
+  """Chunk r (rows r*per .. of this stage's stack `layers`) on x [b/M, S, D] -> (y, stats), with
+  a vjp that keeps the chunk's activations but not its weights: the weight slices that its
+  residuals hold are dropped and re-cut from the stack (loop-invariant, kept once) in the
+  backward. Plain autodiff of a dynamic slice inside the time loop would save the chunk's
+  weights at every tick ((v*M+P-1)/v x the stage's weights)."""
+  cut = lambda a, r: jax.lax.dynamic_slice_in_dim(a, r * per, per)
+  meta = {}                                   # the vjp's structure, from the forward's trace
+
+  def run(lp, x, pos_m, mk):
+    return model.moe_stack(x, lp, pos_m, cfg, lay, mk)
+
+  @jax.custom_vjp
+  def f(layers, x, pos_m, r, mk):
+    return run(jax.tree.map(lambda a: cut(a, r), layers), x, pos_m, mk)
+
+  def f_fwd(layers, x, pos_m, r, mk):
+    lp = jax.tree.map(lambda a: cut(a, r), layers)
+    out, vj = jax.vjp(lambda lp, x: run(lp, x, pos_m, mk), lp, x)
+    leaves, meta["tree"] = jax.tree.flatten(vj)
+    meta["weight"] = _weight_index(leaves, lp)
+    return out, (layers, r, [l for i, l in enumerate(leaves) if i not in meta["weight"]])
+
+  def f_bwd(res, ct):
+    layers, r, kept = res
+    w, it = jax.tree.leaves(jax.tree.map(lambda a: cut(a, r), layers)), iter(kept)
+    leaves = [w[meta["weight"][i]] if i in meta["weight"] else next(it)
+              for i in range(meta["tree"].num_leaves)]
+    d_lp, dx = jax.tree.unflatten(meta["tree"], leaves)(ct)
+    put = lambda a, d: jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(a), d.astype(a.dtype),
+                                                           r * per, 0)
+    return jax.tree.map(put, layers, d_lp), dx, None, None, None
+
+  f.defvjp(f_fwd, f_bwd)
+  return f(layers, x, pos_m, r, None if mask is None else cut(mask, r))
+
+
 # ----------------------------------------------------------------------------- schedule tables
-def schedule(name: str, n_stage: int, m: int) -> dict:
+def schedule(name: str, n_stage: int, m: int, v: int = 1) -> dict:
   """The schedule as data: {"F": [ticks, P], "B": [ticks, P]} numpy int arrays, the microbatch
   whose forward / backward stage s runs at tick t (-1: none). A tick is one forward phase (then
   the activations' collective-permute to s+1) and one backward phase (then the cotangents' to
   s-1), either absent when no stage has one. gpipe: the M+P-1 forward ticks of the time loop,
   then its autodiff, the same loop reversed. 1f1b: stage s runs F(t - s) and B(t - 2P + 2 + s)
-  at tick t; the last stage runs a microbatch's backward in the tick of its forward."""
-  p, ticks = n_stage, m + n_stage - 1
+  at tick t; the last stage runs a microbatch's backward in the tick of its forward.
+  interleaved (v chunks per stage; "C": [ticks, P], the chunk each entry runs): gpipe's order
+  over v*M+P-1 ticks of one chunk each; stage s runs round g, chunk r, microbatch g*P + i at
+  tick t = s + g*v*P + r*P + i, so chunk r of stage P-1 feeds chunk r+1 of stage 0 the next
+  tick (M a multiple of P)."""
+  p, ticks = n_stage, v * m + n_stage - 1
   t = np.arange(ticks)[:, None]
   s = np.arange(p)[None, :]
   mb = lambda i: np.where((i >= 0) & (i < m), i, -1)
   none = np.full((ticks, p), -1)
-  if name == "gpipe":
-    fwd = mb(t - s)
-    return {"F": np.concatenate([fwd, none]), "B": np.concatenate([none, fwd[::-1]])}
+  if name == "gpipe" or name == "interleaved":
+    k = t - s
+    ok = (k >= 0) & (k < v * m)
+    fwd = np.where(ok, k // (v * p) * p + k % p, -1)
+    chunk = np.where(ok, k % (v * p) // p, -1)
+    out = {"F": np.concatenate([fwd, none]), "B": np.concatenate([none, fwd[::-1]])}
+    return out if name == "gpipe" else {**out, "C": np.concatenate([chunk, chunk[::-1]])}
   if name == "1f1b":
     t = np.arange(m + 2 * p - 2)[:, None]
     return {"F": mb(t - s), "B": mb(t - 2 * p + 2 + s)}
@@ -455,9 +603,30 @@ def in_flight(table: dict) -> int:
 def check_schedule(table: dict, m: int) -> None:
   """Every stage runs every microbatch's forward and backward once; a forward at stage s > 0
   reads what stage s-1 sent the tick before, a backward at s < P-1 what s+1 sent the tick
-  before, the last stage's backward follows its forward; ring slots never collide."""
+  before, the last stage's backward follows its forward; ring slots never collide.
+  Interleaved (a "C" table): every (microbatch, chunk) once per stage, forward and backward;
+  chunk r at stage s > 0 the tick after chunk r at s-1, chunk r > 0 at stage 0 the tick after
+  chunk r-1 at stage P-1; the backward is the forward reversed, tick for tick."""
   fwd, bwd = table["F"], table["B"]
   p = fwd.shape[1]
+  if "C" in table:
+    c = table["C"]
+    half = len(fwd) // 2
+    np.testing.assert_array_equal(bwd[half:], fwd[:half][::-1])
+    v = int(c.max()) + 1
+    at = {}
+    for t in range(half):
+      for s in range(p):
+        if fwd[t, s] >= 0:
+          assert (fwd[t, s], c[t, s], s) not in at, ("twice", t, s)
+          at[fwd[t, s], c[t, s], s] = t
+    assert len(at) == m * v * p, ("missing", len(at))
+    for (i, r, s), t in at.items():
+      if s > 0:
+        assert at[i, r, s - 1] == t - 1, ("forward hop", i, r, s)
+      elif r > 0:
+        assert at[i, r - 1, p - 1] == t - 1, ("ring hop", i, r)
+    return
   when = lambda a, s, i: int(np.flatnonzero(a[:, s] == i)[0])
   for s in range(p):
     for a in (fwd, bwd):
@@ -485,8 +654,11 @@ def diagram(table: dict) -> str:
   """The table as the docstring draws it: a row per stage, a column per tick, F<m> / B<m> /
   both / '.' (idle)."""
   fwd, bwd = table["F"], table["B"]
-  cell = lambda f, b: (f"F{f}" if f >= 0 else "") + (f"B{b}" if b >= 0 else "") or "."
-  cells = [[cell(f, b) for f, b in zip(fwd[t], bwd[t])] for t in range(len(fwd))]
+  chunk = table.get("C", np.full(fwd.shape, -1))            # interleaved: chunk r as a letter
+  tag = lambda r: "abcdefghijklmnopqrstuvwxyz"[r] if r >= 0 else ""
+  cell = lambda f, b, r: ((f"F{f}{tag(r)}" if f >= 0 else "")
+                          + (f"B{b}{tag(r)}" if b >= 0 else "") or ".")
+  cells = [[cell(f, b, r) for f, b, r in zip(fwd[t], bwd[t], chunk[t])] for t in range(len(fwd))]
   width = max(len(c) for row in cells for c in row)
   head = "  tick     " + " ".join(str(t).ljust(width) for t in range(len(fwd)))
   rows = [f"  stage {s}  " + " ".join(cells[t][s].ljust(width) for t in range(len(fwd)))
@@ -726,7 +898,7 @@ def permutes(name: str, table: dict) -> tuple[int, int]:
   [b/M, S, D]: gpipe's autodiff sends at every one of the M+P-1 ticks each way; a table run by
   `_run_table` sends after every forward (backward) phase but the last."""
   runs = _runs(table)
-  if name == "gpipe":
+  if name in ("gpipe", "interleaved"):
     return tuple(sum(len(t) for k, t in runs if k[i]) for i in (0, 1))
   return tuple(sum(len(t) for k, t in runs if k[2 + i]) for i in (0, 1))
 
@@ -739,16 +911,18 @@ def activation_shardings(cfg, mesh, opts):
 
 
 def counts_pre_pass(cfg, opts) -> bool:
-  """A schedule other than gpipe with the batch-wise load-balance loss runs a forward pass over
-  every microbatch first, for the step's counts (the loss's f)."""
-  return opts.schedule != "gpipe" and cfg.aux_loss_kind == "batch" and bool(cfg.aux_loss_coef)
+  """A schedule whose backwards run inside the loop (1f1b) with the batch-wise load-balance loss
+  runs a forward pass over every microbatch first, for the step's counts (the loss's f);
+  gpipe's and interleaved's autodiff see the whole step's forward."""
+  return opts.schedule not in ("gpipe", "interleaved") and cfg.aux_loss_kind == "batch" and bool(cfg.aux_loss_coef)
 
 
 def cost(cfg, mesh, opts):
   """Per-device collective bytes per step (measure/cost.py; the docstring's schedule)."""
-  p, ep_size = mesh.shape[STAGE], mesh.shape[EXPERT]
-  steps, local_layers = cfg.microbatches + p - 1, cfg.n_layer_slots // p   # MoE rows a stage runs
-  sends = permutes(opts.schedule, schedule(opts.schedule, p, cfg.microbatches))
+  p, ep_size, v = mesh.shape[STAGE], mesh.shape[EXPERT], chunks(cfg)
+  # ticks, and the MoE rows a stage runs per tick (interleaved: one of its v chunks)
+  steps, local_layers = v * cfg.microbatches + p - 1, cfg.n_layer_slots // p // v
+  sends = permutes(opts.schedule, schedule(opts.schedule, p, cfg.microbatches, v))
   mb = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS) // cfg.microbatches
   act = mb * cfg.seq_len * cfg.d_model * cost_lib.act_bytes(cfg)  # one [b/M, S, D]
   c = dispatch.send_rows(cfg, mb, cfg.seq_len, ep_size)

@@ -2,7 +2,8 @@
 stage:4, M = 2, 4 and 8, with data and expert axes, tiny and deepseek-test, a capacity factor):
 the collective-permute bytes are exact, the aux loss is the step's (not a mean of microbatch
 losses), Muon runs on the stage-sharded layers, and the schedule tables: valid, drawn by the
-docstring, equal to the compiled permutes, and 1f1b's memory flat in M."""
+docstring, equal to the compiled permutes, 1f1b's memory flat in M, and interleaved's
+round-robin storage: every layer once, in depth order."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +74,37 @@ def test_schedule_tables_run_every_microbatch_once_in_order(name):
       assert sum(PP.permutes(name, table)) == 2 * (m + p - 1) - 2 * (name == "1f1b")
 
 
+def test_interleaved_tables_run_every_chunk_once_in_order():
+  """interleaved, P = 1..4, v = 2..3, M = P..3P (multiples of P): every stage runs every
+  (microbatch, chunk) once, a hop (stage s-1 to s, or the ring's P-1 to 0 into the next chunk)
+  takes one tick (check_schedule); v*M+P-1 ticks each way, so the bubble is (P-1)/(v*M+P-1),
+  and a permute each tick."""
+  for p in range(1, 5):
+    for v in (2, 3):
+      for m in range(p, 3 * p + 1, p):
+        table = PP.schedule("interleaved", p, m, v)
+        PP.check_schedule(table, m)
+        fwd = table["F"][:len(table["F"]) // 2]
+        assert len(fwd) == v * m + p - 1
+        idle = 1 - (fwd >= 0).sum() / fwd.size
+        np.testing.assert_allclose(idle, (p - 1) / (v * m + p - 1))
+        assert PP.permutes("interleaved", table) == (v * m + p - 1,) * 2
+
+
+def test_check_schedule_refuses_broken_interleaved_tables():
+  """The checker fails an interleaved table whose stage runs a chunk out of turn or drops one."""
+  good = PP.schedule("interleaved", 2, 2, 2)
+  PP.check_schedule(good, 2)
+  swapped = {k: v.copy() for k, v in good.items()}
+  swapped["C"][[2, 3], 1] = swapped["C"][[3, 2], 1]      # stage 1: F1b, then F0a: out of turn
+  dropped = {k: v.copy() for k, v in good.items()}
+  dropped["F"][1, 0] = -1                                 # stage 0 never runs F1a
+  dropped["B"][-2, 0] = -1
+  for bad in (swapped, dropped):
+    with pytest.raises(AssertionError):
+      PP.check_schedule(bad, 2)
+
+
 def test_check_schedule_refuses_broken_tables():
   """The checker fails a table that drops a forward, repeats a backward, or delays a stage's
   forwards by a tick (the activation it reads was overwritten: a broken hop)."""
@@ -92,18 +124,20 @@ def test_check_schedule_refuses_broken_tables():
 def test_docstring_draws_the_tables_it_runs():
   assert PP.diagram(PP.schedule("gpipe", 4, 4)) in PP.__doc__
   assert PP.diagram(PP.schedule("1f1b", 4, 8)) in PP.__doc__
+  assert PP.diagram(PP.schedule("interleaved", 3, 3, 2)) in PP.__doc__
 
 
-@pytest.mark.parametrize("case", [c for c in PP.COST_CASES if c.opts == PP.ONE_F],
-                         ids=lambda c: f"{c.model}-{c.mesh}")
-def test_1f1b_permutes_are_the_tables(case):
-  """The compiled 1f1b step's collective-permutes over stage: the table's sends (plus the counts
-  pre-pass's M+P-2 when the batch-wise loss needs it), each one microbatch's [b/M, S, D]."""
+@pytest.mark.parametrize("case", [c for c in PP.COST_CASES if c.opts in (PP.ONE_F, PP.INTERLEAVED)],
+                         ids=lambda c: f"{c.model}-{c.mesh}-{c.opts.schedule}")
+def test_scheduled_permutes_are_the_tables(case):
+  """The compiled 1f1b or interleaved step's collective-permutes over stage: the table's sends
+  (plus the counts pre-pass's M+P-2 when 1f1b's batch-wise loss needs it), each one
+  microbatch's [b/M, S, D]."""
   cfg = case.config()
   j = parity.job("pp", cfg, case.mesh, case.opts)
   got = hlo.collective_stats_by_axes(j.hlo, j.mesh)[("collective-permute", frozenset({"stage"}))]
-  p, m = j.mesh.shape["stage"], cfg.microbatches
-  want = sum(PP.permutes("1f1b", PP.schedule("1f1b", p, m)))
+  p, m, name = j.mesh.shape["stage"], cfg.microbatches, case.opts.schedule
+  want = sum(PP.permutes(name, PP.schedule(name, p, m, PP.chunks(cfg))))
   want += (m + p - 2) * PP.counts_pre_pass(cfg, case.opts)
   b = cfg.batch // (j.mesh.shape["data"] * j.mesh.shape["expert"]) // m
   assert got["count"] == want
@@ -125,23 +159,34 @@ def test_1f1b_memory_does_not_grow_with_microbatches():
 
 
 # ----------------------------------------------------------------------------- layer layouts
-@pytest.mark.parametrize("n_layers,dense,groups", [(61, 3, 16), (5, 0, 2)],
-                         ids=["61-layers-16-stages", "5-layers-2-stages"])
-def test_layer_layout_runs_every_layer_once_in_order(n_layers, dense, groups):
+@pytest.mark.parametrize("n_layers,dense,groups,stages",
+                         [(61, 3, 16, 0), (5, 0, 2, 0), (61, 3, 32, 16), (5, 0, 4, 2)],
+                         ids=["61-layers-16-stages", "5-layers-2-stages",
+                              "61-layers-16-stages-interleaved", "5-layers-2-stages-interleaved"])
+def test_layer_layout_runs_every_layer_once_in_order(n_layers, dense, groups, stages):
   """An uneven --layer_layout (the balanced one: 58 MoE layers as ten groups of 4 and six of 3;
-  5 as 3 + 2) pads the MoE stack with inert rows. The padded model is the unpadded one: every
-  real row holds the layer of its depth (each once, in order), its loss and its real rows'
-  gradients are the unpadded model's (a skipped, repeated or reordered layer would change
-  them: the layers' weights differ), and its padding rows get zero gradients."""
+  5 as 3 + 2) pads the MoE stack with inert rows; interleaved's storage (layer_stages) puts the
+  groups round-robin on the stages (V3's 58 as 32 chunks on 16 stages: stage 0 holds layers
+  0-1 and 31-32). The stored model is the plain one: every real row holds the layer of its
+  depth (each once), the stack runs in depth order, its loss and its real rows' gradients are
+  the plain model's (a skipped, repeated or reordered layer would change them: the layers'
+  weights differ), and its padding rows get zero gradients."""
   from modeling.config import balanced_layout
   cfg = get_config("deepseek-test", n_layers=n_layers, first_k_dense_replace=dense, batch=2,
                    seq_len=8, aux_loss_kind="batch", z_loss_coef=1e-3, vocab=32, d_model=16,
                    n_heads=2, n_kv_heads=2, d_ff=8, dense_d_ff=8, kv_lora_rank=8,
                    qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
-  padded = cfg.replace(layer_layout=balanced_layout(cfg.n_moe_layers, groups)).validate()
+  padded = cfg.replace(layer_layout=balanced_layout(cfg.n_moe_layers, groups),
+                       layer_stages=stages).validate()
   slots = np.asarray(padded.layer_slots)
-  assert sorted(slots[slots >= 0]) == list(slots[slots >= 0]) == list(range(cfg.n_moe_layers))
+  assert sorted(slots[slots >= 0]) == list(range(cfg.n_moe_layers))
+  assert (list(slots[slots >= 0]) == list(range(cfg.n_moe_layers))) == (not stages)
   assert len(slots) == groups * max(padded.layer_groups) > cfg.n_moe_layers
+  if stages:                                  # stage s's rows: its groups s, s+P, .. in turn
+    rows = slots.reshape(stages, -1, max(padded.layer_groups))
+    first = np.cumsum((0,) + padded.layer_groups)[:-1]
+    for s in range(stages):
+      np.testing.assert_array_equal(rows[s, :, 0], first[s::stages])
   b = {k: jnp.asarray(v) for k, v in data.batch(0, cfg.batch, cfg.seq_len, cfg.vocab,
                                                   cfg.seed).items()}
 
@@ -152,14 +197,15 @@ def test_layer_layout_runs_every_layer_once_in_order(n_layers, dense, groups):
   p0, ((l0, m0), g0) = run(cfg)
   p1, ((l1, m1), g1) = run(padded)
   real = slots >= 0
+  depth = slots[real]                         # the layer each real row holds
   for a, r in zip(jax.tree.leaves(p1["layers"]), jax.tree.leaves(p0["layers"])):
-    np.testing.assert_array_equal(np.asarray(a)[real], r)         # the same layers, in order
+    np.testing.assert_array_equal(np.asarray(a)[real], np.asarray(r)[depth])   # the same layers
   np.testing.assert_allclose(l1, l0, rtol=1e-6)
   for k in ("aux_loss", "z_loss"):
     np.testing.assert_allclose(m1[k], m0[k], rtol=1e-6)
-  np.testing.assert_array_equal(np.asarray(m1["counts"])[real], m0["counts"])
+  np.testing.assert_array_equal(np.asarray(m1["counts"])[real], np.asarray(m0["counts"])[depth])
   for a, r in zip(jax.tree.leaves(g1["layers"]), jax.tree.leaves(g0["layers"])):
-    np.testing.assert_allclose(np.asarray(a)[real], r, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(a)[real], np.asarray(r)[depth], rtol=1e-5, atol=1e-7)
     assert not np.asarray(a)[~real].any()                        # padding: zero gradients
   rest = lambda g: jax.tree.leaves({k: v for k, v in g.items() if k != "layers"})
   for a, r in zip(rest(g1), rest(g0)):
