@@ -12,6 +12,10 @@ schedule), one MoE layer per stage, S = 4096, bf16, vocab cut to 32k, on 8 simul
 stage:2,expert:4 and stage:4,expert:2, M = P and 4P.
 
 Run from the repo root:  python bench/pipeline_memory.py [--quick]  (--quick: stage:2 only)
+
+--interleaved: gpipe against interleaved (v = 2) instead, two MoE layers per stage (one per chunk),
+M = P and 4P, beside the formula: interleaved keeps (v*M+P-1)/v ticks of a stage's residuals
+where gpipe keeps M+P-1, the ratio of the activation shares (v*M+P-1) / (v*(M+P-1)).
 """
 import os
 import sys
@@ -29,18 +33,34 @@ SHAPES = {"mixtral-8x7b": {}, "deepseek-v3": dict(first_k_dense_replace=0, n_exp
                                                   n_group=1, topk_group=1)}
 
 
-def temp_gib(model: str, mesh_spec: str, m: int, schedule: str) -> float:
+def temp_gib(model: str, mesh_spec: str, m: int, schedule: str, per_stage: int = 1) -> float:
   shape = mesh_lib.parse_mesh_spec(mesh_spec)
   p, ep = shape["stage"], shape["expert"]
-  cfg = get_config(model, n_layers=p, seq_len=4096, batch=m * ep, microbatches=m,
+  cfg = get_config(model, n_layers=per_stage * p, seq_len=4096, batch=m * ep, microbatches=m,
                    dtype="bfloat16", vocab=32000, **SHAPES[model])
   mesh = mesh_lib.for_strategy(PP, mesh_spec)
-  job = train.build(PP, cfg, mesh, PP.Options(schedule=schedule), compile_only=True)
+  opts = PP.Options(schedule=schedule, virtual_stages=2 if schedule == "interleaved" else 1)
+  cfg = PP.stored_config(cfg, mesh, opts)
+  job = train.build(PP, cfg, mesh, opts, compile_only=True)
   return job.compiled.memory_analysis().temp_size_in_bytes / 2**30
+
+
+def interleaved(meshes):
+  print("| model | mesh | M | gpipe temp GiB | interleaved v=2 temp GiB | ratio | formula (vM+P-1)/(v(M+P-1)) |")
+  print("|---|---|---|---|---|---|---|")
+  for model in SHAPES:
+    for mesh_spec in meshes:
+      p = int(mesh_spec.split(",")[0].split(":")[1])
+      for m in (p, 4 * p):
+        g, i = (temp_gib(model, mesh_spec, m, s, per_stage=2) for s in ("gpipe", "interleaved"))
+        print(f"| {model} | {mesh_spec} | {m} | {g:.2f} | {i:.2f} | {i / g:.2f} | "
+              f"{(2 * m + p - 1) / (2 * (m + p - 1)):.2f} |", flush=True)
 
 
 def main(quick: bool):
   meshes = ["stage:2,expert:4"] if quick else ["stage:2,expert:4", "stage:4,expert:2"]
+  if "--interleaved" in sys.argv:
+    return interleaved(meshes)
   print("| model | mesh | M | gpipe temp GiB | 1f1b temp GiB | 1f1b in flight | ratio |")
   print("|---|---|---|---|---|---|---|")
   for model in SHAPES:
