@@ -5,6 +5,7 @@
 #   part 2: bash bench/gpu_check.sh tune      (Hopper tile autotune -> kernels/mgpu_tiles.json)
 #   part 3: bash bench/gpu_check.sh gmm       (bench/gmm.py, full shapes, bf16)
 #   part 4: bash bench/gpu_check.sh layer     (bench/moe_layer.py, both proxies)
+#   part 5: bash bench/gpu_check.sh mfu       (bench/step_mfu.py: one Mixtral layer's train step)
 # Each part stays well inside one 10-minute call; run them as separate calls.
 set -u
 out=${OUT:-gpu_out}
@@ -18,5 +19,8 @@ case "${1:-}" in
          cp kernels/mgpu_tiles.json "$out/" ;;
   gmm)   python bench/gmm.py 2>&1 | tee "$out/gmm.txt" ;;
   layer) python bench/moe_layer.py 2>&1 | tee "$out/moe_layer.txt" ;;
-  *)     echo "usage: bash bench/gpu_check.sh tests|tune|gmm|layer" >&2; exit 2 ;;
+  mfu)   for extra in "--gmm=ragged_dot" "--gmm=mgpu" "--gmm=mgpu --attention=cudnn"; do
+           python bench/step_mfu.py --model=mixtral-8x7b --layers=1 --seq=4096 --batch=2 $extra
+         done 2>&1 | tee "$out/mfu.txt" ;;
+  *)     echo "usage: bash bench/gpu_check.sh tests|tune|gmm|layer|mfu" >&2; exit 2 ;;
 esac

@@ -74,9 +74,9 @@ def main() -> None:
   print(f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
   print(f"{a.model} layers={cfg.n_layers} seq={cfg.seq_len} batch={cfg.batch} {cfg.dtype} "
         f"remat={cfg.remat} attention={cfg.attention_impl} gmm={cfg.gmm_backend}: build+compile {compile_s:.1f} s")
-  print(f"  step_s {step_s:.4f} (median of {a.steps}; min {min(times):.4f} max {max(times):.4f})"
+  print(f"  step_s {step_s:.5g} (median of {a.steps}; min {min(times):.4f} max {max(times):.4f})"
         f"  tokens/s {cfg.batch * cfg.seq_len / step_s:,.0f}")
-  print(f"  model flops/step {flops:.3e}  mfu {flops / (step_s * cluster.peak_flops):.3f} of "
+  print(f"  model flops/step {flops:.3e}  mfu {flops / (step_s * cluster.peak_flops):.3g} of "
         f"{cluster.name} {cluster.peak_flops / 1e12:.1f} TFLOP/s")
   print(f"  planner compute at efficiency {a.plan_efficiency}: {predicted:.4f} s; measured / "
         f"predicted {step_s / predicted:.2f}")

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,3 +83,14 @@ def test_moe_layer_bench_kernel_names():
                         "--backends=custom:nope"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120, check=False)
   assert bad.returncode != 0 and "unknown gmm kernel 'nope'" in bad.stderr + bad.stdout, bad
+
+
+def test_step_mfu_bench():
+  """One train step on one device, timed, with the planner's compute term beside it: the MFU it
+  prints is flops_per_step over the measured time (CPU here: a tiny model, a tiny MFU)."""
+  out = _run("step_mfu.py", "--model=tiny", "--steps=2", "--warmup=1")
+  step = float(re.search(r"step_s (\S+)", out).group(1))
+  flops = float(re.search(r"model flops/step (\S+)", out).group(1))
+  mfu = float(re.search(r"mfu (\S+) of h100", out).group(1))
+  assert step > 0 and flops > 0, out
+  np.testing.assert_allclose(mfu, flops / (step * 989.4e12), rtol=0.01)

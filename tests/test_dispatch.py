@@ -274,4 +274,7 @@ def test_ragged_runs_on_accelerator():
   n = jax.device_count()
   f, args = _moe_ep(EP.ragged_exchange,
                     mesh_lib.make_mesh({"data": 1, "expert": n}) if n < 8 else None)
-  np.testing.assert_allclose(np.asarray(f(*args)[0]), np.asarray(want), rtol=1e-5, atol=1e-5)
+  # float32 on the GPU sums in another order than moe_local's one-device products: on one H100
+  # 9 of 4,096 outputs differed by up to 2.05e-5 (values of order 1); a lost or misrouted row
+  # would differ by its whole value
+  np.testing.assert_allclose(np.asarray(f(*args)[0]), np.asarray(want), rtol=1e-4, atol=1e-4)
