@@ -4,8 +4,9 @@ of devices and without compiling: every candidate is a strategy's `check`, `para
 
 A candidate is (strategy, mesh sizes over its AXES, the strategy's options, microbatches, remat
 policy, capacity factor, which axes lie inside a node). OPTION_GRID names the options varied:
-the K/V exchange of cp and ep_as_cp, ep_tp's routed exchange, shard_exp_on_fsdp's mode; the
-rest stay at their defaults (ep's dispatch=ragged needs a GPU's ragged_all_to_all, dispatch=none
+the K/V exchange of cp and ep_as_cp, ep_tp's routed exchange, shard_exp_on_fsdp's mode, pp's
+schedule (gpipe, 1f1b, and OPTION_EXTRA's interleaved with 2 chunks per stage, its stack stored
+round-robin: pp.stored_config); the rest stay at their defaults (ep's dispatch=ragged needs a GPU's ragged_all_to_all, dispatch=none
 is a demonstration of a bug). The temp model was calibrated at the default options only. Microbatches vary for pp only (its pipeline's M, every divisor of
 the sequences a (data, expert) shard holds, up to PP_MAX_MICROBATCHES). The gradient
 accumulation the other strategies run with M > 1 has its bytes in the cost model
@@ -41,8 +42,8 @@ Per candidate, per device:
            computation on a device (the padded exchange buffer EP x C where tokens move by
            all-to-all, ep_tp's compaction bound, else T x K); L_held = the layers whose
            activations a device keeps (pp: rows / P x (M + P - 1) / M + the dense prefix under
-           gpipe, min(M, 2P - 1) / M in place of (M + P - 1) / M under 1f1b; the temp model
-           was fitted on gpipe and default options only).
+           gpipe, min(M, 2P - 1) / M in place of (M + P - 1) / M under 1f1b, (vM + P - 1) / vM
+           under interleaved; the temp model was fitted on gpipe and default options only).
            Not terms: the local gradients, the reduced gradients, a residual-sized working set
            and R x F_local each got weight 0 when fitted beside these.
            TEMP_COEF: saved_block held at 1 (the calibration models have 4-5 layers, too few for
@@ -58,7 +59,8 @@ Per candidate, per device:
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
-               recomputed forward); pp: x (M + P - 1) / M (the bubble; 1f1b's counts pre-pass x 4/3 of
+               recomputed forward); pp: x (M + P - 1) / M (the bubble; interleaved's
+               (vM + P - 1) / vM; 1f1b's counts pre-pass x 4/3 of
                that) and its dense prefix run
                on every stage
              communication = per cost-model term (measure.cost.step_terms: kind, axes, bytes),
@@ -93,6 +95,8 @@ OPTION_GRID = {"cp": {"kv_exchange": ("allgather", "ring")},
                "ep_as_cp": {"kv_exchange": ("allgather", "ring")},
                "ep_tp": {"exchange": ("ring", "folded")},
                "shard_exp_on_fsdp": {"mode": ("gather", "ep")}}
+# Option sets beyond OPTION_GRID's product: pp's interleaved schedule with 2 chunks per stage
+OPTION_EXTRA = {"pp": ({"schedule": "interleaved", "virtual_stages": 2},)}
 # Residual-stream sequence splits that batch_spec does not show: ep_tp keeps [B@data, S@expert, D]
 SEQ_SPLIT = {"ep_tp": ("expert",)}
 # pp_weights' coefficient, not from planning/calibrate.py (whose pp rows predate the gathered
@@ -125,6 +129,7 @@ class Candidate:
   fits: bool = False
   error: str = ""              # why check() refused it (then nothing is predicted)
   layer_layout: str = ""       # pp: MoE layers per stage where they do not divide evenly
+  layer_stages: int = 0        # pp interleaved: the stack stored round-robin over the stages
 
   @property
   def memory(self) -> float:
@@ -154,16 +159,26 @@ class Candidate:
 
 
 def _varied(name: str, opts) -> dict:
-  """The options of OPTION_GRID's fields for this strategy, as set in opts."""
-  return {k: getattr(opts, k) for k in OPTION_GRID.get(name, {})} if opts is not None else {}
+  """The options of OPTION_GRID's and OPTION_EXTRA's fields for this strategy, as set in opts
+  (a field only OPTION_EXTRA sets: where it is not at its default)."""
+  if opts is None:
+    return {}
+  out = {k: getattr(opts, k) for k in OPTION_GRID.get(name, {})}
+  default = type(opts)()
+  for extra in OPTION_EXTRA.get(name, ()):
+    out.update({k: getattr(opts, k) for k in extra
+                if k not in out and getattr(opts, k) != getattr(default, k)})
+  return out
 
 
 def option_sets(name: str) -> list:
-  """Every combination of the strategy's OPTION_GRID values, as its Options."""
+  """Every combination of the strategy's OPTION_GRID values, then OPTION_EXTRA's sets, as its
+  Options."""
   strat = strategies.get(name)
   grid = OPTION_GRID.get(name, {})
-  return [strat.Options(**dict(zip(grid, values)))
-          for values in itertools.product(*grid.values())] or [strat.Options()]
+  out = [strat.Options(**dict(zip(grid, values)))
+         for values in itertools.product(*grid.values())] or [strat.Options()]
+  return out + [strat.Options(**extra) for extra in OPTION_EXTRA.get(name, ())]
 
 
 def splits(n: int, k: int):
@@ -303,14 +318,19 @@ def _expert_f_shards(name: str, shape: dict) -> int:
   return shape.get("tensor", 1) if name == "tp" else 1
 
 
+def _chunks(cfg) -> int:
+  """pp's chunks per stage: v where the stack is stored for the interleaved schedule, else 1."""
+  return strategies.get("pp").chunks(cfg)
+
+
 def _runs(name: str, cfg, shape: dict, opts=None) -> float:
-  """pp runs each local MoE layer once per time step (M + P - 1 of them), and 1f1b's counts
-  pre-pass once more: how many exchanges of one layer its forward a2a terms add up, per MoE
-  layer of the model."""
+  """pp runs each local MoE layer once per time step (M + P - 1 of them; interleaved: one chunk
+  of v per tick, v*M + P - 1 ticks), and 1f1b's counts pre-pass once more: how many exchanges of
+  one layer its forward a2a terms add up, per MoE layer of the model."""
   if name != "pp":
     return 1
-  p = shape["stage"]
-  return (cfg.microbatches + p - 1) / p * (1 + _pre_pass(cfg, opts))
+  p, v = shape["stage"], _chunks(cfg)
+  return (v * cfg.microbatches + p - 1) / (p * v) * (1 + _pre_pass(cfg, opts))
 
 
 def _pre_pass(cfg, opts) -> bool:
@@ -321,10 +341,10 @@ def _pre_pass(cfg, opts) -> bool:
 def _in_flight(cfg, shape: dict, opts) -> float:
   """pp: microbatches whose activations a stage holds, per microbatch of the step: gpipe's
   time loop keeps M + P - 1, 1f1b's ring min(M, 2P - 1) (strategies/pp.py)."""
-  p, m = shape["stage"], cfg.microbatches
+  p, m, v = shape["stage"], cfg.microbatches, _chunks(cfg)
   if opts is not None and opts.schedule == "1f1b":
     return min(m, 2 * p - 1) / m
-  return (m + p - 1) / m
+  return (v * m + p - 1) / (v * m)           # interleaved: v*M+P-1 ticks of one chunk each
 
 
 def _layers_held(name: str, cfg, shape: dict, opts=None) -> float:
@@ -352,8 +372,8 @@ def timing(c: Candidate, cfg, terms, cluster, efficiency: float) -> None:
     work *= 4 / 3
   shape = dict(c.sizes)
   if c.strategy == "pp":
-    p, m = shape["stage"], cfg.microbatches
-    pipe = (m + p - 1) / m * (1 + _pre_pass(cfg, c.opts) / 3)   # the pre-pass: one more forward
+    p, vm = shape["stage"], _chunks(cfg) * cfg.microbatches      # ticks of 1/v (interleaved)
+    pipe = (vm + p - 1) / vm * (1 + _pre_pass(cfg, c.opts) / 3)  # the pre-pass: one more forward
     # an uneven layout's stages run the largest group's rows each tick (padding included)
     pipe *= cfg.n_layer_slots / cfg.n_moe_layers
     work *= (1 - _dense_flops_share(cfg)) * pipe + _dense_flops_share(cfg) * p
@@ -395,20 +415,37 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
       m_cfg = cfg.replace(layer_layout=layers)
       m_shapes = shapes if not layers else model.init_params_shapes(m_cfg)
       for opts in option_sets(name):
+        # the model as this option set stores it (pp interleaved: round-robin chunks)
+        o_cfg, o_error, o_mem = m_cfg, "", mem
+        if hasattr(strat, "stored_config"):     # from the model as given (its own layout)
+          try:
+            stored = strat.stored_config(cfg, mesh, opts)
+            o_cfg = m_cfg if stored is cfg else stored
+          except ConfigError as e:
+            o_error = str(e)
+        o_layers = o_cfg.layer_layout
+        if o_cfg is not m_cfg:
+          o_mem = None
         for m in (_pp_microbatches(cfg, shape, pp_max_microbatches) if name == "pp" else (1,)):
           for cf in capacity_factors:
-            base = m_cfg.replace(microbatches=m, capacity_factor=cf)
+            base = o_cfg.replace(microbatches=m, capacity_factor=cf)
             key = (name, tuple(shape.items()), m, cf, opts)
             try:
+              if o_error:
+                raise ConfigError(o_error)
               base.validate()
               strat.check(base, mesh, opts)
             except ConfigError as e:
-              out += [Candidate(*key[:3], remat, cf, opts, error=str(e), layer_layout=layers)
+              out += [Candidate(*key[:3], remat, cf, opts, error=str(e), layer_layout=o_layers,
+                                layer_stages=o_cfg.layer_stages)
                       for remat in remats]
               continue
-            if mem is None:
-              mem = cost.param_memory(m_shapes, strat.param_specs(m_cfg, mesh), mesh,
-                                      cfg.optimizer)
+            if o_mem is None:
+              o_shapes = m_shapes if o_cfg is m_cfg else model.init_params_shapes(o_cfg)
+              o_mem = cost.param_memory(o_shapes, strat.param_specs(o_cfg, mesh), mesh,
+                                        cfg.optimizer)
+              if o_cfg is m_cfg:
+                mem = o_mem
             raw = strat.cost(base, mesh, opts)
             for remat in remats:
               c_cfg = base.replace(remat=remat)
@@ -416,8 +453,8 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
               temp = predict_temp(temp_features(name, c_cfg, mesh, raw, opts))
               for inner in placements(shape, cluster.node_size):
                 c = Candidate(*key[:3], remat, cf, opts, inner,
-                              param_opt=mem["param_bytes"] + mem["opt_bytes"], temp=temp,
-                              layer_layout=layers)
+                              param_opt=o_mem["param_bytes"] + o_mem["opt_bytes"], temp=temp,
+                              layer_layout=o_layers, layer_stages=o_cfg.layer_stages)
                 timing(c, c_cfg, terms, cluster, efficiency)
                 c.fits = c.memory <= hbm_bytes
                 out.append(c)
@@ -456,7 +493,8 @@ def rank(cands: list[Candidate]) -> list[Candidate]:
 def config_for(c: Candidate, cfg):
   """The Config a candidate runs: its microbatches, remat and capacity factor."""
   return cfg.replace(microbatches=c.microbatches, remat=c.remat,
-                     capacity_factor=c.capacity_factor, layer_layout=c.layer_layout)
+                     capacity_factor=c.capacity_factor, layer_layout=c.layer_layout,
+                     layer_stages=c.layer_stages)
 
 
 def progress_line(done: int, name: str, kept: int) -> None:

@@ -261,9 +261,9 @@ def stored_config(cfg, mesh, opts):
   """The model as this schedule stores it: interleaved holds v chunks per stage, group j of a
   P x v group layout on stage j mod P (layer_stages = P; the layout balanced_layout's when
   --layer_layout is not given). Every other schedule: cfg as given."""
-  if opts.schedule != "interleaved" or cfg.layer_stages:
-    return cfg
   p = mesh.shape[STAGE]
+  if opts.schedule != "interleaved" or cfg.layer_stages or p < 2:    # (check refuses p < 2)
+    return cfg
   groups = p * opts.virtual_stages
   if not cfg.layer_layout and cfg.n_moe_layers < groups:
     raise ConfigError(f"--opt=virtual_stages={opts.virtual_stages} on stage={p} needs {groups} "
@@ -278,6 +278,8 @@ def check(cfg, mesh, opts):
     raise ConfigError(f"--opt=virtual_stages={v} is the interleaved schedule's; "
                       f"schedule={opts.schedule} runs one chunk per stage")
   if opts.schedule == "interleaved":
+    if p < 2:
+      raise ConfigError("interleaved needs mesh axis stage >= 2 (one stage: gpipe's loop)")
     groups = len(cfg.layer_groups) if cfg.layer_layout else 0
     if cfg.layer_stages != p or groups != p * v:
       raise ConfigError(f"interleaved on stage={p} with virtual_stages={v} stores {p * v} layer "

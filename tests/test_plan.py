@@ -6,6 +6,7 @@ import math
 import time
 
 import jax
+import numpy as np
 import pytest
 
 from layout import mesh as mesh_lib
@@ -84,11 +85,35 @@ def test_pp_on_stages_that_do_not_divide_the_layers_runs_the_balanced_layout():
   check()'s line."""
   cfg = get_config("tiny", dtype="bfloat16", n_layers=3)
   cands = plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("pp",))
-  two = [c for c in cands if dict(c.sizes)["stage"] == 2 and not c.error]
+  plain = [c for c in cands if c.opts.schedule != "interleaved"]
+  two = [c for c in plain if dict(c.sizes)["stage"] == 2 and not c.error]
   assert two and all(c.layer_layout == "2,1" and "layers=2x1+1x1" in c.layout() for c in two)
   assert plan.config_for(two[0], cfg).layer_layout == "2,1"
   assert all(c.error == "n_layers=3 is not divisible by mesh axis stage=4"
-             for c in cands if dict(c.sizes)["stage"] == 4)
+             for c in plain if dict(c.sizes)["stage"] == 4)
+  # interleaved (2 chunks per stage) needs 2P MoE layers: refused with stored_config's line
+  assert all(c.error == "--opt=virtual_stages=2 on stage=2 needs 4 MoE layers, the model has 3"
+             for c in cands if c.opts.schedule == "interleaved" and dict(c.sizes)["stage"] == 2)
+
+
+def test_interleaved_candidates_store_the_chunks_and_shorten_the_bubble():
+  """pp's interleaved candidates (v = 2) carry the round-robin storage they compile with
+  (layer_stages = P, P x v groups) and are predicted with the bubble (P-1)/(vM+P-1): less
+  compute time than gpipe's same layout."""
+  cfg = get_config("tiny", dtype="bfloat16", n_layers=4)
+  cands = [c for c in plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("pp",))
+           if not c.error and dict(c.sizes)["stage"] == 2]
+  key = lambda c: (c.sizes, c.microbatches, c.remat, c.capacity_factor, c.inner)
+  gpipe = {key(c): c for c in cands if c.opts.schedule == "gpipe"}
+  inter = [c for c in cands if c.opts.schedule == "interleaved"]
+  assert inter and all("schedule=interleaved virtual_stages=2" in c.layout() for c in inter)
+  for c in inter:
+    run = plan.config_for(c, cfg)
+    assert (run.layer_stages, run.layer_layout) == (2, "1,1,1,1")
+    g = gpipe[key(c)]
+    p, m = 2, c.microbatches
+    np.testing.assert_allclose(c.compute_s / g.compute_s,
+                               (2 * m + p - 1) / (2 * m) / ((m + p - 1) / m), rtol=1e-9)
 
 
 def test_ranking_order_and_exact_params():
