@@ -210,3 +210,11 @@ def test_layer_layout_runs_every_layer_once_in_order(n_layers, dense, groups, st
   rest = lambda g: jax.tree.leaves({k: v for k, v in g.items() if k != "layers"})
   for a, r in zip(rest(g1), rest(g0)):
     np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-7)
+
+
+def test_interleaved_bf16_with_remat():
+  """interleaved in bf16 mixed precision with remat block inside each chunk (the chunk's custom
+  vjp around jax.checkpoint'd layers): the bf16 reference's losses, gradients and updates."""
+  cfg = get_config("tiny", n_layers=4, batch=16, microbatches=4, layer_layout="1,1,1,1",
+                   layer_stages=2, remat="block")
+  parity.check_bf16("pp", cfg, "stage:2,expert:4", opts=PP.INTERLEAVED)
