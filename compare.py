@@ -170,6 +170,10 @@ def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = 
       return row, job
     mesh_spec = None if mesh_spec == "search" else mesh_spec
     mesh = _mesh_for(strat, mesh_spec, jax.device_count(), cfg, opts)
+    given = cfg
+    stored = lambda m: (strat.stored_config(given, m, opts)       # how its options store the
+                        if m is not None and hasattr(strat, "stored_config") else given)  # model
+    cfg = stored(mesh)
     row["mesh"] = _mesh_str(mesh, strat, cfg)
     if mesh is not None:
       try:
@@ -179,11 +183,14 @@ def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = 
           raise
         for m in _fallback_meshes(strat, jax.device_count()):
           try:
+            cfg = stored(m)
             strat.check(cfg, m, opts)
           except ConfigError:
             continue
           mesh, row["mesh"] = m, _mesh_str(m, strat, cfg)
           break
+    if cfg.layer_slots != given.layer_slots:    # stored rows -> the given model's, for parity
+      row["layer_rows"] = _rows_as_given(cfg, given)
     return row, train.build(strat, cfg, mesh, opts, compile_only=compile_only,
                             with_grads=with_grads)
   except ConfigError as e:
@@ -192,6 +199,16 @@ def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = 
   except Exception as e:                   # noqa: BLE001 -- a trace / compile failure: its row
     row["error"] = f"failed: {type(e).__name__}: {_first_line(e)}"
     return row, None
+
+
+def _rows_as_given(stored, given) -> list[int]:
+  """For each MoE-stack row of the model as given, the row of the stored stack that holds its
+  layer (a padding row for a padding row): pp's interleaved storage read back for the
+  reference's parity."""
+  slots = stored.layer_slots
+  where = {d: i for i, d in enumerate(slots) if d >= 0}
+  pad = [i for i, d in enumerate(slots) if d < 0]
+  return [where[d] if d >= 0 else pad[0] for d in given.layer_slots]
 
 
 def _first_line(e: Exception) -> str:
@@ -233,9 +250,13 @@ def measure(row: dict, job, steps: int, compile_only: bool, full_parity: bool = 
     times.append(dt)
     dropped += float(m["dropped"])
     if full_parity:
-      trace.append({**{k: m[k] for k in ("loss", "aux_loss", "ce_loss", "grad_norm", "dropped",
-                                         "grads")},
-                    "params": jax.tree.map(lambda a: np.asarray(train.to_host(a)), params)})
+      rows = row.get("layer_rows")
+      as_given = lambda t: t if rows is None else {
+          **t, "layers": jax.tree.map(lambda a: np.asarray(a)[rows], t["layers"])}
+      trace.append({**{k: m[k] for k in ("loss", "aux_loss", "ce_loss", "grad_norm", "dropped")},
+                    "grads": as_given(m["grads"]),
+                    "params": as_given(jax.tree.map(lambda a: np.asarray(train.to_host(a)),
+                                                    params))})
     if not train.finite(m):
       row["nonfinite_step"], row["parity"] = i, "NON-FINITE"   # stop here, mark the row
       break

@@ -72,6 +72,19 @@ def test_full_parity_checks_grads_and_params_and_writes_table_md(tmp_path):
   assert {"wire_bytes", "all-to-all_wire_bytes", "seed", "jax"} <= set(header)
 
 
+def test_interleaved_row_reads_its_round_robin_stack_back_for_full_parity():
+  """pp's interleaved entry stores its MoE rows round-robin over the stages (pp.stored_config):
+  its row shows the interleaved bubble, and --full_parity holds its gradients and parameters,
+  read back in depth order, to the reference's (compared in stored order they would differ)."""
+  cfg = get_config("tiny", n_layers=4, batch=16, microbatches=4, adam_eps=1e-5)
+  rows = compare.main(cfg, names=["pp:schedule=interleaved:virtual_stages=2"],
+                      mesh_spec="stage:2,expert:4", steps=2, report_dir=None, compile_only=False,
+                      model_name="tiny", full_parity=True)
+  row = rows[1]
+  assert (row["parity"], row["disagreements"]) == ("PASS", []), row.get("disagreements")
+  assert "bubble 0.11" in row["mesh"] and row["layer_rows"] == [0, 2, 1, 3]
+
+
 def test_disagreements_name_a_wrong_gradient():
   """The check --full_parity runs fails on one gradient leaf off by a factor (an axis summed
   twice), and names it."""
