@@ -11,6 +11,8 @@ are zeros, its weights get zero gradients. So every stage runs max(c) rows per t
 lockstep tick is the largest stage's anyway), and below "L/P" reads "max(c) rows": the cost
 model counts the padding rows' exchanges, which the program issues. The reference runs the same
 padded stack; tests/test_pp.py holds it to the unpadded model (every layer once, in order).
+Interleaved (--opt=schedule=interleaved, below): P x v groups, stage s holding groups s, s+P, ..
+(the rows stored round-robin: layer_stages = P), each a chunk of max(c) rows.
 
 | tensor                                   | sharding                                          |
 |------------------------------------------|---------------------------------------------------|
