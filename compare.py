@@ -171,9 +171,8 @@ def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = 
     mesh_spec = None if mesh_spec == "search" else mesh_spec
     mesh = _mesh_for(strat, mesh_spec, jax.device_count(), cfg, opts)
     given = cfg
-    stored = lambda m: (strat.stored_config(given, m, opts)       # how its options store the
-                        if m is not None and hasattr(strat, "stored_config") else given)  # model
-    cfg = stored(mesh)
+    stored = lambda m: strategies.stored_config(strat, given, m, opts)   # how its options
+    cfg = stored(mesh)                                                    # store the model
     row["mesh"] = _mesh_str(mesh, strat, cfg)
     if mesh is not None:
       try:

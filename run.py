@@ -405,8 +405,7 @@ def train_one(cfg, opts) -> None:
   say = print if main else (lambda *a, **k: None)
   strat = strategies.get(F.strategy)
   mesh = mesh_lib.for_strategy(strat, F.mesh)
-  if hasattr(strat, "stored_config") and mesh is not None:   # how its options store the model
-    cfg = strat.stored_config(cfg, mesh, opts)
+  cfg = strategies.stored_config(strat, cfg, mesh, opts)     # how its options store the model
   note = mesh_lib.order_note(strat, F.mesh)
   if note:
     say(f"note: {note}")

@@ -512,8 +512,8 @@ def forward(params, batch, cfg: Config, lay: Layout):
   else:
     order = np.asarray(order)
     layers = jax.tree.map(lambda a: a[order], params["layers"])
-    real = np.asarray(cfg.layer_slots)[order] >= 0
-    x, stats = moe_stack(x, layers, positions, cfg, lay, None if real.all() else real)
+    real = slot_mask(cfg)                                                        # None: no padding
+    x, stats = moe_stack(x, layers, positions, cfg, lay, None if real is None else real[order])
     stats = jax.tree.map(lambda a: a[np.argsort(order)], stats)                # stored row order
   x = rms_norm(x, lay.use("final_norm", params["final_norm"]), cfg.norm_eps)
   logits = jnp.einsum("bsd,dv->bsv", x, use(lay, "unembed", params["unembed"], x.dtype))  # [B, S, V]

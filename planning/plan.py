@@ -410,22 +410,20 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
     for sizes in splits(n, len(strat.AXES)):
       shape = dict(zip(strat.AXES, sizes))
       mesh = mesh_lib.abstract_mesh(shape)
-      mem = None
+      mems = {}                                # params + optimizer state per stored model
       layers = _layer_layout(name, cfg, shape)
       m_cfg = cfg.replace(layer_layout=layers)
       m_shapes = shapes if not layers else model.init_params_shapes(m_cfg)
       for opts in option_sets(name):
-        # the model as this option set stores it (pp interleaved: round-robin chunks)
-        o_cfg, o_error, o_mem = m_cfg, "", mem
-        if hasattr(strat, "stored_config"):     # from the model as given (its own layout)
-          try:
-            stored = strat.stored_config(cfg, mesh, opts)
-            o_cfg = m_cfg if stored is cfg else stored
-          except ConfigError as e:
-            o_error = str(e)
+        # the model as this option set stores it (pp interleaved: round-robin chunks), from
+        # the model as given (its own layout)
+        o_cfg, o_error = m_cfg, ""
+        try:
+          stored = strategies.stored_config(strat, cfg, mesh, opts)
+          o_cfg = m_cfg if stored is cfg else stored
+        except ConfigError as e:
+          o_error = str(e)
         o_layers = o_cfg.layer_layout
-        if o_cfg is not m_cfg:
-          o_mem = None
         for m in (_pp_microbatches(cfg, shape, pp_max_microbatches) if name == "pp" else (1,)):
           for cf in capacity_factors:
             base = o_cfg.replace(microbatches=m, capacity_factor=cf)
@@ -440,12 +438,11 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                                 layer_stages=o_cfg.layer_stages)
                       for remat in remats]
               continue
-            if o_mem is None:
+            if o_cfg not in mems:
               o_shapes = m_shapes if o_cfg is m_cfg else model.init_params_shapes(o_cfg)
-              o_mem = cost.param_memory(o_shapes, strat.param_specs(o_cfg, mesh), mesh,
-                                        cfg.optimizer)
-              if o_cfg is m_cfg:
-                mem = o_mem
+              mems[o_cfg] = cost.param_memory(o_shapes, strat.param_specs(o_cfg, mesh), mesh,
+                                              cfg.optimizer)
+            o_mem = mems[o_cfg]
             raw = strat.cost(base, mesh, opts)
             for remat in remats:
               c_cfg = base.replace(remat=remat)

@@ -99,6 +99,14 @@ def of_entry(entry: str):
   return get(split_entry(entry)[0])
 
 
+def stored_config(strat, cfg, mesh, opts):
+  """The model as the strategy's options store it (its `stored_config`: pp's interleaved
+  schedule stores the MoE stack round-robin over the stages); cfg itself for every other
+  strategy, or without a mesh."""
+  hook = getattr(strat, "stored_config", None)
+  return cfg if hook is None or mesh is None else hook(cfg, mesh, opts)
+
+
 def compare_entries(name: str) -> list[str]:
   """A strategy's rows in a comparison of 'all': itself, then its COMPARE_VARIANTS (an option
   setting each, e.g. cp's ring K/V exchange beside its all-gather)."""

@@ -495,14 +495,16 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
   pairs = [(i, (i + 1) % n_stage) for i in range(n_stage)] if v > 1 else \
       [(i, i + 1) for i in range(n_stage - 1)]
 
+  # the schedule's forward ticks: which microbatch (and chunk) this stage runs at tick t
+  table = schedule("interleaved" if v > 1 else "gpipe", n_stage, m, v)
+  ticks = len(table["F"]) // 2                                     # its forward half
+  f_tab = jnp.asarray(table["F"][:ticks])
+  c_tab = jnp.asarray(table["C"][:ticks] if v > 1 else np.zeros_like(table["F"][:ticks]))
+
   def step(carry, t):
     recv, outs, stats = carry
-    # tick t: stage s runs round g, chunk r, microbatch g*P + i where t - s = g*v*P + r*P + i
-    k = t - stage
-    valid = (k >= 0) & (k < v * m)
-    kc = jnp.clip(k, 0, v * m - 1)
-    r = kc % (v * n_stage) // n_stage
-    mc = kc // (v * n_stage) * n_stage + kc % n_stage
+    valid = f_tab[t, stage] >= 0
+    mc, r = jnp.maximum(f_tab[t, stage], 0), jnp.maximum(c_tab[t, stage], 0)
     x = jnp.where(first & (r == 0), x0[mc], recv)                   # [b/M, S, D]
     y, st = run_chunk(x, pos[mc], r)                                # st: {name: [rows/v, ...]}
     add = (lambda a, u: a + jnp.where(valid, u, 0)) if v == 1 else (   # into chunk r's rows
@@ -520,7 +522,7 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
       lambda a: sharding.to_varying(jnp.zeros((rows,) + a.shape[1:], a.dtype), (STAGE,)),
       jax.eval_shape(run_chunk, zeros((mb, s, cfg.d_model)), pos[0], 0)[1])
   carry = (zeros((mb, s, cfg.d_model)), zeros((m, mb, s, cfg.d_model)), stat0)
-  (_, outs, stats), _ = jax.lax.scan(step, carry, jnp.arange(v * m + n_stage - 1), unroll=unroll)
+  (_, outs, stats), _ = jax.lax.scan(step, carry, jnp.arange(ticks), unroll=unroll)
   return outs, stats
 
 
@@ -543,16 +545,13 @@ def _chunk(layers, x, pos_m, r, *, per, mask, cfg, lay):
   def f_fwd(layers, x, pos_m, r, mk):
     lp = jax.tree.map(lambda a: cut(a, r), layers)
     out, vj = jax.vjp(lambda lp, x: run(lp, x, pos_m, mk), lp, x)
-    leaves, meta["tree"] = jax.tree.flatten(vj)
-    meta["weight"] = _weight_index(leaves, lp)
-    return out, (layers, r, [l for i, l in enumerate(leaves) if i not in meta["weight"]])
+    kept, meta["tree"], meta["weight"] = _drop_weights(vj, lp)
+    return out, (layers, r, kept)
 
   def f_bwd(res, ct):
     layers, r, kept = res
-    w, it = jax.tree.leaves(jax.tree.map(lambda a: cut(a, r), layers)), iter(kept)
-    leaves = [w[meta["weight"][i]] if i in meta["weight"] else next(it)
-              for i in range(meta["tree"].num_leaves)]
-    d_lp, dx = jax.tree.unflatten(meta["tree"], leaves)(ct)
+    lp = jax.tree.map(lambda a: cut(a, r), layers)              # the slices, cut again
+    d_lp, dx = _with_weights(kept, meta["tree"], meta["weight"], lp)(ct)
     put = lambda a, d: jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(a), d.astype(a.dtype),
                                                            r * per, 0)
     return jax.tree.map(put, layers, d_lp), dx, None, None, None
@@ -761,9 +760,7 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
   mc0 = jnp.clip(f_tab[0, stage], 0, m - 1)
   (y0, part0), vj0, aux0 = jax.vjp(stage_fn, layers, jnp.where(first, x0[mc0], act0), pos[mc0],
                                    counts, has_aux=True)
-  leaves0, tree = jax.tree.flatten(vj0)
-  weight = _weight_index(leaves0, layers)
-  ring0 = [l for i, l in enumerate(leaves0) if i not in weight]
+  ring0, tree, weight = _drop_weights(vj0, layers)
 
   def zeros_like(a, lead=(), also=(), dtype=None):   # zeros typed as `a` (varying also over
     return sharding.to_varying(jnp.zeros(lead + a.shape, dtype or a.dtype),   # `also`)
@@ -771,16 +768,13 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
 
   def run_forward(layers, x, pos_m):
     out, vj, aux = jax.vjp(stage_fn, layers, x, pos_m, counts, has_aux=True)
-    leaves = jax.tree.leaves(vj)
-    assert _weight_index(leaves, layers) == weight and len(leaves) == len(leaves0), \
+    kept, t, index = _drop_weights(vj, layers)
+    assert index == weight and t.num_leaves == tree.num_leaves, \
         "a stage's residuals changed structure between traces"
-    return out, [l for i, l in enumerate(leaves) if i not in weight], aux
+    return out, kept, aux
 
   def run_backward(layers, ring, dy):
-    it = iter(ring)
-    w = jax.tree.leaves(layers)
-    leaves = [w[weight[i]] if i in weight else next(it) for i in range(tree.num_leaves)]
-    vj = jax.tree.unflatten(tree, leaves)
+    vj = _with_weights(ring, tree, weight, layers)
     one = vary(jnp.ones((), jnp.float32), part0)
     return vj((vary(dy.astype(y0.dtype), y0), one))[:2]            # d layers, dx
 
@@ -875,10 +869,21 @@ def _stage_mask(cfg, n_stage):
   return jnp.asarray(mask.reshape(n_stage, -1))[jax.lax.axis_index(STAGE)]
 
 
-def _weight_index(leaves, layers) -> dict:
-  """{residual leaf index: weight leaf index} for the residuals that ARE the stage's weights."""
+def _drop_weights(vj, layers) -> tuple:
+  """A vjp (jax.vjp's function, a pytree of residuals) -> (its residual leaves that are not the
+  weights `layers`, its treedef, {residual leaf index: weight leaf index} for those that ARE):
+  the weights are kept once by the caller, never copied per microbatch or per tick."""
+  leaves, tree = jax.tree.flatten(vj)
   w = jax.tree.leaves(layers)
-  return {i: j for i, leaf in enumerate(leaves) for j, v in enumerate(w) if leaf is v}
+  index = {i: j for i, leaf in enumerate(leaves) for j, v in enumerate(w) if leaf is v}
+  return [l for i, l in enumerate(leaves) if i not in index], tree, index
+
+
+def _with_weights(kept, tree, index, layers):
+  """_drop_weights' inverse: the vjp from its kept residuals and the weights `layers`."""
+  w, it = jax.tree.leaves(layers), iter(kept)
+  return jax.tree.unflatten(tree, [w[index[i]] if i in index else next(it)
+                                   for i in range(tree.num_leaves)])
 
 
 def _runs(table) -> list:
@@ -918,7 +923,8 @@ def counts_pre_pass(cfg, opts) -> bool:
   """A schedule whose backwards run inside the loop (1f1b) with the batch-wise load-balance loss
   runs a forward pass over every microbatch first, for the step's counts (the loss's f);
   gpipe's and interleaved's autodiff see the whole step's forward."""
-  return opts.schedule not in ("gpipe", "interleaved") and cfg.aux_loss_kind == "batch" and bool(cfg.aux_loss_coef)
+  return (opts.schedule not in ("gpipe", "interleaved") and cfg.aux_loss_kind == "batch"
+          and bool(cfg.aux_loss_coef))
 
 
 def cost(cfg, mesh, opts):
