@@ -3,6 +3,10 @@ of the time loop, which keeps every tick's residuals) against 1f1b (each backwar
 inside the loop, residuals for at most in_flight microbatches) as the microbatch count M grows
 with one sequence per microbatch per device, so a microbatch's activations are fixed.
 
+Beside the temps, the issue's bound: gpipe's temp grows by a = (g(4P) - g(P)) / 3P per
+microbatch, its activation share (M+P-1) a; 1f1b's share is its temp less its constant (its
+M = 1 temp, one microbatch held, less a); the bound is min(M, P)/M x gpipe's share + 10%.
+
 Shapes: Mixtral-8x7B (d 4096, 8 experts of F 14336 top-2, GQA 32/8, batch-wise aux loss: 1f1b
 runs its counts pre-pass) and DeepSeek-V3-shaped (V3's d 7168 and MLA, a shared expert, the
 sequence-wise aux loss, but 16 experts top-4 instead of 256 top-8: XLA:CPU lowers ragged_dot to a
@@ -61,16 +65,21 @@ def main(quick: bool):
   meshes = ["stage:2,expert:4"] if quick else ["stage:2,expert:4", "stage:4,expert:2"]
   if "--interleaved" in sys.argv:
     return interleaved(meshes)
-  print("| model | mesh | M | gpipe temp GiB | 1f1b temp GiB | 1f1b in flight | ratio |")
-  print("|---|---|---|---|---|---|---|")
+  print("| model | mesh | M | gpipe temp GiB | 1f1b temp GiB | 1f1b in flight | ratio | "
+        "gpipe share GiB | 1f1b share GiB | bound GiB |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for model in SHAPES:
     for mesh_spec in meshes:
       p = int(mesh_spec.split(",")[0].split(":")[1])
+      g = {m: temp_gib(model, mesh_spec, m, "gpipe") for m in (p, 4 * p)}
+      o = {m: temp_gib(model, mesh_spec, m, "1f1b") for m in (1, p, 4 * p)}
+      a = (g[4 * p] - g[p]) / (3 * p)               # gpipe: one microbatch's activations
       for m in (p, 4 * p):
-        g, o = (temp_gib(model, mesh_spec, m, s) for s in ("gpipe", "1f1b"))
         r = PP.in_flight(PP.schedule("1f1b", p, m))
-        print(f"| {model} | {mesh_spec} | {m} | {g:.2f} | {o:.2f} | {r} | {o / g:.2f} |",
-              flush=True)
+        share_g, share_o = (m + p - 1) * a, o[m] - (o[1] - a)
+        print(f"| {model} | {mesh_spec} | {m} | {g[m]:.2f} | {o[m]:.2f} | {r} | "
+              f"{o[m] / g[m]:.2f} | {share_g:.2f} | {share_o:.2f} | "
+              f"{1.1 * min(m, p) / m * share_g:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

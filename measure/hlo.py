@@ -33,6 +33,12 @@ runs):
 * XLA keeps trivial collectives: a ``psum`` over a size-1 mesh axis compiles
   to an all-reduce with ``replica_groups={{0},{1},...}``. ``collective_ops``
   reports them; the ``*_stats`` functions skip them (no data moves).
+* A ``conditional``'s branches run at most as often as the conditional; a branch's ops are
+  counted at every run of it (an upper bound), unless the op's ``metadata={op_name="..."}``
+  holds a named scope ``<name>.taken_<k>_of_<n>`` (``TAKEN``): the program says there that each
+  device takes that branch k times in every n runs of its conditional, and the op counts k/n
+  of its runs (a float; sums over a scope's ops are whole). The persistent compilation cache
+  keys a program without its metadata: two programs that differ only in scopes read as one.
 * CPU emits no async ``-start``/``-done`` pairs; on other backends a pair is
   reported once, with the groups of the start and the result bytes of the
   done.
@@ -60,7 +66,7 @@ class CollectiveOp(NamedTuple):
   kind: str     # one of COLLECTIVE_KINDS
   bytes: int    # per-device result bytes of one execution
   groups: Groups  # device-id groups (source/target pairs for a permute)
-  count: int    # executions per program run (loop trip counts multiplied)
+  count: float  # executions per program run (loop trip counts multiplied; TAKEN's share)
 
 
 # ----------------------------------------------------------------------------
@@ -77,6 +83,7 @@ _CALLEE = re.compile(
   r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)"
   r"=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+TAKEN = re.compile(r"\.taken_(\d+)_of_(\d+)/")   # a named scope: a branch's share of runs
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _COND = re.compile(r"\bcondition=%?([\w.\-]+)")
 _S32_CONST = re.compile(r"= s32\[\] constant\((\d+)\)")
@@ -286,8 +293,10 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
         groups = started.pop(operand, ())
       else:
         groups = parse_replica_groups(line, n_dev)
+      taken = TAKEN.search(line)
+      share = int(taken.group(1)) / int(taken.group(2)) if taken else 1
       ops.append(CollectiveOp(kind, shape_bytes(m.group("shape")), groups,
-                  counts[name]))
+                  counts[name] * share))
   return ops
 
 
@@ -381,6 +390,10 @@ def _stats(ops, key, stats) -> dict:
       entry["count"] += op.count
       entry["bytes"] += op.count * op.bytes
       entry["wire_bytes"] += op.count * op.bytes * wire_factor(op.kind, group_size(op))
+  for entry in stats.values():              # TAKEN's shares sum to whole counts
+    for k in ("count", "bytes"):
+      if abs(entry[k] - round(entry[k])) < 1e-6 * max(1, abs(entry[k])):
+        entry[k] = int(round(entry[k]))
   return stats
 
 

@@ -42,7 +42,7 @@ Per candidate, per device:
            computation on a device (the padded exchange buffer EP x C where tokens move by
            all-to-all, ep_tp's compaction bound, else T x K); L_held = the layers whose
            activations a device keeps (pp: rows / P x (M + P - 1) / M + the dense prefix under
-           gpipe, min(M, 2P - 1) / M in place of (M + P - 1) / M under 1f1b, (vM + P - 1) / vM
+           gpipe, (rows / P + the prefix) x min(M, P) / M under 1f1b, (vM + P - 1) / vM
            under interleaved; the temp model was fitted on gpipe and default options only).
            Not terms: the local gradients, the reduced gradients, a residual-sized working set
            and R x F_local each got weight 0 when fitted beside these.
@@ -60,9 +60,9 @@ Per candidate, per device:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
                recomputed forward); pp: x (M + P - 1) / M (the bubble; interleaved's
-               (vM + P - 1) / vM; 1f1b's counts pre-pass x 4/3 of
-               that) and its dense prefix run
-               on every stage
+               (vM + P - 1) / vM; 1f1b's lockstep ticks (P F + (2M + P - 2) B + its counts
+               pre-pass's (M + P - 1) F) / (M (F + B)), B = 2F, 3F with remat block) and its
+               dense prefix run on every stage
              communication = per cost-model term (measure.cost.step_terms: kind, axes, bytes),
                its wire bytes over the bandwidth of the links its group spans: the node's when
                every axis of the group lies inside a node, else the inter-node one.
@@ -325,12 +325,15 @@ def _chunks(cfg) -> int:
 
 def _runs(name: str, cfg, shape: dict, opts=None) -> float:
   """pp runs each local MoE layer once per time step (M + P - 1 of them; interleaved: one chunk
-  of v per tick, v*M + P - 1 ticks), and 1f1b's counts pre-pass once more: how many exchanges of
-  one layer its forward a2a terms add up, per MoE layer of the model."""
+  of v per tick, v*M + P - 1 ticks; 1f1b: the stage's M forwards, and its counts pre-pass's
+  M + P - 1): how many exchanges of one layer its forward a2a terms add up, per MoE layer of
+  the model."""
   if name != "pp":
     return 1
-  p, v = shape["stage"], _chunks(cfg)
-  return (v * cfg.microbatches + p - 1) / (p * v) * (1 + _pre_pass(cfg, opts))
+  p, v, m = shape["stage"], _chunks(cfg), cfg.microbatches
+  ticks = v * m + p - 1
+  one_f = opts is not None and opts.schedule == "1f1b"
+  return ((m if one_f else ticks) + ticks * _pre_pass(cfg, opts)) / (p * v)
 
 
 def _pre_pass(cfg, opts) -> bool:
@@ -340,10 +343,10 @@ def _pre_pass(cfg, opts) -> bool:
 
 def _in_flight(cfg, shape: dict, opts) -> float:
   """pp: microbatches whose activations a stage holds, per microbatch of the step: gpipe's
-  time loop keeps M + P - 1, 1f1b's ring min(M, 2P - 1) (strategies/pp.py)."""
+  time loop keeps M + P - 1, 1f1b's ring min(M, P) (strategies/pp.py)."""
   p, m, v = shape["stage"], cfg.microbatches, _chunks(cfg)
   if opts is not None and opts.schedule == "1f1b":
-    return min(m, 2 * p - 1) / m
+    return min(m, p) / m
   return (v * m + p - 1) / (v * m)           # interleaved: v*M+P-1 ticks of one chunk each
 
 
@@ -351,8 +354,10 @@ def _layers_held(name: str, cfg, shape: dict, opts=None) -> float:
   """Layers whose saved activations a device holds through the backward (module docstring)."""
   if name != "pp":
     return cfg.n_layers
-  return (cfg.n_layer_slots / shape["stage"] * _in_flight(cfg, shape, opts)
-          + cfg.first_k_dense_replace)
+  held = cfg.n_layer_slots / shape["stage"] * _in_flight(cfg, shape, opts)
+  if opts is not None and opts.schedule == "1f1b":   # stage 0 runs the prefix inside its phases
+    return held + cfg.first_k_dense_replace * _in_flight(cfg, shape, opts)
+  return held + cfg.first_k_dense_replace
 
 
 def predict_temp(features: dict) -> float:
@@ -372,8 +377,15 @@ def timing(c: Candidate, cfg, terms, cluster, efficiency: float) -> None:
     work *= 4 / 3
   shape = dict(c.sizes)
   if c.strategy == "pp":
-    p, vm = shape["stage"], _chunks(cfg) * cfg.microbatches      # ticks of 1/v (interleaved)
-    pipe = (vm + p - 1) / vm * (1 + _pre_pass(cfg, c.opts) / 3)  # the pre-pass: one more forward
+    p, m = shape["stage"], cfg.microbatches
+    if c.opts is not None and c.opts.schedule == "1f1b":
+      # lockstep: P forward-only ticks, 2M+P-2 that hold a backward (b forwards long), the
+      # counts pre-pass's M+P-1 forward ticks, against M passes of 1 + b
+      b = 3 if cfg.remat == "block" else 2
+      pipe = (p + (2 * m + p - 2) * b + (m + p - 1) * _pre_pass(cfg, c.opts)) / (m * (1 + b))
+    else:
+      vm = _chunks(cfg) * m                                      # ticks of 1/v (interleaved)
+      pipe = (vm + p - 1) / vm
     # an uneven layout's stages run the largest group's rows each tick (padding included)
     pipe *= cfg.n_layer_slots / cfg.n_moe_layers
     work *= (1 - _dense_flops_share(cfg)) * pipe + _dense_flops_share(cfg) * p

@@ -27,14 +27,17 @@ Interleaved (--opt=schedule=interleaved, below): P x v groups, stage s holding g
 | tokens / targets / positions [B, S]      | ((data, expert), None), replicated over stage     |
 | a microbatch between stages [b/M, S, D]  | per device: its b = B/(data*expert) rows, 1/M     |
 
-The whole model is one full-manual shard_map (`loss`). Every device embeds its rows and runs the
-leading dense layers (DeepSeek's, as MaxText runs them: before the pipeline, replicated over
-stage; stages > 0 discard theirs, so it costs P x their FLOPs and one [b, S, D] per dense layer
-of activation memory), one microbatch at a time (`_prefix`: the working set of b/M rows, not
-of b). Stage 0 feeds microbatch t at time t;
-stage s runs its L/P layers (model.block, scanned) on what stage s-1 sent at t-1; every stage
-ppermutes its output to s+1 after each time step; the last stage keeps the M outputs and
-computes the head, one microbatch's logits at a time. Inside a stage the MoE is ep.py's moe_body with its padded all-to-all over
+The whole model is one full-manual shard_map (`loss`). gpipe and interleaved: every device
+embeds its rows and runs the leading dense layers (DeepSeek's, as MaxText runs them: before the
+pipeline, replicated over stage; stages > 0 discard theirs, so it costs P x their FLOPs and one
+[b, S, D] per dense layer of activation memory), one microbatch at a time (`_prefix`: the
+working set of b/M rows, not of b). 1f1b: stage 0 alone runs them, inside its phases, one
+microbatch at a time (its forward reads the tokens, its backward sums the embedding's and
+the prefix's gradients), and their residuals join the ring: min(M, P) microbatches of them, not
+M. Stage 0 feeds microbatch t at time t; stage s runs its L/P layers (model.block, scanned) on
+what stage s-1 sent at t-1; every stage ppermutes its output to s+1 after each time step; the
+last stage keeps the M outputs and computes the head, one microbatch's logits at a time. Inside
+a stage the MoE is ep.py's moe_body with its padded all-to-all over
 expert (pp takes no --opt=dispatch: the ragged exchange is ep's alone until a GPU run holds it).
 
 The stage's weights over data: ZeRO-3 at rest, ZeRO-1's traffic. Every non-expert matrix, its
@@ -58,27 +61,30 @@ loop runs it reversed):
   stage 1  .  F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0 .
   stage 2  .  .  F0 F1 F2 F3 .  .  B3 B2 B1 B0 .  .
   stage 3  .  .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .  .
-1f1b, M = 8 (stage s runs F(t-s) and B(t-2P+2+s) at tick t; the last stage runs a
-microbatch's backward in the tick of its forward):
-  tick     0    1    2    3    4    5    6    7    8    9    10   11   12   13
-  stage 0  F0   F1   F2   F3   F4   F5   F6B0 F7B1 B2   B3   B4   B5   B6   B7
-  stage 1  .    F0   F1   F2   F3   F4B0 F5B1 F6B2 F7B3 B4   B5   B6   B7   .
-  stage 2  .    .    F0   F1   F2B0 F3B1 F4B2 F5B3 F6B4 F7B5 B6   B7   .    .
-  stage 3  .    .    .    F0B0 F1B1 F2B2 F3B3 F4B4 F5B5 F6B6 F7B7 .    .    .
-Both take M+P-1 forward and M+P-1 backward ticks: the same bubble, (P-1)/(M+P-1) (3/7 for gpipe
-above; M >= P keeps it under 1/2; any M >= 1 is correct), and the same compute, so the same
-time in SPMD lockstep. They differ in memory:
+1f1b, M = 8 (Megatron's: stage s runs the forwards of microbatches 0..P-s-1 at ticks s.., then
+alternates: F(i) at tick 2i+s, B(i) at 2P-1-s+2i; one phase per stage and tick):
+  tick     0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16 17 18 19 20 21
+  stage 0  F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 F6 B3 F7 B4 .  B5 .  B6 .  B7
+  stage 1  .  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 .  B7 .
+  stage 2  .  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 .  .
+  stage 3  .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  .
+gpipe takes M+P-1 forward and M+P-1 backward ticks: the bubble is (P-1)/(M+P-1) (3/7 above;
+M >= P keeps it under 1/2; any M >= 1 is correct). The two differ in memory and time:
   gpipe keeps the time loop's residuals, M+P-1 ticks of one microbatch through L/P layers (the
     bubble ticks' too), (M+P-1)/M x the stage's activations for its b rows.
   1f1b runs each backward inside the loop as the explicit jax.vjp of the stage (`_run_table`, one
     full-manual shard_map driven by the table) and keeps residuals only for the microbatches in
-    flight, a ring of min(M, 2P-1) (`in_flight`): stage s holds 2(P-1-s)+1. That is 2P-1, not
-    Megatron's P, because in one SPMD program a hop between stages costs a whole tick (forward
-    and backward phase) each way: an activation reaches the last stage P-1 ticks after stage 0
-    sends it, and its cotangent returns P-1 ticks later. Megatron's P comes from stages offset
-    by half a tick (one running a forward while its neighbour runs a backward), which in
-    lockstep makes every phase as long as a backward: 4/3 the steady-state time. Residuals that
-    are the stage's weights are kept by reference, never copied per microbatch.
+    flight, a ring of min(M, P) (`in_flight`; stage s holds P-s), Megatron's bound: min(M, P)/M
+    of gpipe's share. Residuals that are the stage's weights are kept by reference, never copied
+    per microbatch. A stage may read an activation ticks after its neighbour sent it (stage 1
+    reads F2 at tick 7, sent at tick 3): each direction has an inbox that keeps its last
+    delivery.
+  1f1b's time: neighbouring stages run different phases in one tick (one a forward, the other a
+    backward), so each phase is a conditional (a stage runs only its own) and a tick lasts as
+    long as the longest phase any stage runs in it. 2(M+P-1) ticks: P forward-only, then
+    2M+P-2 that hold a backward: P*F + (2M+P-2)*B against gpipe's (M+P-1)*(F+B); with a
+    backward twice a forward, 1.09x gpipe's at P = 4, M = 8 and 4/3 as M grows. Its permutes:
+    both ways at each tick, 2(M+P-1) each way, twice gpipe's.
   1f1b's step returns the gradients from inside the loop: the train step's value_and_grad sees a
     custom_vjp whose forward rule runs the table and whose backward rule scales the gradients.
     Weight gradients are float32 sums over the ticks, psum'd once after the loop over the axes
@@ -121,14 +127,15 @@ the sum. The bias update's counts are summed after the step either way.
 
 Collectives per step (x = expert; T_mb = b/M*S tokens per device per microbatch):
   forward : 1. collective-permute over stage of the activation [b/M, S, D], every time step
-               (gpipe: M+P-1 of them, the sends of bubble steps carry zeros; 1f1b: after every
-               forward phase but the last, M+P-2, `permutes`; interleaved: v*M+P-1, round the
-               ring, stage P-1 sending to stage 0 too)
-            2. per time step and local layer, moe_body: all-to-all over x of the counts [EP, e]
+               (gpipe: M+P-1 of them, the sends of bubble steps carry zeros; 1f1b: at every
+               tick, 2(M+P-1), `permutes`; interleaved: v*M+P-1, round the ring, stage P-1
+               sending to stage 0 too)
+            2. per stage pass (gpipe, interleaved: every tick; 1f1b: the stage's M forwards)
+               and local layer, moe_body: all-to-all over x of the counts [EP, e]
                and of the send buffer [EP, C, D] (C = ep.py's bound for b/M sequences), and of
                the expert outputs; all-reduce over (data, x) of the router statistics
   backward: 3. collective-permute over stage of the activation cotangents, M+P-1 steps (1f1b:
-               M+P-2; interleaved: v*M+P-1)
+               2(M+P-1); interleaved: v*M+P-1)
             4. the all-to-all transposes; weight grads once after the loop: the matrices
                reduce-scattered over data (embed, unembed: over (stage, data)), then the shard
                all-reduced over x (a layer's, embed, unembed) or (stage, x) (the dense
@@ -155,7 +162,8 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
 When to use: the model's layers do not fit on one EP group (pipeline across nodes over slow
 links: only [b/M, S, D] activations cross a stage boundary), with M >= P microbatches to keep
 the bubble small. Cost: the bubble, and P-1 idle stages during warm-up and drain; gpipe keeps
-(M+P-1)/M x the activation memory, 1f1b min(M, 2P-1)/M (pick 1f1b when M > 2P-1); interleaved
+(M+P-1)/M x the activation memory, 1f1b min(M, P)/M for up to 4/3 the time (pick 1f1b when
+gpipe's activations do not fit); interleaved
 cuts the bubble to (P-1)/(v*M+P-1) for v x the permutes (pick it when the bubble dominates
 and the stage boundary's link is fast).
 
@@ -196,8 +204,9 @@ LAYER_LAYOUT = True       # --layer_layout: stage s holds group s of the padded 
 class Options:
   schedule: str = options.choice("gpipe", ("gpipe", "1f1b", "interleaved"),
                                  "the pipeline schedule: all forwards then all backwards (gpipe, "
-                                 "autodiff of the time loop), one forward and one backward "
-                                 "per tick (1f1b, explicit vjp per stage), or gpipe's order over "
+                                 "autodiff of the time loop), Megatron's 1F1B with at most P "
+                                 "microbatches in flight (1f1b, explicit vjp per stage), or "
+                                 "gpipe's order over "
                                  "virtual_stages chunks per stage placed round-robin "
                                  "(interleaved)")
   virtual_stages: int = options.integer(1, "interleaved: layer chunks per stage (v)", lo=1)
@@ -565,9 +574,9 @@ def schedule(name: str, n_stage: int, m: int, v: int = 1) -> dict:
   """The schedule as data: {"F": [ticks, P], "B": [ticks, P]} numpy int arrays, the microbatch
   whose forward / backward stage s runs at tick t (-1: none). A tick is one forward phase (then
   the activations' collective-permute to s+1) and one backward phase (then the cotangents' to
-  s-1), either absent when no stage has one. gpipe: the M+P-1 forward ticks of the time loop,
-  then its autodiff, the same loop reversed. 1f1b: stage s runs F(t - s) and B(t - 2P + 2 + s)
-  at tick t; the last stage runs a microbatch's backward in the tick of its forward.
+  s-1). gpipe: the M+P-1 forward ticks of the time loop, then its autodiff, the same loop
+  reversed. 1f1b (Megatron's): stage s runs F(i) at tick s+i for i < P-s (its warm-up), F(i) at
+  2i+s after, B(i) at 2P-1-s+2i: one phase per stage and tick, 2(M+P-1) ticks.
   interleaved (v chunks per stage; "C": [ticks, P], the chunk each entry runs): gpipe's order
   over v*M+P-1 ticks of one chunk each; stage s runs round g, chunk r, microbatch g*P + i at
   tick t = s + g*v*P + r*P + i, so chunk r of stage P-1 feeds chunk r+1 of stage 0 the next
@@ -575,7 +584,6 @@ def schedule(name: str, n_stage: int, m: int, v: int = 1) -> dict:
   p, ticks = n_stage, v * m + n_stage - 1
   t = np.arange(ticks)[:, None]
   s = np.arange(p)[None, :]
-  mb = lambda i: np.where((i >= 0) & (i < m), i, -1)
   none = np.full((ticks, p), -1)
   if name == "gpipe" or name == "interleaved":
     k = t - s
@@ -585,8 +593,12 @@ def schedule(name: str, n_stage: int, m: int, v: int = 1) -> dict:
     out = {"F": np.concatenate([fwd, none]), "B": np.concatenate([none, fwd[::-1]])}
     return out if name == "gpipe" else {**out, "C": np.concatenate([chunk, chunk[::-1]])}
   if name == "1f1b":
-    t = np.arange(m + 2 * p - 2)[:, None]
-    return {"F": mb(t - s), "B": mb(t - 2 * p + 2 + s)}
+    fwd, bwd = np.full((2 * (m + p - 1), p), -1), np.full((2 * (m + p - 1), p), -1)
+    for st in range(p):
+      for i in range(m):
+        fwd[st + i if i < p - st else 2 * i + st, st] = i
+        bwd[2 * p - 1 - st + 2 * i, st] = i
+    return {"F": fwd, "B": bwd}
   raise ValueError(f"unknown schedule {name!r}")
 
 
@@ -604,9 +616,10 @@ def in_flight(table: dict) -> int:
 
 
 def check_schedule(table: dict, m: int) -> None:
-  """Every stage runs every microbatch's forward and backward once; a forward at stage s > 0
-  reads what stage s-1 sent the tick before, a backward at s < P-1 what s+1 sent the tick
-  before, the last stage's backward follows its forward; ring slots never collide.
+  """Every stage runs every microbatch's forward and backward once; a forward at
+  stage s > 0 reads stage s-1's last send before it (sent at an earlier tick, not yet
+  overwritten by the next one), a backward at s < P-1 likewise from s+1; the last stage's
+  backward follows its forward; ring slots never collide.
   Interleaved (a "C" table): every (microbatch, chunk) once per stage, forward and backward;
   chunk r at stage s > 0 the tick after chunk r at s-1, chunk r > 0 at stage 0 the tick after
   chunk r-1 at stage P-1; the backward is the forward reversed, tick for tick."""
@@ -634,12 +647,18 @@ def check_schedule(table: dict, m: int) -> None:
   for s in range(p):
     for a in (fwd, bwd):
       assert sorted(a[:, s][a[:, s] >= 0].tolist()) == list(range(m)), (s, a[:, s])
+  # a hop: what stage s reads at tick t is the last send of its neighbour before t (one inbox
+  # per direction, overwritten by the neighbour's next send)
+  def hop(a, src, dst, i):
+    sent, read = when(a, src, i), when(a, dst, i)
+    later = np.flatnonzero(a[sent + 1:, src] >= 0)
+    return sent < read and (not later.size or sent + 1 + later[0] >= read)
   for s in range(p):
     for i in range(m):
       if s > 0:
-        assert when(fwd, s, i) == when(fwd, s - 1, i) + 1, ("forward hop", s, i)
+        assert hop(fwd, s - 1, s, i), ("forward hop", s, i)
       if s < p - 1:
-        assert when(bwd, s, i) == when(bwd, s + 1, i) + 1, ("backward hop", s, i)
+        assert hop(bwd, s + 1, s, i), ("backward hop", s, i)
       else:
         assert when(bwd, s, i) >= when(fwd, s, i), ("backward before forward", i)
   r = in_flight(table)
@@ -704,12 +723,13 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
                pre_pass):
   """One device: ((loss, metrics), grads) of its shards, running `table` (see `schedule`).
 
-  State across ticks: the activation received from s-1 and the cotangent from s+1 (one tick
-  each: check_schedule), a ring of R = in_flight(table) microbatches' vjp residuals (the
-  stage's weights, which every residual set shares, are not copied into it), the last stage's
-  d(loss)/d(output) per microbatch, and float32 gradient sums. Weight gradients are reduced
-  once, after the loop: reduce-scattered over data where the weight is stored split over it,
-  then psum'd over the axes the weight (its shard) is replicated on."""
+  State across ticks: the activation received from s-1 and the cotangent from s+1 (each kept
+  until the neighbour's next send: check_schedule), a ring of R = in_flight(table)
+  microbatches' vjp residuals (the stage's weights, which every residual set shares, are not
+  copied into it), the last stage's d(loss)/d(output) per microbatch, and float32 gradient
+  sums. Weight gradients are reduced once, after the loop: reduce-scattered over data where the
+  weight is stored split over it, then psum'd over the axes the weight (its shard) is
+  replicated on."""
   m, all_axes = cfg.microbatches, (STAGE,) + TOKENS
   n_tokens = cfg.batch * cfg.seq_len
   r = in_flight(table)                        # <= m: only forwards run make residuals
@@ -735,7 +755,12 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
 
   mask = _stage_mask(cfg, n_stage)
 
-  def stage_fn(lp, x, pos_m, cnt):            # [b/M, S, D] -> ([b/M, S, D], aux + z terms)
+  def stage_fn(lp, pe, x, tok_m, pos_m, cnt):  # [b/M, S, D] -> ([b/M, S, D], aux + z terms)
+    # stage 0 reads its microbatch's tokens through the embedding and the dense prefix, the
+    # other stages what s-1 sent (a conditional: only stage 0 runs the prefix)
+    x = jax.lax.cond(first, lambda pe, x: model.dense_prefix(pe["embed"][tok_m], pe, pos_m, cfg,
+                                                             model.Layout()),
+                     lambda pe, x: x, pe, x)
     y, st = model.moe_stack(x, lp, pos_m, cfg, lay, mask)          # st: {name: [L/P, ...]}
     aux, z = routing.aux_losses(st if cnt is None else {**st, "counts": cnt}, n_tokens, cfg)
     part = cfg.aux_loss_coef * jnp.sum(aux) + cfg.z_loss_coef * jnp.sum(z)
@@ -744,106 +769,114 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
   def head(ph, y, t):                         # the last stage: [b/M, S, D] -> its CE sum / T
     return _ce_sum(_head(y[None], ph, cfg), t[None]) / n_tokens
 
-  # embedding and the dense prefix: every microbatch's stage-0 input, and their vjp
-  prefix_keys = [k for k in ("embed", "dense_layers") if k in pc]
-  def prefix(pe):
-    return _prefix(pe, split(tokens), pos, cfg)                    # [M, b/M, S, D]
-  x0, prefix_vjp = jax.vjp(prefix, {k: pc[k] for k in prefix_keys})
+  # embedding and the dense prefix (stage 0's, inside its phases), final norm and head (the
+  # last stage's)
+  pe = {k: pc[k] for k in ("embed", "dense_layers") if k in pc}
   ph = {k: pc[k] for k in ("final_norm", "unembed")}
+  tok = split(tokens)                                               # [M, b/M, S]
 
   # the residuals' structure, from one traced (and unused: compiled away) vjp of a stage on
   # inputs typed as the loop's: which leaves are the stage's weights (shared by every
   # microbatch, never copied) and which go into the ring
   vary = lambda a, like: sharding.to_varying(a, sharding.varying_axes(like))
   f_tab, b_tab = jnp.asarray(table["F"]), jnp.asarray(table["B"])
-  act0 = sharding.to_varying(jnp.zeros(x0.shape[1:], x0.dtype), all_axes)
+  act0 = sharding.to_varying(jnp.zeros(tok.shape[1:] + (cfg.d_model,), cfg.dtype), all_axes)
   mc0 = jnp.clip(f_tab[0, stage], 0, m - 1)
-  (y0, part0), vj0, aux0 = jax.vjp(stage_fn, layers, jnp.where(first, x0[mc0], act0), pos[mc0],
-                                   counts, has_aux=True)
-  ring0, tree, weight = _drop_weights(vj0, layers)
+  (y0, part0), vj0, aux0 = jax.vjp(
+      lambda lp, pe, x: stage_fn(lp, pe, x, tok[mc0], pos[mc0], counts), layers, pe, act0,
+      has_aux=True)
+  ring0, tree, weight = _drop_weights(vj0, (layers, pe))
 
   def zeros_like(a, lead=(), also=(), dtype=None):   # zeros typed as `a` (varying also over
     return sharding.to_varying(jnp.zeros(lead + a.shape, dtype or a.dtype),   # `also`)
                                sharding.varying_axes(a) | set(also))
 
-  def run_forward(layers, x, pos_m):
-    out, vj, aux = jax.vjp(stage_fn, layers, x, pos_m, counts, has_aux=True)
-    kept, t, index = _drop_weights(vj, layers)
+  def run_forward(x, mc):
+    out, vj, aux = jax.vjp(lambda lp, pe, x: stage_fn(lp, pe, x, tok[mc], pos[mc], counts),
+                           layers, pe, x, has_aux=True)
+    kept, t, index = _drop_weights(vj, (layers, pe))
     assert index == weight and t.num_leaves == tree.num_leaves, \
         "a stage's residuals changed structure between traces"
     return out, kept, aux
 
-  def run_backward(layers, ring, dy):
-    vj = _with_weights(ring, tree, weight, layers)
+  def run_backward(ring, dy):
+    vj = _with_weights(ring, tree, weight, (layers, pe))
     one = vary(jnp.ones((), jnp.float32), part0)
-    return vj((vary(dy.astype(y0.dtype), y0), one))[:2]            # d layers, dx
+    return vj((vary(dy.astype(y0.dtype), y0), one))               # d layers, d prefix, dx
 
   fwd_pairs = [(i, i + 1) for i in range(n_stage - 1)]
   bwd_pairs = [(i + 1, i) for i in range(n_stage - 1)]
-  put = lambda buf, i, v, ok: jax.lax.dynamic_update_index_in_dim(
-      buf, jnp.where(ok, v, jax.lax.dynamic_index_in_dim(buf, i, keepdims=False)), i, 0)
-  masked_add = lambda acc, v, ok: jax.tree.map(
-      lambda a, b: a + jnp.where(ok, b.astype(a.dtype), 0), acc, v)
+  ticks = len(table["F"])
+  nbr = lambda tab, t, d: tab[t, jnp.clip(stage + d, 0, n_stage - 1)]   # a neighbour's entry
+  upd = lambda buf, i, v: jax.lax.dynamic_update_index_in_dim(buf, v, i, 0)
+  add = lambda acc, v: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, v)
 
-  def forward_phase(c, t, send):
-    i = f_tab[t, stage]
-    ok, mc = i >= 0, jnp.clip(i, 0, m - 1)
-    x = jnp.where(first, x0[mc], c["recv"])                         # [b/M, S, D]
-    (y, part), res, (st, aux, z) = run_forward(layers, x, pos[mc])
-    c["ring"] = [put(buf, mc % r, v, ok) for buf, v in zip(c["ring"], res)]
+  def forward(c, x, mc):                      # the stage's forward on microbatch mc
+    (y, part), res, (st, aux, z) = run_forward(x, mc)
+    c["ring"] = [upd(buf, mc % r, v) for buf, v in zip(c["ring"], res)]
+
     # the last stage ends the forward here: the head's loss, its gradients, and d(loss)/dy
-    # (a conditional: the other stages skip the head's matmuls)
-    hit = ok & last
-    head_vg = lambda y, t: jax.value_and_grad(head, argnums=(0, 1))(ph, y, t)
-    ce, (d_ph, dy) = jax.lax.cond(
-        hit, head_vg, lambda y, t: jax.tree.map(jnp.zeros_like, head_vg(y, t)), y, tgt[mc])
-    c["dy"] = put(c["dy"], mc % r, dy, hit)
-    c["g_head"] = masked_add(c["g_head"], d_ph, hit)
-    c["stats"] = masked_add(c["stats"], {"ce": ce * hit, "aux": aux, "z": z,
-                                         "dropped": st["dropped"], "counts": st["counts"]}, ok)
-    if send:
-      with jax.named_scope("stage_permute"):
-        c["recv"] = jax.lax.ppermute(y, STAGE, fwd_pairs)
-    return c
+    def head_step(dys, g):
+      ce, (d_ph, dy) = jax.value_and_grad(head, argnums=(0, 1))(ph, y, tgt[mc])
+      return upd(dys, mc % r, dy.astype(dys.dtype)), add(g, d_ph), ce
+    c["dy"], c["g_head"], ce = jax.lax.cond(last, head_step, lambda dys, g: (dys, g, ce0),
+                                            c["dy"], c["g_head"])
+    c["stats"] = add(c["stats"], {"ce": ce, "aux": aux, "z": z, "dropped": st["dropped"],
+                                  "counts": st["counts"]})
+    return c, y
 
-  def backward_phase(c, t, send):
-    i = b_tab[t, stage]
-    ok, mc = i >= 0, jnp.clip(i, 0, m - 1)
+  def backward(c, dy, mc):                    # the stage's vjp on microbatch mc
     ring = [jax.lax.dynamic_index_in_dim(buf, mc % r, keepdims=False) for buf in c["ring"]]
-    dy = jnp.where(last, jax.lax.dynamic_index_in_dim(c["dy"], mc % r, keepdims=False),
-                   c["recv_ct"])
-    d_layers, dx = run_backward(layers, ring, dy)
-    c["g_layers"] = masked_add(c["g_layers"], d_layers, ok)
-    c["dx0"] = put(c["dx0"], mc, dx.astype(c["dx0"].dtype), ok & first)
-    if send:
-      with jax.named_scope("stage_permute"):
-        c["recv_ct"] = jax.lax.ppermute(dx, STAGE, bwd_pairs)
-    return c
+    d_layers, d_pe, dx = run_backward(ring, dy)
+    c["g_layers"], c["g_pre"] = add(c["g_layers"], d_layers), add(c["g_pre"], d_pe)
+    return c, dx
 
-  act = zeros_like(y0)
+  # a phase runs only where the table has an entry for this stage (a conditional: a tick costs
+  # the longer of the stages' phases, not both). hlo.py counts a collective inside a
+  # conditional at every run of it, unless the scope says how often its branch is taken
+  # (measure/hlo.py TAKEN): each stage takes its forward (backward) branch M times in `ticks`.
+  taken = jax.named_scope(f"pp_phase.taken_{m}_of_{ticks}")
+
+  def tick(c, t):
+    i = f_tab[t, stage]
+    mc = jnp.clip(i, 0, m - 1)
+    keys = ("ring", "dy", "g_head", "stats")
+    with taken:
+      sub, y = jax.lax.cond(i >= 0, forward, lambda c, x, mc: (c, act),
+                            {k: c[k] for k in keys}, c["recv"], mc)
+    c.update(sub)
+    i = b_tab[t, stage]
+    mc = jnp.clip(i, 0, m - 1)
+    dy = jnp.where(last, jax.lax.dynamic_index_in_dim(c["dy"], mc % r, keepdims=False),
+                   c["recv_ct"])                                    # [b/M, S, D]
+    keys = ("ring", "g_layers", "g_pre")
+    with taken:
+      sub, dx = jax.lax.cond(i >= 0, backward, lambda c, dy, mc: (c, act),
+                             {k: c[k] for k in keys}, dy, mc)
+    c.update(sub)
+    # each inbox keeps its last delivery until the next (a stage may read it ticks later)
+    with jax.named_scope("stage_permute"):
+      got = jax.lax.ppermute(y, STAGE, fwd_pairs)
+    c["recv"] = jnp.where((stage > 0) & (nbr(f_tab, t, -1) >= 0), got, c["recv"])
+    with jax.named_scope("stage_permute"):
+      got = jax.lax.ppermute(dx, STAGE, bwd_pairs)
+    c["recv_ct"] = jnp.where(~last & (nbr(b_tab, t, 1) >= 0), got, c["recv_ct"])
+    return c, None
+
+  act, ce0 = zeros_like(y0), vary(jnp.zeros((), jnp.float32), y0)
   carry = {
       "recv": act, "recv_ct": act,
       "ring": [zeros_like(a, (r,), also=(STAGE,)) for a in ring0],
       "dy": zeros_like(y0, (r,)),
-      "dx0": zeros_like(x0),
       "g_layers": jax.tree.map(lambda a: zeros_like(a, dtype=jnp.float32), layers),
       "g_head": jax.tree.map(lambda a: zeros_like(a, dtype=jnp.float32), ph),
-      "stats": {"ce": vary(jnp.zeros((), jnp.float32), act),
+      "g_pre": jax.tree.map(lambda a: zeros_like(a, dtype=jnp.float32), pe),
+      "stats": {"ce": ce0,
                 **{k: zeros_like(v, also=(STAGE,)) for k, v in zip(("aux", "z"), aux0[1:])},
                 **{k: zeros_like(aux0[0][k], also=(STAGE,)) for k in ("dropped", "counts")}}}
-  # consecutive ticks of one kind (forward only, both, backward only) share one scan
-  for kind, ticks in _runs(table):
-    def tick(c, t, kind=kind):
-      if kind[0]:
-        c = forward_phase(c, t, kind[2])
-      if kind[1]:
-        c = backward_phase(c, t, kind[3])
-      return c, None
-    carry, _ = jax.lax.scan(tick, carry, jnp.asarray(ticks))
+  carry, _ = jax.lax.scan(tick, carry, jnp.arange(ticks))
 
-  (d_prefix,) = prefix_vjp(carry["dx0"])
-  grads = {**jax.tree.map(lambda a: a.astype(jnp.float32), d_prefix), **carry["g_head"],
-           "layers": carry["g_layers"]}
+  grads = {**carry["g_pre"], **carry["g_head"], "layers": carry["g_layers"]}
   def reduce(g, a, axes, spec):               # scattered where split, summed where replicated
     g = g if f32_sum else g.astype(cfg.dtype)
     dim, split = _split_dim(spec)
@@ -886,30 +919,12 @@ def _with_weights(kept, tree, index, layers):
                                    for i in range(tree.num_leaves)])
 
 
-def _runs(table) -> list:
-  """[((forward, backward, send forward, send backward), [ticks])]: the table's ticks grouped
-  into runs of one kind. The last tick with a forward (backward) sends nothing: no stage reads
-  it."""
-  has = [(bool((f >= 0).any()), bool((b >= 0).any())) for f, b in zip(table["F"], table["B"])]
-  last = [max((t for t, h in enumerate(has) if h[i]), default=-1) for i in (0, 1)]
-  out = []
-  for t, (f, b) in enumerate(has):
-    k = (f, b, f and t != last[0], b and t != last[1])
-    if out and out[-1][0] == k:
-      out[-1][1].append(t)
-    elif f or b:
-      out.append((k, [t]))
-  return out
-
-
 def permutes(name: str, table: dict) -> tuple[int, int]:
   """(forward, backward) collective-permutes over stage per step, each of one microbatch's
-  [b/M, S, D]: gpipe's autodiff sends at every one of the M+P-1 ticks each way; a table run by
-  `_run_table` sends after every forward (backward) phase but the last."""
-  runs = _runs(table)
-  if name in ("gpipe", "interleaved"):
-    return tuple(sum(len(t) for k, t in runs if k[i]) for i in (0, 1))
-  return tuple(sum(len(t) for k, t in runs if k[2 + i]) for i in (0, 1))
+  [b/M, S, D]: gpipe's (interleaved's) autodiff sends at every one of its forward ticks, and
+  at every tick of its reverse; `_run_table` sends both ways at every tick of the table."""
+  ticks = len(table["F"])
+  return (ticks // 2,) * 2 if name in ("gpipe", "interleaved") else (ticks,) * 2
 
 
 def activation_shardings(cfg, mesh, opts):
@@ -930,8 +945,11 @@ def counts_pre_pass(cfg, opts) -> bool:
 def cost(cfg, mesh, opts):
   """Per-device collective bytes per step (measure/cost.py; the docstring's schedule)."""
   p, ep_size, v = mesh.shape[STAGE], mesh.shape[EXPERT], chunks(cfg)
-  # ticks, and the MoE rows a stage runs per tick (interleaved: one of its v chunks)
-  steps, local_layers = v * cfg.microbatches + p - 1, cfg.n_layer_slots // p // v
+  # the stage passes a device runs per step (gpipe, interleaved: every tick, a bubble tick's
+  # on zeros; 1f1b: its M table entries, the other ticks skip the phase), and the MoE rows a
+  # pass runs (interleaved: one of the stage's v chunks)
+  ticks, local_layers = v * cfg.microbatches + p - 1, cfg.n_layer_slots // p // v
+  steps = cfg.microbatches if opts.schedule == "1f1b" else ticks
   sends = permutes(opts.schedule, schedule(opts.schedule, p, cfg.microbatches, v))
   mb = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS) // cfg.microbatches
   act = mb * cfg.seq_len * cfg.d_model * cost_lib.act_bytes(cfg)  # one [b/M, S, D]
@@ -958,9 +976,9 @@ def cost(cfg, mesh, opts):
          + term("all-reduce", "fwd", "CE sum", cost_lib.F32, AXES))
   if counts_pre_pass(cfg, opts):               # the GPipe forward time loop, once more
     out += (term("collective-permute", "fwd", "counts pre-pass: activations (its last tick's "
-                 "send, read by no stage, compiled away)", (steps - 1) * act, STAGE)
+                 "send, read by no stage, compiled away)", (ticks - 1) * act, STAGE)
             + term("all-to-all", "fwd", "counts pre-pass: buffers and counts",
-                   runs * (2 * buf + cfg.n_experts * 4), EXPERT)
+                   ticks * local_layers * (2 * buf + cfg.n_experts * 4), EXPERT)
             + term("all-reduce", "fwd", "counts pre-pass: the step's counts [L/P, E]",
                    local_layers * cfg.n_experts * cost_lib.F32, TOKENS))
   return out

@@ -1,5 +1,7 @@
 """Tests for measure.hlo on real compiled programs (8 simulated CPU devices)."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
@@ -90,6 +92,21 @@ def test_partitioner_collectives_and_compiled_stats(mesh):
   assert stats["collectives"]["all-gather"] == {                 # expert: 3/4 sent, data: 1/2
     "count": 2, "bytes": (128 + 256) * 4, "wire_bytes": 128 * 4 * 3 / 4 + 256 * 4 / 2}
   assert stats["collectives_by_axes"][("all-gather", frozenset({"data"}))]["count"] == 1
+
+
+@pytest.mark.parametrize("scope,ticks,count", [(None, 4, 4), ("phase.taken_1_of_3", 3, 1)])
+def test_a_conditional_branch_counts_at_every_run_or_its_taken_share(mesh, scope, ticks, count):
+  """A psum inside a conditional inside a loop: counted at every run of the conditional (an
+  upper bound: the branch runs once here), or at the share its TAKEN scope declares. (The two
+  programs differ in more than metadata: the persistent compilation cache keys them without
+  it.)"""
+  def body(x):
+    def tick(c, t):
+      run = lambda c: jax.lax.pcast(jax.lax.psum(c, "expert"), ("expert",), to="varying")
+      with jax.named_scope(scope) if scope else contextlib.nullcontext():
+        return jax.lax.cond(t == 1, run, lambda c: c, c), None
+    return jax.lax.scan(tick, x, jnp.arange(ticks))[0]
+  assert hlo.collective_stats(_shard_map_hlo(mesh, body))["all-reduce"]["count"] == count
 
 
 # ---------------------------------------------------------------------------
