@@ -19,7 +19,8 @@ Run from the repo root:  python bench/pipeline_memory.py [--quick]  (--quick: st
 
 --interleaved: gpipe against interleaved (v = 2) instead, two MoE layers per stage (one per chunk),
 M = P and 4P, beside the formula: interleaved keeps (v*M+P-1)/v ticks of a stage's residuals
-where gpipe keeps M+P-1, the ratio of the activation shares (v*M+P-1) / (v*(M+P-1)).
+where gpipe keeps M+P-1, the ratio of the activation shares (v*M+P-1) / (v*(M+P-1)); and 1f1b
+plain and interleaved (v = 2) on the same shapes.
 """
 import os
 import sys
@@ -37,28 +38,31 @@ SHAPES = {"mixtral-8x7b": {}, "deepseek-v3": dict(first_k_dense_replace=0, n_exp
                                                   n_group=1, topk_group=1)}
 
 
-def temp_gib(model: str, mesh_spec: str, m: int, schedule: str, per_stage: int = 1) -> float:
+def temp_gib(model: str, mesh_spec: str, m: int, schedule: str, per_stage: int = 1,
+             v: int = 1) -> float:
   shape = mesh_lib.parse_mesh_spec(mesh_spec)
   p, ep = shape["stage"], shape["expert"]
   cfg = get_config(model, n_layers=per_stage * p, seq_len=4096, batch=m * ep, microbatches=m,
                    dtype="bfloat16", vocab=32000, **SHAPES[model])
   mesh = mesh_lib.for_strategy(PP, mesh_spec)
-  opts = PP.Options(schedule=schedule, virtual_stages=2 if schedule == "interleaved" else 1)
+  opts = PP.Options(schedule=schedule, virtual_stages=2 if schedule == "interleaved" else v)
   cfg = PP.stored_config(cfg, mesh, opts)
   job = train.build(PP, cfg, mesh, opts, compile_only=True)
   return job.compiled.memory_analysis().temp_size_in_bytes / 2**30
 
 
 def interleaved(meshes):
-  print("| model | mesh | M | gpipe temp GiB | interleaved v=2 temp GiB | ratio | formula (vM+P-1)/(v(M+P-1)) |")
-  print("|---|---|---|---|---|---|---|")
+  print("| model | mesh | M | gpipe temp GiB | interleaved v=2 temp GiB | ratio | formula "
+        "(vM+P-1)/(v(M+P-1)) | 1f1b temp GiB | interleaved 1F1B v=2 temp GiB |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for model in SHAPES:
     for mesh_spec in meshes:
       p = int(mesh_spec.split(",")[0].split(":")[1])
       for m in (p, 4 * p):
         g, i = (temp_gib(model, mesh_spec, m, s, per_stage=2) for s in ("gpipe", "interleaved"))
+        o, oi = (temp_gib(model, mesh_spec, m, "1f1b", per_stage=2, v=v) for v in (1, 2))
         print(f"| {model} | {mesh_spec} | {m} | {g:.2f} | {i:.2f} | {i / g:.2f} | "
-              f"{(2 * m + p - 1) / (2 * (m + p - 1)):.2f} |", flush=True)
+              f"{(2 * m + p - 1) / (2 * (m + p - 1)):.2f} | {o:.2f} | {oi:.2f} |", flush=True)
 
 
 def main(quick: bool):

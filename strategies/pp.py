@@ -91,6 +91,20 @@ M >= P keeps it under 1/2; any M >= 1 is correct). The two differ in memory and 
     each weight is replicated on. The head (final norm, unembed, CE) runs in the last stage's
     forward phase only (a conditional), with its own backward at once: no residuals kept, the
     last stage's d(loss)/d(output) is stored per microbatch instead.
+1f1b with --opt=virtual_stages=v > 1 (Megatron's interleaved 1F1B): the stack stored as
+interleaved's below (v chunks per stage, round-robin), one chunk per phase. Each stage walks
+Megatron's task order (microbatches in rounds of P, chunk by chunk; its (P-s-1)*2 + (v-1)*P
+warm-up forwards, then one forward and one backward in turn) and runs its next task at the
+first tick its input has arrived (`_one_f_one_b`). A send may wait ticks for its reader: each
+direction has an inbox of slots, and the table names the slot each send is kept in and each
+read comes from, and the ring slot of each chunk's residuals. P = 2, M = 4, v = 2 (F<m><chunk>):
+  tick     0   1   2   3   4   5   6   7   8   9   10  11  12  13  14  15  16  17
+  stage 0  F0a F1a F0b F1b F2a B0b F3a B1b F2b B0a F3b B1a .   B2b .   B3b B2a B3a
+  stage 1  .   F0a F1a F0b B0b F1b B1b F2a B0a F3a B1a F2b B2b F3b B3b B2a B3a .
+  The ring holds up to 2(P-1) + (v-1)P + 1 chunks' residuals (5 here), ((v+1)P-1)/v of a
+  stage's microbatches against plain 1f1b's P; the bubble shrinks to about (P-1)/v plain ticks
+  (P = 4, M = 16, v = 2: 70 ticks of 1/2 against 38) for v times the permutes, each the same
+  [b/M, S, D].
 interleaved (--opt=schedule=interleaved,virtual_stages=v): each stage holds v chunks of the MoE
 stack, placed round-robin (Megatron's virtual pipeline): with the layout's P x v groups (the
 balanced layout when --layer_layout is not given; pp.stored_config sets it), stage s holds
@@ -128,14 +142,14 @@ the sum. The bias update's counts are summed after the step either way.
 Collectives per step (x = expert; T_mb = b/M*S tokens per device per microbatch):
   forward : 1. collective-permute over stage of the activation [b/M, S, D], every time step
                (gpipe: M+P-1 of them, the sends of bubble steps carry zeros; 1f1b: at every
-               tick, 2(M+P-1), `permutes`; interleaved: v*M+P-1, round the ring, stage P-1
-               sending to stage 0 too)
-            2. per stage pass (gpipe, interleaved: every tick; 1f1b: the stage's M forwards)
-               and local layer, moe_body: all-to-all over x of the counts [EP, e]
+               tick of its table, 2(M+P-1) for v = 1, `permutes`; interleaved: v*M+P-1, round
+               the ring, stage P-1 sending to stage 0 too, as interleaved 1F1B's)
+            2. per stage pass (gpipe, interleaved: every tick; 1f1b: the stage's M*v chunk
+               forwards) and local layer, moe_body: all-to-all over x of the counts [EP, e]
                and of the send buffer [EP, C, D] (C = ep.py's bound for b/M sequences), and of
                the expert outputs; all-reduce over (data, x) of the router statistics
   backward: 3. collective-permute over stage of the activation cotangents, M+P-1 steps (1f1b:
-               2(M+P-1); interleaved: v*M+P-1)
+               its table's ticks; interleaved: v*M+P-1)
             4. the all-to-all transposes; weight grads once after the loop: the matrices
                reduce-scattered over data (embed, unembed: over (stage, data)), then the shard
                all-reduced over x (a layer's, embed, unembed) or (stage, x) (the dense
@@ -165,7 +179,8 @@ the bubble small. Cost: the bubble, and P-1 idle stages during warm-up and drain
 (M+P-1)/M x the activation memory, 1f1b min(M, P)/M for up to 4/3 the time (pick 1f1b when
 gpipe's activations do not fit); interleaved
 cuts the bubble to (P-1)/(v*M+P-1) for v x the permutes (pick it when the bubble dominates
-and the stage boundary's link is fast).
+and the stage boundary's link is fast); interleaved 1F1B (1f1b with virtual_stages) does both,
+holding ((v+1)P-1)/v microbatches' activations.
 
   python run.py --strategy=pp --mesh=stage:2,expert:4 --microbatches=4 --steps=3
   python run.py --strategy=pp --mesh=stage:4,data:2 --layers=4 --microbatches=8 --steps=3
@@ -208,12 +223,14 @@ class Options:
                                  "microbatches in flight (1f1b, explicit vjp per stage), or "
                                  "gpipe's order over "
                                  "virtual_stages chunks per stage placed round-robin "
-                                 "(interleaved)")
-  virtual_stages: int = options.integer(1, "interleaved: layer chunks per stage (v)", lo=1)
+                                 "(interleaved; 1f1b with virtual_stages > 1 is Megatron's "
+                                 "interleaved 1F1B)")
+  virtual_stages: int = options.integer(1, "interleaved, 1f1b: layer chunks per stage (v)", lo=1)
 
 
 ONE_F = Options(schedule="1f1b")
 INTERLEAVED = Options(schedule="interleaved", virtual_stages=2)
+ONE_F_INTERLEAVED = Options(schedule="1f1b", virtual_stages=2)
 TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               Case("tiny", "stage:4,data:2", dict(n_layers=4, batch=16, microbatches=8)),
               # two dense layers before the pipeline: 2 MoE layers, 1 per stage, not n_layers / 2
@@ -247,8 +264,14 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               # 4 stages, M = 8
               Case("tiny", "stage:4,data:2",
                    dict(n_layers=8, batch=16, microbatches=8, layer_layout="1,1,1,1,1,1,1,1",
-                        layer_stages=4), INTERLEAVED)]
-COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7] + TEST_CASES[8:10]
+                        layer_stages=4), INTERLEAVED),
+              # interleaved 1F1B: the prefix in stage 0's first chunk, chunks of 2, 1, 1, 1
+              # padded, drops, the batch-wise loss's counts pre-pass cut per chunk
+              Case("deepseek-test", "stage:2,data:2,expert:2",
+                   dict(n_layers=6, layer_layout="2,1,1,1", layer_stages=2, batch=16,
+                        microbatches=4, capacity_factor=1.0, aux_loss_kind="batch"),
+                   ONE_F_INTERLEAVED)]
+COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7] + TEST_CASES[8:]
 BAD_INPUT = [
     BadInput(dict(n_layers=3), "stage:2,expert:4", Options(),
              "n_layers=3 is not divisible by mesh axis stage=2"),
@@ -273,7 +296,7 @@ def stored_config(cfg, mesh, opts):
   P x v group layout on stage j mod P (layer_stages = P; the layout balanced_layout's when
   --layer_layout is not given). Every other schedule: cfg as given."""
   p = mesh.shape[STAGE]
-  if opts.schedule != "interleaved" or cfg.layer_stages or p < 2:    # (check refuses p < 2)
+  if not _round_robin(opts) or cfg.layer_stages or p < 2:          # (check refuses p < 2)
     return cfg
   groups = p * opts.virtual_stages
   if not cfg.layer_layout and cfg.n_moe_layers < groups:
@@ -283,14 +306,20 @@ def stored_config(cfg, mesh, opts):
   return cfg.replace(layer_layout=layout, layer_stages=p).validate()
 
 
+def _round_robin(opts) -> bool:
+  """The stack stored as v chunks per stage: interleaved, or 1f1b with virtual_stages > 1."""
+  return opts.schedule == "interleaved" or (opts.schedule == "1f1b" and opts.virtual_stages > 1)
+
+
 def check(cfg, mesh, opts):
   p, v = mesh.shape[STAGE], opts.virtual_stages
-  if opts.schedule != "interleaved" and v != 1:
+  if opts.schedule == "gpipe" and v != 1:
     raise ConfigError(f"--opt=virtual_stages={v} is the interleaved schedule's; "
                       f"schedule={opts.schedule} runs one chunk per stage")
-  if opts.schedule == "interleaved":
+  if _round_robin(opts):
     if p < 2:
-      raise ConfigError("interleaved needs mesh axis stage >= 2 (one stage: gpipe's loop)")
+      raise ConfigError(f"{opts.schedule} with virtual stages needs mesh axis stage >= 2 (one "
+                        f"stage: gpipe's loop)")
     groups = len(cfg.layer_groups) if cfg.layer_layout else 0
     if cfg.layer_stages != p or groups != p * v:
       raise ConfigError(f"interleaved on stage={p} with virtual_stages={v} stores {p * v} layer "
@@ -303,7 +332,7 @@ def check(cfg, mesh, opts):
   elif cfg.layer_stages:
     raise ConfigError(f"layer_stages={cfg.layer_stages} stores the layers for the interleaved "
                       f"schedule; schedule={opts.schedule} holds one group per stage")
-  if cfg.layer_layout and opts.schedule != "interleaved":   # one group of the stack per stage
+  if cfg.layer_layout and not _round_robin(opts):          # one group of the stack per stage
     groups = len(cfg.layer_groups)
     if groups != mesh.shape[STAGE]:
       raise ConfigError(f"layer_layout={cfg.layer_layout} has {groups} groups, mesh axis "
@@ -593,18 +622,86 @@ def schedule(name: str, n_stage: int, m: int, v: int = 1) -> dict:
     out = {"F": np.concatenate([fwd, none]), "B": np.concatenate([none, fwd[::-1]])}
     return out if name == "gpipe" else {**out, "C": np.concatenate([chunk, chunk[::-1]])}
   if name == "1f1b":
-    fwd, bwd = np.full((2 * (m + p - 1), p), -1), np.full((2 * (m + p - 1), p), -1)
-    for st in range(p):
-      for i in range(m):
-        fwd[st + i if i < p - st else 2 * i + st, st] = i
-        bwd[2 * p - 1 - st + 2 * i, st] = i
-    return {"F": fwd, "B": bwd}
+    return _one_f_one_b(p, m, v)
   raise ValueError(f"unknown schedule {name!r}")
+
+
+def _one_f_one_b(p: int, m: int, v: int) -> dict:
+  """Megatron's 1F1B (v = 1) or interleaved 1F1B (v chunks per stage), in lockstep: each stage
+  walks its task list (its warm-up forwards, then one forward and one backward in turn, then
+  the remaining backwards; Megatron's order and warm-up counts) and runs its next task at the
+  first tick whose input arrived before it. Chunk order, v > 1: microbatches in rounds of P,
+  chunk by chunk within a round (backwards with the chunks reversed). -> the F / B table with
+  "CF" / "CB" (the chunk an entry runs), "RF" / "RB" (the ring slot its residuals go to / come
+  from), "XF" / "XB" (the inbox slot its input is read from; -1: stage 0's first chunk reads the
+  tokens, the last stage's last chunk its head's d(loss)/dy), "AF" / "AB" (the inbox slot the
+  neighbour's send of that tick is kept in; -1: nothing this stage reads)."""
+  if v > 1:
+    rounds = [(g * p + i, r) for g in range(m // p) for r in range(v) for i in range(p)]
+    back = [(g * p + i, r) for g in range(m // p) for r in reversed(range(v)) for i in range(p)]
+  else:
+    rounds = back = [(i, 0) for i in range(m)]
+  tasks = []
+  for s in range(p):
+    warm = min((p - s - 1) * 2 + (v - 1) * p if v > 1 else p - s - 1, m * v)
+    seq = [("F",) + x for x in rounds[:warm]]
+    for j in range(m * v - warm):
+      seq += [("F",) + rounds[warm + j], ("B",) + back[j]]
+    tasks.append(seq + [("B",) + x for x in back[m * v - warm:]])
+
+  def needs(k, i, r, s):                       # the task whose output this one reads
+    if k == "F":
+      return ("F", i, r, s - 1) if s > 0 else ("F", i, r - 1, p - 1) if r > 0 else None
+    return (("B", i, r, s + 1) if s < p - 1 else ("B", i, r + 1, 0) if r < v - 1
+            else ("F", i, r, s))
+
+  done, at, rows = {}, [0] * p, []
+  while any(at[s] < len(tasks[s]) for s in range(p)):
+    assert len(rows) < 4 * (m * v + p) * v, ("the lockstep walk stalled", p, m, v)
+    t = len(rows)
+    ready = lambda task, s: needs(*task, s) is None or done.get(needs(*task, s), t) < t
+    row = [tasks[s][at[s]] if at[s] < len(tasks[s]) and ready(tasks[s][at[s]], s) else None
+           for s in range(p)]
+    for s, task in enumerate(row):
+      if task:
+        done[task + (s,)], at[s] = t, at[s] + 1
+    rows.append(row)
+  n = len(rows)
+  out = {k: np.full((n, p), -1) for k in ("F", "B", "CF", "CB", "RF", "RB", "XF", "XB", "AF",
+                                          "AB")}
+  for t, row in enumerate(rows):
+    for s, task in enumerate(row):
+      if task:
+        out[task[0]][t, s], out["C" + task[0]][t, s] = task[1], task[2]
+  lowest = lambda used: min(set(range(len(used) + 1)) - set(used.values()))
+  for s in range(p):
+    ring = {}                                  # (microbatch, chunk) -> slot, forward to backward
+    for t in range(n):
+      if out["F"][t, s] >= 0:
+        out["RF"][t, s] = ring[out["F"][t, s], out["CF"][t, s]] = lowest(ring)
+      if out["B"][t, s] >= 0:
+        out["RB"][t, s] = ring.pop((out["B"][t, s], out["CB"][t, s]))
+    for k, step in (("F", -1), ("B", 1)):      # inboxes: a read frees, an arrival takes a slot
+      box, src = {}, (s + step) % p
+      for t in range(n):
+        i, r = out[k][t, s], out["C" + k][t, s]
+        dep = needs(k, i, r, s) if i >= 0 else None
+        if dep is not None and dep[3] != s:    # read what the neighbour sent
+          out["X" + k][t, s] = box.pop((i, r))
+        i, r = out[k][t, src], out["C" + k][t, src]
+        for reader in ((i, r), (i, r - step)) if i >= 0 and src != s else ():
+          if 0 <= reader[1] < v and needs(k, *reader, s) == (k, i, r, src):
+            out["A" + k][t, s] = box[reader] = lowest(box)
+      assert not box, ("an arrival nobody reads", s, k, box)
+  return out
 
 
 def in_flight(table: dict) -> int:
   """The most microbatches any stage holds residuals for: forward run, backward not yet (the
-  residual ring's length). Counted after a tick's forward phase, before its backward phase."""
+  residual ring's length). Counted after a tick's forward phase, before its backward phase.
+  A 1f1b table: its ring slots (of one chunk's residuals each, v > 1)."""
+  if "RF" in table:
+    return int(table["RF"].max()) + 1
   worst = 0
   for s in range(table["F"].shape[1]):
     live = set()
@@ -625,6 +722,8 @@ def check_schedule(table: dict, m: int) -> None:
   chunk r-1 at stage P-1; the backward is the forward reversed, tick for tick."""
   fwd, bwd = table["F"], table["B"]
   p = fwd.shape[1]
+  if "RF" in table:
+    return _check_slots(table, m)
   if "C" in table:
     c = table["C"]
     half = len(fwd) // 2
@@ -672,15 +771,62 @@ def check_schedule(table: dict, m: int) -> None:
         assert live.pop(b % r) == b, ("ring slot lost", s, b)
 
 
+def _check_slots(table: dict, m: int) -> None:
+  """A 1f1b table run with its slots: every stage runs every (microbatch, chunk)'s forward and
+  backward once, at most one phase a tick; replayed tick by tick, each read finds in its inbox
+  slot what the neighbour sent for it at an earlier tick (kept, not overwritten), each
+  backward finds its forward's residuals in its ring slot, the last stage's last chunk runs
+  its backward after its forward, and nothing is left over."""
+  p, n, v = table["F"].shape[1], len(table["F"]), int(table["CF"].max()) + 1
+  get = lambda k, t, s: (int(table[k][t, s]), int(table["C" + k][t, s]))
+  want = sorted((i, r) for i in range(m) for r in range(v))
+  for s in range(p):
+    for k in ("F", "B"):
+      assert sorted(get(k, t, s) for t in range(n) if table[k][t, s] >= 0) == want, (k, s)
+    assert not ((table["F"][:, s] >= 0) & (table["B"][:, s] >= 0)).any(), ("two phases", s)
+  ring = [{} for _ in range(p)]
+  box = {(k, s): {} for k in ("F", "B") for s in range(p)}
+  ran = set()
+  for t in range(n):
+    for s in range(p):
+      for k in ("F", "B"):
+        i, r = get(k, t, s)
+        if i < 0:
+          continue
+        first_in = k == "F" and s == 0 and r == 0
+        from_head = k == "B" and s == p - 1 and r == v - 1
+        if first_in or from_head:
+          assert table["X" + k][t, s] < 0, ("reads an inbox", k, t, s)
+          assert not from_head or ("F", i, r, s) in ran, ("backward before forward", i, t)
+        else:
+          got = box[k, s].pop(int(table["X" + k][t, s]), None)
+          assert got == (i, r), ("read the wrong send", k, t, s, got, (i, r))
+        if k == "F":
+          assert int(table["RF"][t, s]) not in ring[s], ("ring slot reused while live", t, s)
+          ring[s][int(table["RF"][t, s])] = (i, r)
+        else:
+          assert ring[s].pop(int(table["RB"][t, s]), None) == (i, r), ("ring slot lost", t, s)
+        ran.add((k, i, r, s))
+    for s in range(p):                         # the tick's sends arrive
+      for k, src, hop in (("F", (s - 1) % p, s == 0), ("B", (s + 1) % p, s == p - 1)):
+        slot, (i, r) = int(table["A" + k][t, s]), get(k, t, src)
+        if slot >= 0:
+          assert i >= 0 and slot not in box[k, s], ("an arrival overwrites", k, t, s)
+          box[k, s][slot] = (i, r + (1 if k == "F" else -1) * hop)
+  assert not any(ring) and not any(box.values()), "residuals or sends left over"
+
+
 def diagram(table: dict) -> str:
   """The table as the docstring draws it: a row per stage, a column per tick, F<m> / B<m> /
   both / '.' (idle)."""
   fwd, bwd = table["F"], table["B"]
-  chunk = table.get("C", np.full(fwd.shape, -1))            # interleaved: chunk r as a letter
+  none = np.full(fwd.shape, -1)                             # chunk r as a letter, v > 1
+  cf, cb = (table.get(k, table.get("C", none)) for k in ("CF", "CB"))
+  cf, cb = (c if c.max() > 0 else none for c in (cf, cb))
   tag = lambda r: "abcdefghijklmnopqrstuvwxyz"[r] if r >= 0 else ""
-  cell = lambda f, b, r: ((f"F{f}{tag(r)}" if f >= 0 else "")
-                          + (f"B{b}{tag(r)}" if b >= 0 else "") or ".")
-  cells = [[cell(f, b, r) for f, b, r in zip(fwd[t], bwd[t], chunk[t])] for t in range(len(fwd))]
+  cell = lambda f, b, rf, rb: ((f"F{f}{tag(rf)}" if f >= 0 else "")
+                               + (f"B{b}{tag(rb)}" if b >= 0 else "") or ".")
+  cells = [[cell(*e) for e in zip(fwd[t], bwd[t], cf[t], cb[t])] for t in range(len(fwd))]
   width = max(len(c) for row in cells for c in row)
   head = "  tick     " + " ".join(str(t).ljust(width) for t in range(len(fwd)))
   rows = [f"  stage {s}  " + " ".join(cells[t][s].ljust(width) for t in range(len(fwd)))
@@ -696,7 +842,7 @@ def _scheduled_loss(params, batch, *, cfg, mesh, name):
   by the loss's cotangent. The primal alone (no gradient asked) is the GPipe forward."""
   specs, bspec = param_specs(cfg, mesh), batch_spec(cfg, mesh)
   keys = ("tokens", "targets", "positions")
-  table = schedule(name, mesh.shape[STAGE], cfg.microbatches)
+  table = schedule(name, mesh.shape[STAGE], cfg.microbatches, chunks(cfg))
   body = functools.partial(_run_table, specs=specs, cfg=cfg, n_stage=mesh.shape[STAGE],
                            ep_size=mesh.shape[EXPERT], table=table,
                            pre_pass=counts_pre_pass(cfg, Options(schedule=name)))
@@ -732,7 +878,6 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
   replicated on."""
   m, all_axes = cfg.microbatches, (STAGE,) + TOKENS
   n_tokens = cfg.batch * cfg.seq_len
-  r = in_flight(table)                        # <= m: only forwards run make residuals
   stage = jax.lax.axis_index(STAGE)
   first, last = stage == 0, stage == n_stage - 1
   split = lambda a: einops.rearrange(a, "(m mb) s -> m mb s", m=m)   # [M, b/M, S]
@@ -754,14 +899,24 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
                 unroll=True)[1]["counts"])
 
   mask = _stage_mask(cfg, n_stage)
+  v = chunks(cfg)                             # chunks per stage (interleaved 1F1B: v > 1)
+  per = cfg.n_layer_slots // n_stage // v     # a chunk's rows of the stage's stack
+  # chunk r's rows of a stage-stacked array (the layers, their mask, counts, stats); v = 1: all
+  cut = lambda a, r: a if v == 1 else jax.lax.dynamic_slice_in_dim(a, r * per, per)
+  into = lambda a, r, u: a + u if v == 1 else jax.lax.dynamic_update_slice_in_dim(
+      a, cut(a, r) + u.astype(a.dtype), r * per, 0)                 # add u into chunk r's rows
 
-  def stage_fn(lp, pe, x, tok_m, pos_m, cnt):  # [b/M, S, D] -> ([b/M, S, D], aux + z terms)
-    # stage 0 reads its microbatch's tokens through the embedding and the dense prefix, the
-    # other stages what s-1 sent (a conditional: only stage 0 runs the prefix)
-    x = jax.lax.cond(first, lambda pe, x: model.dense_prefix(pe["embed"][tok_m], pe, pos_m, cfg,
-                                                             model.Layout()),
+  def stage_fn(lp, pe, x, tok_m, pos_m, r):   # [b/M, S, D] -> ([b/M, S, D], aux + z terms)
+    # stage 0's first chunk reads its microbatch's tokens through the embedding and the dense
+    # prefix, every other chunk what the stage before sent (a conditional: only stage 0 runs
+    # the prefix)
+    x = jax.lax.cond(first & (r == 0),
+                     lambda pe, x: model.dense_prefix(pe["embed"][tok_m], pe, pos_m, cfg,
+                                                      model.Layout()),
                      lambda pe, x: x, pe, x)
-    y, st = model.moe_stack(x, lp, pos_m, cfg, lay, mask)          # st: {name: [L/P, ...]}
+    mk = None if mask is None else cut(mask, r)
+    y, st = model.moe_stack(x, lp, pos_m, cfg, lay, mk)            # st: {name: [rows/v, ...]}
+    cnt = None if counts is None else cut(counts, r)
     aux, z = routing.aux_losses(st if cnt is None else {**st, "counts": cnt}, n_tokens, cfg)
     part = cfg.aux_loss_coef * jnp.sum(aux) + cfg.z_loss_coef * jnp.sum(z)
     return (y, part), (st, aux, z)
@@ -774,106 +929,110 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
   pe = {k: pc[k] for k in ("embed", "dense_layers") if k in pc}
   ph = {k: pc[k] for k in ("final_norm", "unembed")}
   tok = split(tokens)                                               # [M, b/M, S]
+  tab = {k: jnp.asarray(a) for k, a in table.items()}
+  at = lambda k, t: tab[k][t, stage]                                # this stage's entry
 
   # the residuals' structure, from one traced (and unused: compiled away) vjp of a stage on
-  # inputs typed as the loop's: which leaves are the stage's weights (shared by every
+  # inputs typed as the loop's: which leaves are the chunk's weights (shared by every
   # microbatch, never copied) and which go into the ring
   vary = lambda a, like: sharding.to_varying(a, sharding.varying_axes(like))
-  f_tab, b_tab = jnp.asarray(table["F"]), jnp.asarray(table["B"])
   act0 = sharding.to_varying(jnp.zeros(tok.shape[1:] + (cfg.d_model,), cfg.dtype), all_axes)
-  mc0 = jnp.clip(f_tab[0, stage], 0, m - 1)
-  (y0, part0), vj0, aux0 = jax.vjp(
-      lambda lp, pe, x: stage_fn(lp, pe, x, tok[mc0], pos[mc0], counts), layers, pe, act0,
-      has_aux=True)
-  ring0, tree, weight = _drop_weights(vj0, (layers, pe))
+
+  def run_forward(x, mc, r):
+    lp = jax.tree.map(lambda a: cut(a, r), layers)
+    out, vj, aux = jax.vjp(lambda lp, pe, x: stage_fn(lp, pe, x, tok[mc], pos[mc], r),
+                           lp, pe, x, has_aux=True)
+    return (out,) + _drop_weights(vj, (lp, pe)) + (aux,)
+
+  (y0, part0), ring0, tree, weight, aux0 = run_forward(
+      act0, jnp.clip(at("F", 0), 0, m - 1), jnp.maximum(at("CF", 0), 0))
 
   def zeros_like(a, lead=(), also=(), dtype=None):   # zeros typed as `a` (varying also over
     return sharding.to_varying(jnp.zeros(lead + a.shape, dtype or a.dtype),   # `also`)
                                sharding.varying_axes(a) | set(also))
 
-  def run_forward(x, mc):
-    out, vj, aux = jax.vjp(lambda lp, pe, x: stage_fn(lp, pe, x, tok[mc], pos[mc], counts),
-                           layers, pe, x, has_aux=True)
-    kept, t, index = _drop_weights(vj, (layers, pe))
-    assert index == weight and t.num_leaves == tree.num_leaves, \
-        "a stage's residuals changed structure between traces"
-    return out, kept, aux
-
-  def run_backward(ring, dy):
-    vj = _with_weights(ring, tree, weight, (layers, pe))
+  def run_backward(ring, dy, r):
+    lp = jax.tree.map(lambda a: cut(a, r), layers)                  # the chunk, cut again
+    vj = _with_weights(ring, tree, weight, (lp, pe))
     one = vary(jnp.ones((), jnp.float32), part0)
-    return vj((vary(dy.astype(y0.dtype), y0), one))               # d layers, d prefix, dx
+    return vj((vary(dy.astype(y0.dtype), y0), one))               # d chunk, d prefix, dx
 
-  fwd_pairs = [(i, i + 1) for i in range(n_stage - 1)]
-  bwd_pairs = [(i + 1, i) for i in range(n_stage - 1)]
+  # with v chunks the sends go round the ring: stage P-1's output feeds stage 0's next chunk
+  ring_pairs = v > 1
+  fwd_pairs = [(i, (i + 1) % n_stage) for i in range(n_stage - 1 + ring_pairs)]
+  bwd_pairs = [((i + 1) % n_stage, i) for i in range(n_stage - 1 + ring_pairs)]
   ticks = len(table["F"])
-  nbr = lambda tab, t, d: tab[t, jnp.clip(stage + d, 0, n_stage - 1)]   # a neighbour's entry
-  upd = lambda buf, i, v: jax.lax.dynamic_update_index_in_dim(buf, v, i, 0)
-  add = lambda acc, v: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, v)
+  upd = lambda buf, i, u: jax.lax.dynamic_update_index_in_dim(buf, u, i, 0)
+  get = lambda buf, i: jax.lax.dynamic_index_in_dim(buf, jnp.maximum(i, 0), keepdims=False)
+  add = lambda acc, u: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, u)
 
-  def forward(c, x, mc):                      # the stage's forward on microbatch mc
-    (y, part), res, (st, aux, z) = run_forward(x, mc)
-    c["ring"] = [upd(buf, mc % r, v) for buf, v in zip(c["ring"], res)]
+  def forward(c, x, mc, r, slot):             # chunk r of the stage on microbatch mc
+    (y, part), res, tree_f, weight_f, (st, aux, z) = run_forward(x, mc, r)
+    assert weight_f == weight and tree_f.num_leaves == tree.num_leaves, \
+        "a stage's residuals changed structure between traces"
+    c["ring"] = [upd(buf, slot, u) for buf, u in zip(c["ring"], res)]
 
-    # the last stage ends the forward here: the head's loss, its gradients, and d(loss)/dy
+    # the last stage's last chunk ends the forward: the head's loss, its gradients, d(loss)/dy
     def head_step(dys, g):
       ce, (d_ph, dy) = jax.value_and_grad(head, argnums=(0, 1))(ph, y, tgt[mc])
-      return upd(dys, mc % r, dy.astype(dys.dtype)), add(g, d_ph), ce
-    c["dy"], c["g_head"], ce = jax.lax.cond(last, head_step, lambda dys, g: (dys, g, ce0),
-                                            c["dy"], c["g_head"])
-    c["stats"] = add(c["stats"], {"ce": ce, "aux": aux, "z": z, "dropped": st["dropped"],
-                                  "counts": st["counts"]})
+      return upd(dys, slot, dy.astype(dys.dtype)), add(g, d_ph), ce
+    c["dy"], c["g_head"], ce = jax.lax.cond(last & (r == v - 1), head_step,
+                                            lambda dys, g: (dys, g, ce0), c["dy"], c["g_head"])
+    c["stats"] = {"ce": c["stats"]["ce"] + ce,
+                  **{k: into(c["stats"][k], r, u) for k, u in
+                     (("aux", aux), ("z", z), ("dropped", st["dropped"]),
+                      ("counts", st["counts"]))}}
     return c, y
 
-  def backward(c, dy, mc):                    # the stage's vjp on microbatch mc
-    ring = [jax.lax.dynamic_index_in_dim(buf, mc % r, keepdims=False) for buf in c["ring"]]
-    d_layers, d_pe, dx = run_backward(ring, dy)
-    c["g_layers"], c["g_pre"] = add(c["g_layers"], d_layers), add(c["g_pre"], d_pe)
+  def backward(c, dy, r, slot):               # chunk r's vjp from its ring slot
+    ring = [get(buf, slot) for buf in c["ring"]]
+    d_lp, d_pe, dx = run_backward(ring, dy, r)
+    c["g_layers"] = jax.tree.map(lambda g, d: into(g, r, d), c["g_layers"], d_lp)
+    c["g_pre"] = add(c["g_pre"], d_pe)
     return c, dx
 
   # a phase runs only where the table has an entry for this stage (a conditional: a tick costs
   # the longer of the stages' phases, not both). hlo.py counts a collective inside a
   # conditional at every run of it, unless the scope says how often its branch is taken
-  # (measure/hlo.py TAKEN): each stage takes its forward (backward) branch M times in `ticks`.
-  taken = jax.named_scope(f"pp_phase.taken_{m}_of_{ticks}")
+  # (measure/hlo.py TAKEN): each stage takes its forward (backward) branch M*v times in `ticks`.
+  taken = jax.named_scope(f"pp_phase.taken_{m * v}_of_{ticks}")
 
   def tick(c, t):
-    i = f_tab[t, stage]
-    mc = jnp.clip(i, 0, m - 1)
+    i, r = at("F", t), jnp.maximum(at("CF", t), 0)
     keys = ("ring", "dy", "g_head", "stats")
     with taken:
-      sub, y = jax.lax.cond(i >= 0, forward, lambda c, x, mc: (c, act),
-                            {k: c[k] for k in keys}, c["recv"], mc)
+      sub, y = jax.lax.cond(i >= 0, forward, lambda c, *_: (c, act), {k: c[k] for k in keys},
+                            get(c["recv"], at("XF", t)), jnp.clip(i, 0, m - 1), r,
+                            jnp.maximum(at("RF", t), 0))
     c.update(sub)
-    i = b_tab[t, stage]
-    mc = jnp.clip(i, 0, m - 1)
-    dy = jnp.where(last, jax.lax.dynamic_index_in_dim(c["dy"], mc % r, keepdims=False),
-                   c["recv_ct"])                                    # [b/M, S, D]
+    i, r, slot = at("B", t), jnp.maximum(at("CB", t), 0), jnp.maximum(at("RB", t), 0)
+    dy = jnp.where(at("XB", t) < 0, get(c["dy"], slot), get(c["recv_ct"], at("XB", t)))
     keys = ("ring", "g_layers", "g_pre")
     with taken:
-      sub, dx = jax.lax.cond(i >= 0, backward, lambda c, dy, mc: (c, act),
-                             {k: c[k] for k in keys}, dy, mc)
+      sub, dx = jax.lax.cond(i >= 0, backward, lambda c, *_: (c, act), {k: c[k] for k in keys},
+                             dy, r, slot)
     c.update(sub)
-    # each inbox keeps its last delivery until the next (a stage may read it ticks later)
-    with jax.named_scope("stage_permute"):
-      got = jax.lax.ppermute(y, STAGE, fwd_pairs)
-    c["recv"] = jnp.where((stage > 0) & (nbr(f_tab, t, -1) >= 0), got, c["recv"])
-    with jax.named_scope("stage_permute"):
-      got = jax.lax.ppermute(dx, STAGE, bwd_pairs)
-    c["recv_ct"] = jnp.where(~last & (nbr(b_tab, t, 1) >= 0), got, c["recv_ct"])
+    # the sends; each arrival is kept in the inbox slot the table gives it until its reader runs
+    for k, buf, u, pairs in (("AF", "recv", y, fwd_pairs), ("AB", "recv_ct", dx, bwd_pairs)):
+      with jax.named_scope("stage_permute"):
+        got = jax.lax.ppermute(u, STAGE, pairs)
+      c[buf] = jnp.where(at(k, t) >= 0, upd(c[buf], jnp.maximum(at(k, t), 0), got), c[buf])
     return c, None
 
   act, ce0 = zeros_like(y0), vary(jnp.zeros((), jnp.float32), y0)
+  rows = cfg.n_layer_slots // n_stage
+  stat = lambda a: zeros_like(a[0], (rows,), also=(STAGE,))       # [rows, ..] of [rows/v, ..]
   carry = {
-      "recv": act, "recv_ct": act,
-      "ring": [zeros_like(a, (r,), also=(STAGE,)) for a in ring0],
-      "dy": zeros_like(y0, (r,)),
+      "recv": zeros_like(y0, (int(table["AF"].max()) + 1,)),
+      "recv_ct": zeros_like(y0, (int(table["AB"].max()) + 1,)),
+      "ring": [zeros_like(a, (in_flight(table),), also=(STAGE,)) for a in ring0],
+      "dy": zeros_like(y0, (in_flight(table),)),
       "g_layers": jax.tree.map(lambda a: zeros_like(a, dtype=jnp.float32), layers),
       "g_head": jax.tree.map(lambda a: zeros_like(a, dtype=jnp.float32), ph),
       "g_pre": jax.tree.map(lambda a: zeros_like(a, dtype=jnp.float32), pe),
       "stats": {"ce": ce0,
-                **{k: zeros_like(v, also=(STAGE,)) for k, v in zip(("aux", "z"), aux0[1:])},
-                **{k: zeros_like(aux0[0][k], also=(STAGE,)) for k in ("dropped", "counts")}}}
+                **{k: stat(a) for k, a in zip(("aux", "z"), aux0[1:])},
+                **{k: stat(aux0[0][k]) for k in ("dropped", "counts")}}}
   carry, _ = jax.lax.scan(tick, carry, jnp.arange(ticks))
 
   grads = {**carry["g_pre"], **carry["g_head"], "layers": carry["g_layers"]}
@@ -949,7 +1108,7 @@ def cost(cfg, mesh, opts):
   # on zeros; 1f1b: its M table entries, the other ticks skip the phase), and the MoE rows a
   # pass runs (interleaved: one of the stage's v chunks)
   ticks, local_layers = v * cfg.microbatches + p - 1, cfg.n_layer_slots // p // v
-  steps = cfg.microbatches if opts.schedule == "1f1b" else ticks
+  steps = cfg.microbatches * v if opts.schedule == "1f1b" else ticks
   sends = permutes(opts.schedule, schedule(opts.schedule, p, cfg.microbatches, v))
   mb = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS) // cfg.microbatches
   act = mb * cfg.seq_len * cfg.d_model * cost_lib.act_bytes(cfg)  # one [b/M, S, D]
@@ -980,5 +1139,9 @@ def cost(cfg, mesh, opts):
             + term("all-to-all", "fwd", "counts pre-pass: buffers and counts",
                    ticks * local_layers * (2 * buf + cfg.n_experts * 4), EXPERT)
             + term("all-reduce", "fwd", "counts pre-pass: the step's counts [L/P, E]",
-                   local_layers * cfg.n_experts * cost_lib.F32, TOKENS))
+                   cfg.n_layer_slots // p * cfg.n_experts * cost_lib.F32, TOKENS))
+    if v > 1:                                  # run in chunks, each tick's counts stay
+      out += term("all-reduce", "fwd", "counts pre-pass: each tick's counts [E] per row "
+                  "(measured: with one chunk per stage XLA folds them away)",
+                  ticks * local_layers * cfg.n_experts * cost_lib.F32, TOKENS)
   return out

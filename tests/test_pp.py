@@ -96,6 +96,21 @@ def test_interleaved_tables_run_every_chunk_once_in_order():
         assert PP.permutes("interleaved", table) == (v * m + p - 1,) * 2
 
 
+def test_interleaved_1f1b_tables_run_every_chunk_once_in_order():
+  """1f1b with v = 2, 3 chunks per stage (Megatron's interleaved 1F1B), P = 2..5, M = P..4P:
+  every (microbatch, chunk) once per stage each way, one phase per stage and tick, each read
+  finds its send in its inbox slot and its residuals in its ring slot (check_schedule); fewer
+  than v times plain 1f1b's ticks, each 1/v of its (P = 4, M = 16, v = 2: 70 ticks of 1/2
+  against 38)."""
+  for p in range(2, 6):
+    for v in (2, 3):
+      for m in range(p, 4 * p + 1, p):
+        table = PP.schedule("1f1b", p, m, v)
+        PP.check_schedule(table, m)
+        assert len(table["F"]) < v * len(PP.schedule("1f1b", p, m)["F"]), (p, v, m)
+  assert len(PP.schedule("1f1b", 4, 16, 2)["F"]) == 70
+
+
 def test_check_schedule_refuses_broken_interleaved_tables():
   """The checker fails an interleaved table whose stage runs a chunk out of turn or drops one."""
   good = PP.schedule("interleaved", 2, 2, 2)
@@ -130,9 +145,11 @@ def test_docstring_draws_the_tables_it_runs():
   assert PP.diagram(PP.schedule("gpipe", 4, 4)) in PP.__doc__
   assert PP.diagram(PP.schedule("1f1b", 4, 8)) in PP.__doc__
   assert PP.diagram(PP.schedule("interleaved", 3, 3, 2)) in PP.__doc__
+  assert PP.diagram(PP.schedule("1f1b", 2, 4, 2)) in PP.__doc__
 
 
-@pytest.mark.parametrize("case", [c for c in PP.COST_CASES if c.opts in (PP.ONE_F, PP.INTERLEAVED)],
+@pytest.mark.parametrize("case", [c for c in PP.COST_CASES
+                                  if c.opts in (PP.ONE_F, PP.INTERLEAVED, PP.ONE_F_INTERLEAVED)],
                          ids=lambda c: f"{c.model}-{c.mesh}-{c.opts.schedule}")
 def test_scheduled_permutes_are_the_tables(case):
   """The compiled 1f1b or interleaved step's collective-permutes over stage: the table's sends
@@ -143,7 +160,7 @@ def test_scheduled_permutes_are_the_tables(case):
   got = hlo.collective_stats_by_axes(j.hlo, j.mesh)[("collective-permute", frozenset({"stage"}))]
   p, m, name = j.mesh.shape["stage"], cfg.microbatches, case.opts.schedule
   want = sum(PP.permutes(name, PP.schedule(name, p, m, PP.chunks(cfg))))
-  want += (m + p - 2) * PP.counts_pre_pass(cfg, case.opts)
+  want += (PP.chunks(cfg) * m + p - 2) * PP.counts_pre_pass(cfg, case.opts)
   b = cfg.batch // (j.mesh.shape["data"] * j.mesh.shape["expert"]) // m
   assert got["count"] == want
   assert got["bytes"] == want * b * cfg.seq_len * cfg.d_model * 4
