@@ -605,7 +605,8 @@ def schedule(name: str, n_stage: int, m: int, v: int = 1) -> dict:
   the activations' collective-permute to s+1) and one backward phase (then the cotangents' to
   s-1). gpipe: the M+P-1 forward ticks of the time loop, then its autodiff, the same loop
   reversed. 1f1b (Megatron's): stage s runs F(i) at tick s+i for i < P-s (its warm-up), F(i) at
-  2i+s after, B(i) at 2P-1-s+2i: one phase per stage and tick, 2(M+P-1) ticks.
+  2i+s after, B(i) at 2P-1-s+2i: one phase per stage and tick, 2(M+P-1) ticks; with v > 1,
+  Megatron's interleaved 1F1B; both with their chunk, ring and inbox slots (`_one_f_one_b`).
   interleaved (v chunks per stage; "C": [ticks, P], the chunk each entry runs): gpipe's order
   over v*M+P-1 ticks of one chunk each; stage s runs round g, chunk r, microbatch g*P + i at
   tick t = s + g*v*P + r*P + i, so chunk r of stage P-1 feeds chunk r+1 of stage 0 the next
@@ -867,13 +868,14 @@ def _scheduled_loss(params, batch, *, cfg, mesh, name):
 
 def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, table,
                pre_pass):
-  """One device: ((loss, metrics), grads) of its shards, running `table` (see `schedule`).
+  """One device: ((loss, metrics), grads) of its shards, running a 1f1b `table` (see `schedule`;
+  one chunk of the stage's v per phase).
 
-  State across ticks: the activation received from s-1 and the cotangent from s+1 (each kept
-  until the neighbour's next send: check_schedule), a ring of R = in_flight(table)
-  microbatches' vjp residuals (the stage's weights, which every residual set shares, are not
-  copied into it), the last stage's d(loss)/d(output) per microbatch, and float32 gradient
-  sums. Weight gradients are reduced once, after the loop: reduce-scattered over data where the
+  State across ticks: inboxes of the activations received from s-1 and the cotangents from
+  s+1 (each kept in the slot the table gives it until its reader runs: check_schedule), a ring
+  of R = in_flight(table) chunk runs' vjp residuals (the chunk's weights, which every residual
+  set shares, are not copied into it), the last stage's d(loss)/d(output) per ring slot, and
+  float32 gradient sums. Weight gradients are reduced once, after the loop: reduce-scattered over data where the
   weight is stored split over it, then psum'd over the axes the weight (its shard) is
   replicated on."""
   m, all_axes = cfg.microbatches, (STAGE,) + TOKENS
