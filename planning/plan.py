@@ -332,8 +332,12 @@ def _runs(name: str, cfg, shape: dict, opts=None) -> float:
     return 1
   p, v, m = shape["stage"], _chunks(cfg), cfg.microbatches
   ticks = v * m + p - 1
-  one_f = opts is not None and opts.schedule == "1f1b"
-  return ((m if one_f else ticks) + ticks * _pre_pass(cfg, opts)) / (p * v)
+  return ((m if _one_f(opts) else ticks) + ticks * _pre_pass(cfg, opts)) / (p * v)
+
+
+def _one_f(opts) -> bool:
+  """pp's 1f1b schedule."""
+  return opts is not None and opts.schedule == "1f1b"
 
 
 def _pre_pass(cfg, opts) -> bool:
@@ -345,7 +349,7 @@ def _in_flight(cfg, shape: dict, opts) -> float:
   """pp: microbatches whose activations a stage holds, per microbatch of the step: gpipe's
   time loop keeps M + P - 1, 1f1b's ring min(M, P) (strategies/pp.py)."""
   p, m, v = shape["stage"], cfg.microbatches, _chunks(cfg)
-  if opts is not None and opts.schedule == "1f1b":
+  if _one_f(opts):
     return min(m, p) / m
   return (v * m + p - 1) / (v * m)           # interleaved: v*M+P-1 ticks of one chunk each
 
@@ -354,10 +358,10 @@ def _layers_held(name: str, cfg, shape: dict, opts=None) -> float:
   """Layers whose saved activations a device holds through the backward (module docstring)."""
   if name != "pp":
     return cfg.n_layers
-  held = cfg.n_layer_slots / shape["stage"] * _in_flight(cfg, shape, opts)
-  if opts is not None and opts.schedule == "1f1b":   # stage 0 runs the prefix inside its phases
-    return held + cfg.first_k_dense_replace * _in_flight(cfg, shape, opts)
-  return held + cfg.first_k_dense_replace
+  # 1f1b: stage 0 runs the prefix inside its phases, its residuals in the ring too
+  prefix = _in_flight(cfg, shape, opts) if _one_f(opts) else 1
+  return (cfg.n_layer_slots / shape["stage"] * _in_flight(cfg, shape, opts)
+          + cfg.first_k_dense_replace * prefix)
 
 
 def predict_temp(features: dict) -> float:
@@ -378,7 +382,7 @@ def timing(c: Candidate, cfg, terms, cluster, efficiency: float) -> None:
   shape = dict(c.sizes)
   if c.strategy == "pp":
     p, m = shape["stage"], cfg.microbatches
-    if c.opts is not None and c.opts.schedule == "1f1b":
+    if _one_f(c.opts):
       # lockstep: P forward-only ticks, 2M+P-2 that hold a backward (b forwards long), the
       # counts pre-pass's M+P-1 forward ticks, against M passes of 1 + b
       b = 3 if cfg.remat == "block" else 2

@@ -714,10 +714,9 @@ def in_flight(table: dict) -> int:
 
 
 def check_schedule(table: dict, m: int) -> None:
-  """Every stage runs every microbatch's forward and backward once; a forward at
-  stage s > 0 reads stage s-1's last send before it (sent at an earlier tick, not yet
-  overwritten by the next one), a backward at s < P-1 likewise from s+1; the last stage's
-  backward follows its forward; ring slots never collide.
+  """gpipe: every stage runs every microbatch's forward and backward once; a forward at stage
+  s > 0 the tick after stage s-1's, a backward at s < P-1 the tick after s+1's; the last
+  stage's backward follows its forward. 1f1b (slot tables): `_check_slots`.
   Interleaved (a "C" table): every (microbatch, chunk) once per stage, forward and backward;
   chunk r at stage s > 0 the tick after chunk r at s-1, chunk r > 0 at stage 0 the tick after
   chunk r-1 at stage P-1; the backward is the forward reversed, tick for tick."""
@@ -747,29 +746,14 @@ def check_schedule(table: dict, m: int) -> None:
   for s in range(p):
     for a in (fwd, bwd):
       assert sorted(a[:, s][a[:, s] >= 0].tolist()) == list(range(m)), (s, a[:, s])
-  # a hop: what stage s reads at tick t is the last send of its neighbour before t (one inbox
-  # per direction, overwritten by the neighbour's next send)
-  def hop(a, src, dst, i):
-    sent, read = when(a, src, i), when(a, dst, i)
-    later = np.flatnonzero(a[sent + 1:, src] >= 0)
-    return sent < read and (not later.size or sent + 1 + later[0] >= read)
   for s in range(p):
     for i in range(m):
       if s > 0:
-        assert hop(fwd, s - 1, s, i), ("forward hop", s, i)
+        assert when(fwd, s, i) == when(fwd, s - 1, i) + 1, ("forward hop", s, i)
       if s < p - 1:
-        assert hop(bwd, s + 1, s, i), ("backward hop", s, i)
+        assert when(bwd, s, i) == when(bwd, s + 1, i) + 1, ("backward hop", s, i)
       else:
         assert when(bwd, s, i) >= when(fwd, s, i), ("backward before forward", i)
-  r = in_flight(table)
-  for s in range(p):
-    live = {}
-    for f, b in zip(fwd[:, s], bwd[:, s]):
-      if f >= 0:
-        assert f % r not in live, ("ring slot reused while live", s, f)
-        live[f % r] = f
-      if b >= 0:
-        assert live.pop(b % r) == b, ("ring slot lost", s, b)
 
 
 def _check_slots(table: dict, m: int) -> None:
@@ -905,8 +889,9 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
   per = cfg.n_layer_slots // n_stage // v     # a chunk's rows of the stage's stack
   # chunk r's rows of a stage-stacked array (the layers, their mask, counts, stats); v = 1: all
   cut = lambda a, r: a if v == 1 else jax.lax.dynamic_slice_in_dim(a, r * per, per)
-  into = lambda a, r, u: a + u if v == 1 else jax.lax.dynamic_update_slice_in_dim(
-      a, cut(a, r) + u.astype(a.dtype), r * per, 0)                 # add u into chunk r's rows
+  into = lambda a, r, u: (a + u.astype(a.dtype) if v == 1 else    # add u into chunk r's rows
+                          jax.lax.dynamic_update_slice_in_dim(
+                              a, cut(a, r) + u.astype(a.dtype), r * per, 0))
 
   def stage_fn(lp, pe, x, tok_m, pos_m, r):   # [b/M, S, D] -> ([b/M, S, D], aux + z terms)
     # stage 0's first chunk reads its microbatch's tokens through the embedding and the dense

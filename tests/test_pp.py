@@ -64,8 +64,8 @@ def test_microbatch_aux_loss_is_not_a_mean_of_microbatch_losses():
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_schedule_tables_run_every_microbatch_once_in_order(name):
   """Every table the engine may run, P = 1..5 and M = 1..9: each stage runs each microbatch's
-  forward and backward once, a hop reads the neighbour's last send, ring slots never collide
-  (check_schedule); 1f1b keeps min(M, P) in flight (Megatron's), gpipe's table M (its autodiff
+  forward and backward once; gpipe's hops take one tick; 1f1b's reads find their sends and its
+  backwards their ring slots (check_schedule); 1f1b keeps min(M, P) in flight (Megatron's), gpipe's table M (its autodiff
   keeps M+P-1 ticks); 1f1b runs at most one phase per stage and tick, in 2(M+P-1) ticks, and
   sends both ways at each."""
   for p in range(1, 6):
