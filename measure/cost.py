@@ -179,7 +179,9 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None,
   """The weight traffic of a train step, derived once for every strategy from each parameter's
   role, stored spec (`specs`, the strategy's param_specs) and how the step uses it:
 
-    gathered[role] = (used_spec, g): the weight is all-gathered to used_spec before use
+    gathered[role] = (used_spec, g), or a function of the leaf's stored spec returning them (a
+      role whose leaves are stored differently: pp's MoE stack and dense prefix): the weight
+      is all-gathered to used_spec before use
       (parallel.sharding.gather_weight(w, used_spec, g)): per dim stored on axes it is not used
       on, an all-gather over them (fwd; the minor dim first, each op's bytes the size it gathers
       to); its gradient comes back reduce-scattered over them (bwd; the major dim first, as
@@ -203,7 +205,7 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None,
     full, grad, stored = nbytes(leaf.shape, w_size), nbytes(leaf.shape, g_size), spec_axes(spec)
     local = grad / spec_shards(spec, mesh)
     if leaf.role in gathered:
-      used, g = gathered[leaf.role]
+      used, g = _used(gathered[leaf.role], spec)
       moves = [m for m in (tuple(a for a in entry_axes(e) if a not in spec_axes(used))
                            for e in spec) if m]                  # per dim, major first
       shards = spec_shards(spec, mesh)
@@ -223,6 +225,11 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None,
       out += term(mesh, "all-reduce", "bwd", f"{leaf.role} grads",
                   local, tuple(a for a in group if a not in stored))
   return out + term(mesh, "all-reduce", "opt", "grad norm", F32, tuple(mesh.axis_names))
+
+
+def _used(entry, spec) -> tuple:
+  """weight_terms' gathered[role] for one leaf: (used_spec, g), or a function of its spec."""
+  return entry(spec) if callable(entry) else entry
 
 
 def muon_terms(cfg, mesh, specs, axes) -> list[Term]:

@@ -239,18 +239,23 @@ def param_roles(cfg: Config) -> dict:
                       is_leaf=lambda l: isinstance(l, ShapeLeaf))
 
 
-def param_specs(cfg: Config, table: dict, layer_axis=None) -> dict:
+def param_specs(cfg: Config, table: dict, layer_axis=None, dense_table=None) -> dict:
   """A strategy's role -> PartitionSpec table (one layer's array; roles it omits are replicated)
   -> the spec pytree of the params; layer roles get the leading [L] dim: the MoE stack's sharded
-  over `layer_axis` (pipeline stages) or not at all, the dense prefix's never (pp runs it before
-  the pipeline)."""
-  def spec(axis):
-    return lambda leaf: (P(axis, *table.get(leaf.role, P())) if leaf.role in LAYER_ROLES
-                         else table.get(leaf.role, P()))
+  over `layer_axis` (pipeline stages) or not at all, the dense prefix's never. dense_table: the
+  dense prefix's own role table (pp splits its matrices over every stage, as the embedding's),
+  else `table`."""
+  def spec(axis, tbl):
+    return lambda leaf: (P(axis, *tbl.get(leaf.role, P())) if leaf.role in LAYER_ROLES
+                         else tbl.get(leaf.role, P()))
   is_leaf = lambda l: isinstance(l, ShapeLeaf)
   shapes = init_params_shapes(cfg)
-  out = jax.tree.map(spec(None), shapes, is_leaf=is_leaf)
-  return {**out, "layers": jax.tree.map(spec(layer_axis), shapes["layers"], is_leaf=is_leaf)}
+  out = jax.tree.map(spec(None, table), shapes, is_leaf=is_leaf)
+  if dense_table is not None and "dense_layers" in shapes:
+    out["dense_layers"] = jax.tree.map(spec(None, dense_table), shapes["dense_layers"],
+                                       is_leaf=is_leaf)
+  return {**out, "layers": jax.tree.map(spec(layer_axis, table), shapes["layers"],
+                                        is_leaf=is_leaf)}
 
 
 def abstract_params(cfg: Config, specs, mesh) -> dict:

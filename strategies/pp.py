@@ -20,7 +20,7 @@ Interleaved (--opt=schedule=interleaved, below): P x v groups, stage s holding g
 | experts wi_0/wi_1 [L, E, D, F], wo       | (stage, expert, None, None): e = E/EP per device  |
 | attn, router, shared experts [L, ..]     | (stage, D over data): wq [L@stage, D@data, H, Dh] |
 | norms, router bias [L, ..]               | (stage, ...), replicated over (data, expert)      |
-| dense prefix matrices [L_dense, ..]      | D over data: wq [L_dense, D@data, H, Dh]          |
+| dense prefix matrices [L_dense, ..]      | D over (stage, data): wq [L_dense, D@(stage,data), H, Dh] |
 | embed [V, D], unembed [D, V]             | D over (stage, data): [V, D@(stage,data)]         |
 | final_norm, the prefix's norms           | replicated                                        |
 | optimizer state                          | like its parameter                                |
@@ -47,10 +47,12 @@ loop in the compute dtype (`_use`), and their gradients reduce-scattered once, a
 1x the weight gathered and 1/data reduce-scattered per step, the wire bytes of the all-reduce
 they replace. FSDP's per-use gather would move the weight at every one of the M+P-1 ticks;
 ZeRO-1's replicated bf16 copy would keep a whole stage's weights between steps. The gathered
-copy lives for the step (its temp memory). The experts stay split over expert only. Embedding
-and head are split over every stage too, D over (stage, data): the first stage alone reads the
-embedding and the last alone the head, but a stored share on each device (1/(P x data) of
-them and of their optimizer state) costs less than whole copies on two stages.
+copy lives for the step (its temp memory). The experts stay split over expert only. Embedding,
+head and the dense prefix are split over every stage too, D over (stage, data): the first
+stage alone reads the embedding and the prefix (1f1b) and the last alone the head, but a
+stored share on each device (1/(P x data) of them and of their optimizer state) costs less
+than whole copies on one stage (DeepSeek-V3's 3 dense layers: 1.75B values, 21 GB with Adam
+whole, 0.65 GB a device at stage:16,data:2).
 
 Schedules (--opt=schedule=gpipe|1f1b|interleaved), each a table (`schedule`: which microbatch's forward
 F<m> and backward B<m> each stage runs at each tick; . = idle), P = 4.
@@ -151,28 +153,29 @@ Collectives per step (x = expert; T_mb = b/M*S tokens per device per microbatch)
   backward: 3. collective-permute over stage of the activation cotangents, M+P-1 steps (1f1b:
                its table's ticks; interleaved: v*M+P-1)
             4. the all-to-all transposes; weight grads once after the loop: the matrices
-               reduce-scattered over data (embed, unembed: over (stage, data)), then the shard
-               all-reduced over x (a layer's, embed, unembed) or (stage, x) (the dense
-               prefix's); the experts all-reduced over data; norms over (data, x) (a layer's)
-               or (stage, data, x) (final_norm, the prefix's)
-  before  : the matrices all-gathered over data (embed, unembed: (stage, data)), once per step
+               reduce-scattered over data (embed, unembed, the dense prefix's: over (stage,
+               data)), then the shard all-reduced over x; the experts all-reduced over data;
+               norms over (data, x) (a layer's) or (stage, data, x) (final_norm, the prefix's)
+  before  : the matrices all-gathered over data (embed, unembed, the dense prefix's: (stage,
+            data)), once per step
   once    : the loss sums: CE over (stage, data, x), aux / z / dropped over stage; grad norm.
   1f1b with the batch-wise aux loss: the counts pre-pass, 1. and 2. once more (no recompute).
 HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
 (kind, axes) set equals it, and tests/test_pp.py holds both to the program, both ways):
   all-gather over data: the non-expert matrices, once per step before the time loop
-  all-gather over (stage, data): embed, unembed, with them
+  all-gather over (stage, data): embed, unembed and the dense prefix's matrices, with them
   reduce-scatter over data: their gradients, once after it
-  reduce-scatter over (stage, data): embed and unembed grads
+  reduce-scatter over (stage, data): embed, unembed and dense-prefix matrix grads
   collective-permute over stage: activations forward, cotangents backward
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
   all-reduce over (data, expert): router statistics per microbatch, layer norm-scale grads
-  all-reduce over expert: layer matrix, embed and unembed grad shards after the reduce-scatter
+  all-reduce over expert: layer matrix, prefix matrix, embed and unembed grad shards after the
+    reduce-scatter
   all-reduce over data: expert grads
   all-reduce over stage: aux / z / dropped sums
-  all-reduce over (stage, expert): dense-prefix matrix grad shards
   all-reduce over (stage, data, expert): final_norm and dense-prefix norm grads, CE sum, grad norm
-  (Muon adds its float32 directions all-gathered over data for Newton-Schulz, after the step.)
+  (Muon adds its float32 directions all-gathered over data, the prefix's over (stage, data),
+  for Newton-Schulz, after the step.)
 When to use: the model's layers do not fit on one EP group (pipeline across nodes over slow
 links: only [b/M, S, D] activations cross a stage boundary), with M >= P microbatches to keep
 the bubble small. Cost: the bubble, and P-1 idle stages during warm-up and drain; gpipe keeps
@@ -211,7 +214,7 @@ MAIN_AXIS = STAGE
 COMPARE_MESH = "data:1,stage:2,expert:4"        # tiny has 2 layers: 2 stages, EP inside; more
                                                 # devices scale data
 TOKENS = (DATA, EXPERT)                         # the batch axes (replicated over stage)
-SPREAD = (STAGE, DATA)                          # embed and unembed's D dim: every stage's share
+SPREAD = (STAGE, DATA)                          # embed, unembed and the dense prefix: D over every stage
 LAYER_LAYOUT = True       # --layer_layout: stage s holds group s of the padded MoE stack
 
 
@@ -343,6 +346,8 @@ def check(cfg, mesh, opts):
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)
   fsdp.check(cfg, mesh, DATA)                 # the stage's matrices on their D dim over data
+  if cfg.first_k_dense_replace:                 # the prefix's over (stage, data)
+    fsdp.check(cfg, mesh, SPREAD)
   mesh_lib.require_divisible("d_model", cfg.d_model, mesh, SPREAD)   # embed, unembed
   mesh_lib.require_microbatches(cfg, mesh, batch_spec(cfg, mesh))  # B % (M x data x expert)
 
@@ -350,10 +355,12 @@ def check(cfg, mesh, opts):
 def param_specs(cfg, mesh):
   # role -> spec of one layer: every non-expert matrix on its D dim over data (wq [D@data, H, Dh],
   # ...), embed and unembed over (stage, data), the routed experts' E over expert; norms and
-  # the router bias replicated. The MoE layers' stacked L over stage, the dense prefix's not.
+  # the router bias replicated. The MoE layers' stacked L over stage; the dense prefix's
+  # matrices on D over (stage, data) (wq [L_dense, D@(stage,data), H, Dh]), its L whole.
   return model.param_specs(cfg, {**fsdp.table(DATA), **fsdp.table(SPREAD, ("embed", "unembed")),
                                  "expert_in": P(EXPERT, None, None),     # [L@stage, E@x, D, F]
-                                 "expert_out": P(EXPERT, None, None)}, layer_axis=STAGE)
+                                 "expert_out": P(EXPERT, None, None)}, layer_axis=STAGE,
+                           dense_table=fsdp.table(SPREAD))
 
 
 def batch_spec(cfg, mesh):
@@ -1104,12 +1111,14 @@ def cost(cfg, mesh, opts):
   runs = steps * local_layers                                       # moe_body calls per pass
   term = functools.partial(cost_lib.term, mesh)
   stats = cost_lib.stats_values(cfg) * cost_lib.F32
-  # the non-expert matrices gathered whole over data once per step (outside any remat'd layer)
-  gathered = {**{role: (P(STAGE), AXES) for role in model.D_DIM
-                 if role not in ("expert_in", "expert_out")},
-              "embed": (P(), AXES), "unembed": (P(), AXES)}           # over (stage, data)
+  # the non-expert matrices gathered whole once per step (outside any remat'd layer): a stacked
+  # leaf keeps its L dim as stored (the MoE stack's over stage: gathered over data; the dense
+  # prefix's whole: over (stage, data)), embed and unembed over (stage, data)
+  kept_l = lambda spec: (P(*spec[:1]), AXES)
+  gathered = {**{role: kept_l for role in model.D_DIM if role not in ("expert_in", "expert_out")},
+              "embed": (P(), AXES), "unembed": (P(), AXES)}
   out = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), AXES, gathered, once=True)
-         + cost_lib.muon_terms(cfg, mesh, param_specs(cfg, mesh), (DATA,))
+         + cost_lib.muon_terms(cfg, mesh, param_specs(cfg, mesh), SPREAD)
          + term("collective-permute", "fwd", "activations to the next stage", sends[0] * act,
                 STAGE)
          + term("collective-permute", "bwd", "cotangents to the previous stage", sends[1] * act,

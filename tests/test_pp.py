@@ -29,14 +29,42 @@ IDS = ["tiny-s2e4-m4", "tiny-s4d2-m8", "deepseek-s2d2e2-m2", "deepseek-s4e2-m4-c
 def test_permute_and_weight_bytes_exact(model_name, over, mesh):
   """The permutes are 2 x (M+P-1) x [b/M, S, D]; with a data axis, the stage's non-expert
   matrices are all-gathered over data once per step (not per tick: that would be M+P-1 x) and
-  their gradients reduce-scattered once, to the byte."""
+  their gradients reduce-scattered once, and the embedding, head and dense prefix over
+  (stage, data), to the byte."""
   cfg = get_config(model_name, **over)
   table = parity.assert_cost_model("pp", cfg, mesh)
   keys = [("collective-permute", frozenset({"stage"}))]
   if "data" in mesh:
-    keys += [("all-gather", frozenset({"data"})), ("reduce-scatter", frozenset({"data"}))]
+    keys += [(kind, frozenset(axes)) for kind in ("all-gather", "reduce-scatter")
+             for axes in (("data",), ("stage", "data"))]
   for key in keys:
     assert table[key]["predicted"] == table[key]["measured"], (key, table[key])
+
+
+def test_every_stage_stores_a_share_of_embedding_head_and_dense_prefix():
+  """The weights one stage alone uses (embedding, dense prefix; head) are stored split over
+  every stage, D over (stage, data), like their optimizer state: 1/(P x data) per device, not a
+  whole copy per stage; the prefix's norms replicated; the MoE stack's matrices over data within
+  their stage. An MLA rank the (stage, data) split does not divide is refused."""
+  from jax.sharding import PartitionSpec as P
+  cfg = get_config("deepseek-test", n_layers=5)
+  mesh = mesh_lib.abstract_mesh({"stage": 4, "data": 2, "expert": 2})
+  specs = PP.param_specs(cfg, mesh)
+  shapes = model.init_params_shapes(cfg)
+  is_leaf = lambda l: isinstance(l, model.ShapeLeaf)
+  spread = ("stage", "data")
+  for leaf, spec in zip(jax.tree.leaves(shapes["dense_layers"], is_leaf=is_leaf),
+                        jax.tree.leaves(specs["dense_layers"], is_leaf=lambda x: isinstance(x, P))):
+    if leaf.role in model.D_DIM:
+      assert spec[1 + model.D_DIM[leaf.role]] == spread and spec[0] is None, (leaf.role, spec)
+    else:
+      assert all(e is None for e in spec), (leaf.role, spec)
+  assert specs["embed"] == P(None, spread) and specs["unembed"] == P(spread)
+  assert tuple(specs["layers"]["attn"]["wq_a"]) == ("stage", "data"), specs["layers"]["attn"]
+  PP.check(cfg, mesh, PP.Options())
+  with pytest.raises(strategies.ConfigError, match="kv_lora_rank=36 is not divisible by mesh "
+                                                   "axis stagexdata=8"):
+    PP.check(cfg.replace(kv_lora_rank=36), mesh, PP.Options())
 
 
 def test_microbatch_aux_loss_is_not_a_mean_of_microbatch_losses():
