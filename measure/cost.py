@@ -338,6 +338,10 @@ def stats_terms(cfg, mesh, token_axes, seq_axes=()) -> list[Term]:
              (cfg.n_moe_layers * stats_values(cfg) + 1) * F32, token_axes)
   if cfg.aux_loss_kind == "sequence" and seq_axes:
     b = cfg.batch // _size(mesh, tuple(a for a in _tuple(token_axes) if a not in seq_axes))
-    out += term(mesh, "all-reduce", "fwd", "per-sequence counts + prob sums [b, E]",
-                cfg.n_moe_layers * 2 * b * cfg.n_experts * F32, seq_axes)
+    one = cfg.n_moe_layers * b * cfg.n_experts * F32
+    # the loss's gradient reads the counts (d/dP = coef x f), so --remat's recompute sums them
+    # again; the prob sums enter linearly and are not re-summed
+    out += (term(mesh, "all-reduce", "fwd", "per-sequence counts [b, E]", one, seq_axes,
+                 RECOMPUTED)
+            + term(mesh, "all-reduce", "fwd", "per-sequence prob sums [b, E]", one, seq_axes))
   return out
