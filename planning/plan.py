@@ -38,7 +38,10 @@ Per candidate, per device:
                                embedding and head over (stage, data)), at their gathered size,
                                a copy in the compute dtype plus its float32 gradient sum, both
                                live through the time loop (strategies/pp.py)
-           T = tokens per device in the residual stream; R = rows of one MoE layer's expert
+           T = tokens per device in the residual stream (pp: logits, attn_chunk and
+           work_rows_tokens count one pass's, T/M, the microbatch it runs at a time; gpipe's
+           and interleaved's logits the step's T, which autodiff of the head's map keeps);
+           R = rows of one MoE layer's expert
            computation on a device (the padded exchange buffer EP x C where tokens move by
            all-to-all, ep_tp's compaction bound, else T x K); L_held = the layers whose
            activations a device keeps (pp: rows / P x (M + P - 1) / M + the dense prefix under
@@ -236,6 +239,11 @@ def temp_features(name: str, cfg, mesh, terms, opts=None) -> dict:
   shape = dict(mesh.shape)
   t = cfg.batch * cfg.seq_len / spec_shards(strat.batch_spec(cfg, mesh), mesh)
   t /= math.prod(shape.get(a, 1) for a in SEQ_SPLIT.get(name, ()))
+  # pp runs a pass on one microbatch at a time: its working set is a microbatch's tokens, and
+  # so is the head's under 1f1b (its vjp in the same phase); gpipe's and interleaved's autodiff
+  # of the head's map keeps every microbatch's logits
+  t_pass = t / cfg.microbatches if name == "pp" else t
+  t_head = t_pass if name == "pp" and _one_f(opts) else t
   v_loc = cfg.vocab / _dim_shards(strat.param_specs(cfg, mesh)["unembed"], 1, mesh)
   f_loc = cfg.d_ff / _expert_f_shards(name, shape)
   gathered = sum(x.bytes for x in terms if x.kind == "all-gather" and x.phase == "fwd"
@@ -251,12 +259,12 @@ def temp_features(name: str, cfg, mesh, terms, opts=None) -> dict:
   # (model.gqa / model.mla: ordered=lay.kv is None); cp's reordered, split sequence does not
   ordered = strat.layout(cfg, mesh, strat.Options() if opts is None else opts).kv is None
   blocks = chunk / cfg.seq_len if cfg.attention_impl == "chunked" and ordered else 1
-  return {"logits": t * v_loc * 4, "gathered": gathered,
-          "attn_chunk": t * heads * chunk * 4 * blocks,
+  return {"logits": t_head * v_loc * 4, "gathered": gathered,
+          "attn_chunk": t_pass * heads * chunk * 4 * blocks,
           "saved_block": held * t * cfg.d_model * cost.act_bytes(cfg) * block,
           "saved_none_res": held * res * none,
           "saved_none_routed": held * routed * none, "work_rows_d": rows * cfg.d_model * 4,
-          "work_rows_tokens": rows * t,
+          "work_rows_tokens": rows * t_pass,
           "pp_weights": _pp_weights(name, cfg, mesh) * (cost.act_bytes(cfg) + 4)}
 
 
