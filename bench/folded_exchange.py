@@ -9,7 +9,8 @@ Run from the repo root:  python bench/folded_exchange.py DEVICES MODEL LAYERS ME
   e.g. python bench/folded_exchange.py 8 mixtral-8x7b 2 data:2,expert:4 expert:8
 A mesh names `expert`; tp runs on the same sizes with `tensor` in its place. The batch is one
 sequence per data shard at the preset's seq_len, bf16, dropless (or --capacity_factor=F, any
-place among the arguments); bytes are per device per step.
+place among the arguments); bytes are per device per step. --over=key=value,... overrides
+the preset's fields (tiny: n_heads=8,n_kv_heads=8, so that its heads split 8 ways).
 """
 import os
 import sys
@@ -19,7 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 CF = [float(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--capacity_factor=")]
-sys.argv = [a for a in sys.argv if not a.startswith("--capacity_factor=")]
+OVER = dict(kv.split("=", 1) for a in sys.argv if a.startswith("--over=")
+            for kv in a.removeprefix("--over=").split(","))
+sys.argv = [a for a in sys.argv if not a.startswith(("--capacity_factor=", "--over="))]
 jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
 
 from layout import mesh as mesh_lib  # noqa: E402
@@ -27,6 +30,14 @@ from measure import cost, hlo  # noqa: E402
 from modeling.config import get_config  # noqa: E402
 from runtime import train  # noqa: E402
 import strategies  # noqa: E402
+
+
+def size(n: float) -> str:
+  """Bytes in the largest binary unit that keeps them at 1 or more (GiB at most)."""
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= scale:
+      return f"{n / scale:.2f} {unit}"
+  return f"{n:.0f} B"
 
 
 def point(name, opts, cfg, spec):
@@ -39,7 +50,7 @@ def point(name, opts, cfg, spec):
   rows = {k: v for k, v in table.items() if k[1] == frozenset({model_axis})}
   total = lambda key: sum(v[key] for v in rows.values())
   worst = max(abs(v["ratio"] - 1) for v in table.values())
-  detail = " ".join(f"{k[0]}:{v['measured'] / 2**30:.2f}G" for k, v in sorted(rows.items()))
+  detail = " ".join(f"{k[0]} {size(v['measured'])}" for k, v in sorted(rows.items()))
   return total("measured"), total("predicted"), worst, detail
 
 
@@ -51,11 +62,12 @@ if __name__ == "__main__":
     data = mesh_lib.parse_mesh_spec(spec).get("data", 1)
     cfg = get_config(model, n_layers=layers, batch=data, dtype="bfloat16",
                      capacity_factor=CF[-1] if CF else 0.0)
+    cfg = cfg.replace(**{k: type(getattr(cfg, k))(v) for k, v in OVER.items()}).validate()
     ep_tp = strategies.get("ep_tp")
     for label, name, opts, s in (
         ("ep_tp ring", "ep_tp", ep_tp.Options(exchange="ring"), spec),
         ("ep_tp folded", "ep_tp", ep_tp.Options(exchange="folded"), spec),
         ("tp", "tp", None, spec.replace("expert", "tensor"))):
       m, p, worst, detail = point(name, opts, cfg, s)
-      print(f"| {model} | {s} | {label} | {m / 2**30:.2f} GiB | {p / 2**30:.2f} GiB | "
+      print(f"| {model} | {s} | {label} | {size(m)} | {size(p)} | "
             f"{worst:.3f} | {detail} |", flush=True)

@@ -67,7 +67,7 @@ RECOMPUTED = ("block", "dots_saveable", "dots_with_no_batch_dims_saveable")  # w
 BLOCK_ONLY = ("block",)               # the reduction a row-parallel matmul ends in: a dot's
                                       # output, which the dots_* policies keep
 # (the collective producing the layer's output is never re-issued: its own backward does not
-# read it; nor are the router statistics)
+# read it; nor are the router statistics, but for the sequence-wise loss's counts: stats_terms)
 
 
 def step_terms(strategy, cfg, mesh, opts=None) -> list[Term]:
