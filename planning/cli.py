@@ -59,4 +59,5 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
       print(f"  compiling {i + 1}/{compile_k}: {c.layout()}", file=sys.stderr, flush=True)
       results.append(check.compile_candidate(c, cfg))
     print(render.checked(results))
+    print(render.compiled_verdict(results, hbm))
   return cands

@@ -55,10 +55,11 @@ Per candidate, per device:
            planning.calibrate`: --gmm=scan, bf16, small models shaped like Mixtral-8x7B and
            DeepSeek-V2-Lite). On those 23, total memory is within -16% .. +10% of XLA's (temp
            alone -25% .. +32%). At full scale (README, "Planner": Mixtral-8x7B on 64 devices,
-           DeepSeek-V3 on 256 and 2048) ep, and pp without a data axis, come out within
-           0.94 .. 1.06 of XLA's total, while dp, fsdp, cp, ep_tp (0.83 .. 0.88) and tp (1.12)
-           miss: their replicated or data-reduced gradients are a term the small models barely
-           show. pp with a data axis: gpipe 1.12, 1f1b 0.57 .. 0.80 (an untraced buffer).
+           DeepSeek-V3 on 256 and 2048) ep comes out within 0.94 .. 1.06 of XLA's total, pp's
+           gpipe and interleaved within 0.85 .. 1.05 (0.97 for V3 16 x 64 at M = 120), while
+           1f1b (0.76 .. 0.90; V3 at M = 120: 0.85), dp, fsdp, cp, ep_tp (0.83 .. 0.88) and
+           tp (1.12) miss: their replicated or data-reduced gradients are a term the small
+           models barely show, and 1f1b holds buffers the fit has no term for.
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the

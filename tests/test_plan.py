@@ -215,6 +215,23 @@ def test_plan_command_line(tmp_path):
   ratios = [float(l.rsplit("ratio ", 1)[1]) for l in lines if l.startswith("  ") and "ratio" in l]
   assert ratios and all(0.99 <= x <= 1.01 for x in ratios), ratios
   assert any(l.startswith("compiled ") for l in lines)
+  assert lines[-1].startswith("verdict after compiling 1: "), lines[-1]
+
+
+def test_compiled_verdict_passes_over_what_compiles_over_hbm():
+  """After the compiles, the verdict is the best-ranked candidate that fits by XLA's memory:
+  one predicted to fit that compiles over HBM is named and passed over, and where none fits
+  the verdict says so."""
+  from planning import check, render
+  a, b = (plan.Candidate(s, (("expert", 8),), 1, "block", 1.25) for s in ("ep", "fsdp"))
+  a.param_opt, b.param_opt = 70 * 2**30, 50 * 2**30
+  results = [check.Checked(a, 78 * 2**30, 8 * 2**30, {}, 1.0),
+             check.Checked(b, 60 * 2**30, 10 * 2**30, {}, 1.0)]
+  line = render.compiled_verdict(results, 74.5 * 2**30)
+  assert line.startswith("verdict after compiling 2: fsdp expert:8"), line
+  assert "ranked above it: ep expert:8" in line and "78.0G" in line, line
+  none = render.compiled_verdict(results[:1], 74.5 * 2**30)
+  assert none.startswith("verdict after compiling 1: none fits in 74.5G"), none
 
 
 def test_abstract_mesh_is_what_enumeration_uses():
