@@ -53,8 +53,8 @@ Per candidate, per device:
            the fit to see it); the rest fitted by non-negative least squares on relative error
            to XLA:CPU's temp bytes of 23 compiled steps on 8 devices (`python -m
            planning.calibrate`: --gmm=scan, bf16, small models shaped like Mixtral-8x7B and
-           DeepSeek-V2-Lite). On those 23, total memory is within -16% .. +10% of XLA's (temp
-           alone -25% .. +32%). At full scale (README, "Planner": Mixtral-8x7B on 64 devices,
+           DeepSeek-V2-Lite). On those 23, total memory is within -17% .. +12% of XLA's (temp
+           alone -28% .. +30%; re-measured with pp's per-microbatch terms, not refitted). At full scale (README, "Planner": Mixtral-8x7B on 64 devices,
            DeepSeek-V3 on 256 and 2048) ep comes out within 0.94 .. 1.06 of XLA's total, pp's
            gpipe and interleaved within 0.85 .. 1.05 (0.97 for V3 16 x 64 at M = 120), while
            1f1b (0.76 .. 0.90; V3 at M = 120: 0.85), dp, fsdp, cp, ep_tp (0.83 .. 0.88) and
