@@ -169,10 +169,11 @@ TEST_CASES = [Case("tiny", "data:2,expert:4", dict(n_kv_heads=4)),
               Case("deepseek-test", "data:4,expert:2"),
               Case("deepseek-test", "expert:8", SMALL),         # 1 token per device: inference-like
               # folded: no shared expert and the capacity rule (whole sequences: ids gathered);
-              # DeepSeek dropless, shared expert and dense layer; 1 token per device, recomputed;
+              # DeepSeek's shared expert and dense layer under the capacity rule; DeepSeek
+              # dropless, 1 token per device, recomputed;
               Case("mixtral-test", "data:2,expert:4", dict(n_kv_heads=4, capacity_factor=1.0),
                    FOLDED),
-              Case("deepseek-test", "data:4,expert:2", opts=FOLDED),
+              Case("deepseek-test", "data:4,expert:2", dict(capacity_factor=1.0), FOLDED),
               Case("deepseek-test", "expert:8", {**SMALL, "remat": "block"}, FOLDED),
               # Mixtral dropless on EP 8 (one expert a device: e = 1 < K), recomputed
               Case("mixtral-test", "expert:8", dict(n_heads=8, n_kv_heads=8, remat="block"),
