@@ -884,12 +884,15 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
 
   # the batch-wise load-balance loss's f needs the step's counts before the first backward: a
   # forward pass over every microbatch first (exact; the sequence-wise loss needs none)
+  # v = 1: unrolled, since a second while loop beside the table's, reloaded from the persistent
+  # compilation cache, crashed XLA:CPU (stage:4,data:2); v > 1: a loop, since XLA keeps a share
+  # of every unrolled chunk tick live at once (temp grew by 48 MiB per microbatch on a d 512
+  # Mixtral shape, flat as a loop: README, "Interleaved 1F1B")
   counts = None
-  if pre_pass:                                # unrolled: a second while loop beside
-    # the table's, reloaded from the persistent compilation cache, crashes XLA:CPU (stage:4,data:2)
+  if pre_pass:
     counts = jax.lax.stop_gradient(
         _stages(pc, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
-                unroll=True)[1]["counts"])
+                unroll=chunks(cfg) == 1)[1]["counts"])
 
   mask = _stage_mask(cfg, n_stage)
   v = chunks(cfg)                             # chunks per stage (interleaved 1F1B: v > 1)
@@ -1130,8 +1133,9 @@ def cost(cfg, mesh, opts):
          + term("all-reduce", "fwd", "aux / z / dropped sums", 3 * cost_lib.F32, STAGE)
          + term("all-reduce", "fwd", "CE sum", cost_lib.F32, AXES))
   if counts_pre_pass(cfg, opts):               # the GPipe forward time loop, once more
-    out += (term("collective-permute", "fwd", "counts pre-pass: activations (its last tick's "
-                 "send, read by no stage, compiled away)", (ticks - 1) * act, STAGE)
+    out += (term("collective-permute", "fwd", "counts pre-pass: activations (v = 1, unrolled: "
+                 "its last tick's send, read by no stage, compiled away)",
+                 (ticks - (v == 1)) * act, STAGE)
             + term("all-to-all", "fwd", "counts pre-pass: buffers and counts",
                    ticks * local_layers * (2 * buf + cfg.n_experts * 4), EXPERT)
             + term("all-reduce", "fwd", "counts pre-pass: the step's counts [L/P, E]",
