@@ -175,9 +175,11 @@ TEST_CASES = [Case("tiny", "data:2,expert:4", dict(n_kv_heads=4)),
                    FOLDED),
               Case("deepseek-test", "data:4,expert:2", dict(capacity_factor=1.0), FOLDED),
               Case("deepseek-test", "expert:8", {**SMALL, "remat": "block"}, FOLDED),
-              # Mixtral dropless on EP 8 (one expert a device: e = 1 < K), recomputed
+              # Mixtral dropless on EP 8 (one expert a device: e = 1 < K), recomputed, and on
+              # data:4,expert:2
               Case("mixtral-test", "expert:8", dict(n_heads=8, n_kv_heads=8, remat="block"),
-                   FOLDED)]
+                   FOLDED),
+              Case("mixtral-test", "data:4,expert:2", opts=FOLDED)]
 COST_CASES = TEST_CASES
 BAD_INPUT = [
     BadInput({}, "data:2,expert:4", Options(), "n_kv_heads=2 is not divisible by mesh axis expert=4"),

@@ -23,8 +23,8 @@ EP_TP = strategies.get("ep_tp")
 SMALL = EP_TP.SMALL
 IDS = ["tiny-d2e4", "deepseek-d4e2", "deepseek-b1s8-e8",          # EP_TP.TEST_CASES
        "folded-mixtral-cap-d2e4", "folded-deepseek-cap-d4e2", "folded-deepseek-b1s8-e8-remat",
-       "folded-mixtral-e8-remat"]
-RING, FOLDED = [0, 1, 2], [3, 4, 5, 6]
+       "folded-mixtral-e8-remat", "folded-mixtral-d4e2"]
+RING, FOLDED = [0, 1, 2], [3, 4, 5, 6, 7]
 
 
 def test_compact_hand_worked():
