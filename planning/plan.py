@@ -54,8 +54,9 @@ Per candidate, per device:
            to XLA:CPU's temp bytes of 23 compiled steps on 8 devices (`python -m
            planning.calibrate`: --gmm=scan, bf16, small models shaped like Mixtral-8x7B and
            DeepSeek-V2-Lite). On those 23, total memory is within -17% .. +12% of XLA's (temp
-           alone -28% .. +30%; re-measured with pp's per-microbatch terms, not refitted). At full scale (README, "Planner": Mixtral-8x7B on 64 devices,
-           DeepSeek-V3 on 256 and 2048) ep comes out within 0.94 .. 1.06 of XLA's total, pp's
+           alone -28% .. +30%; measured with pp's per-microbatch terms, fitted before them). At
+           full scale (README, "Planner": Mixtral-8x7B on 64 devices, DeepSeek-V3 on 256 and
+           2048) ep comes out within 0.94 .. 1.06 of XLA's total, pp's
            gpipe and interleaved within 0.85 .. 1.05 (0.97 for V3 16 x 64 at M = 120), while
            1f1b (0.76 .. 0.90; V3 at M = 120: 0.85), dp, fsdp, cp, ep_tp (0.83 .. 0.88) and
            tp (1.12) miss: their replicated or data-reduced gradients are a term the small

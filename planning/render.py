@@ -85,18 +85,18 @@ def checked(results) -> str:
 def compiled_verdict(results, hbm: float) -> str:
   """The verdict the compiles support: the best-ranked compiled candidate whose compiled memory
   fits, naming those ranked above it that the compiler puts over `hbm`."""
-  over = [r for r in results if r.compiled_memory > hbm]
-  ok = next((r for r in results if r.compiled_memory <= hbm), None)
-  beat = [r for r in over if ok is None or results.index(r) < results.index(ok)]
+  fit = [i for i, r in enumerate(results) if r.compiled_memory <= hbm]
+  ok = results[fit[0]] if fit else None
   why = "; ".join(f"{r.candidate.layout()} compiles to {fmt_bytes(r.compiled_memory)} "
-                  f"(predicted {fmt_bytes(r.candidate.memory)}): over" for r in beat)
+                  f"(predicted {fmt_bytes(r.candidate.memory)}): over"
+                  for r in results[:fit[0] if fit else len(results)])   # all over hbm
   if ok is None:
     return (f"verdict after compiling {len(results)}: none fits in {fmt_bytes(hbm)} when "
             f"compiled; {why}")
   c = ok.candidate
   return (f"verdict after compiling {len(results)}: {c.layout()}: compiles to "
           f"{fmt_bytes(ok.compiled_memory)} per device (predicted {fmt_bytes(c.memory)}), "
-          f"{c.step_s:.3f} s/step predicted" + (f"; ranked above it: {why}" if beat else ""))
+          f"{c.step_s:.3f} s/step predicted" + (f"; ranked above it: {why}" if why else ""))
 
 
 def png(ranked: list[plan.Candidate], hbm: float, path: str, title: str) -> str:

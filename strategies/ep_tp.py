@@ -168,15 +168,14 @@ FOLDED = Options(exchange="folded")
 TEST_CASES = [Case("tiny", "data:2,expert:4", dict(n_kv_heads=4)),
               Case("deepseek-test", "data:4,expert:2"),
               Case("deepseek-test", "expert:8", SMALL),         # 1 token per device: inference-like
-              # folded: no shared expert and the capacity rule (whole sequences: ids gathered);
-              # DeepSeek's shared expert and dense layer under the capacity rule; DeepSeek
-              # dropless, 1 token per device, recomputed;
+              # folded: Mixtral (no shared expert) under the capacity rule (whole sequences: ids
+              # gathered); DeepSeek's shared expert and dense layer under it; DeepSeek dropless,
+              # 1 token per device, recomputed; Mixtral dropless on EP 8 (one expert a device:
+              # e = 1 < K), recomputed; Mixtral dropless on data:4,expert:2
               Case("mixtral-test", "data:2,expert:4", dict(n_kv_heads=4, capacity_factor=1.0),
                    FOLDED),
               Case("deepseek-test", "data:4,expert:2", dict(capacity_factor=1.0), FOLDED),
               Case("deepseek-test", "expert:8", {**SMALL, "remat": "block"}, FOLDED),
-              # Mixtral dropless on EP 8 (one expert a device: e = 1 < K), recomputed, and on
-              # data:4,expert:2
               Case("mixtral-test", "expert:8", dict(n_heads=8, n_kv_heads=8, remat="block"),
                    FOLDED),
               Case("mixtral-test", "data:4,expert:2", opts=FOLDED)]

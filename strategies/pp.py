@@ -884,10 +884,10 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
 
   # the batch-wise load-balance loss's f needs the step's counts before the first backward: a
   # forward pass over every microbatch first (exact; the sequence-wise loss needs none)
-  # v = 1: unrolled, since a second while loop beside the table's, reloaded from the persistent
-  # compilation cache, crashed XLA:CPU (stage:4,data:2); v > 1: a loop, since XLA keeps a share
-  # of every unrolled chunk tick live at once (temp grew by 48 MiB per microbatch on a d 512
-  # Mixtral shape, flat as a loop: README, "Interleaved 1F1B")
+  # v = 1 unrolled: a second while loop beside the table's, reloaded from the persistent
+  # compilation cache, crashes XLA:CPU (stage:4,data:2); v > 1 a loop: unrolled, XLA keeps a
+  # share of every chunk tick live at once (48 MiB more temp per microbatch on a d 512 Mixtral
+  # shape, where the loop's is flat: README, "Interleaved 1F1B")
   counts = None
   if pre_pass:
     counts = jax.lax.stop_gradient(
