@@ -334,15 +334,14 @@ def _chunks(cfg) -> int:
 
 
 def _runs(name: str, cfg, shape: dict, opts=None) -> float:
-  """pp runs each local MoE layer once per time step (M + P - 1 of them; interleaved: one chunk
-  of v per tick, v*M + P - 1 ticks; 1f1b: the stage's M forwards, and its counts pre-pass's
-  M + P - 1): how many exchanges of one layer its forward a2a terms add up, per MoE layer of
-  the model."""
+  """How many exchanges of one layer the forward a2a terms add up, per MoE layer of the model:
+  pp runs each of a stage's layers once per stage pass (pp.stage_passes, the counts pre-pass's
+  included), a pass one chunk of the stage's v."""
   if name != "pp":
     return 1
-  p, v, m = shape["stage"], _chunks(cfg), cfg.microbatches
-  ticks = v * m + p - 1
-  return ((m if _one_f(opts) else ticks) + ticks * _pre_pass(cfg, opts)) / (p * v)
+  pp = strategies.get("pp")
+  steps, pre = pp.stage_passes(cfg, shape["stage"], pp.Options() if opts is None else opts)
+  return (steps + pre) / (shape["stage"] * _chunks(cfg))
 
 
 def _one_f(opts) -> bool:

@@ -1098,14 +1098,23 @@ def counts_pre_pass(cfg, opts) -> bool:
           and bool(cfg.aux_loss_coef))
 
 
+def stage_passes(cfg, n_stage: int, opts) -> tuple[int, int]:
+  """(the stage passes a device runs per step, those of the counts pre-pass): gpipe and
+  interleaved run one at every tick, v*M + P - 1 (a bubble tick's on zeros), 1f1b its M*v
+  table entries (the other ticks skip the phase); the pre-pass, where `counts_pre_pass`, one
+  at every tick of the GPipe forward loop. A pass runs one of the stage's v chunks."""
+  v = chunks(cfg)
+  ticks = v * cfg.microbatches + n_stage - 1
+  steps = cfg.microbatches * v if opts.schedule == "1f1b" else ticks
+  return steps, ticks * counts_pre_pass(cfg, opts)
+
+
 def cost(cfg, mesh, opts):
   """Per-device collective bytes per step (measure/cost.py; the docstring's schedule)."""
   p, ep_size, v = mesh.shape[STAGE], mesh.shape[EXPERT], chunks(cfg)
-  # the stage passes a device runs per step (gpipe, interleaved: every tick, a bubble tick's
-  # on zeros; 1f1b: its M table entries, the other ticks skip the phase), and the MoE rows a
-  # pass runs (interleaved: one of the stage's v chunks)
+  # the stage passes a device runs per step (`stage_passes`), and the MoE rows a pass runs
   ticks, local_layers = v * cfg.microbatches + p - 1, cfg.n_layer_slots // p // v
-  steps = cfg.microbatches * v if opts.schedule == "1f1b" else ticks
+  steps, pre_steps = stage_passes(cfg, p, opts)
   sends = permutes(opts.schedule, schedule(opts.schedule, p, cfg.microbatches, v))
   mb = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS) // cfg.microbatches
   act = mb * cfg.seq_len * cfg.d_model * cost_lib.act_bytes(cfg)  # one [b/M, S, D]
@@ -1137,7 +1146,7 @@ def cost(cfg, mesh, opts):
                  "its last tick's send, read by no stage, compiled away)",
                  (ticks - (v == 1)) * act, STAGE)
             + term("all-to-all", "fwd", "counts pre-pass: buffers and counts",
-                   ticks * local_layers * (2 * buf + cfg.n_experts * 4), EXPERT)
+                   pre_steps * local_layers * (2 * buf + cfg.n_experts * 4), EXPERT)
             + term("all-reduce", "fwd", "counts pre-pass: the step's counts [L/P, E]",
                    cfg.n_layer_slots // p * cfg.n_experts * cost_lib.F32, TOKENS))
     if v > 1:                                  # run in chunks, each tick's counts stay
