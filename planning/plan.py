@@ -5,8 +5,8 @@ of devices and without compiling: every candidate is a strategy's `check`, `para
 A candidate is (strategy, mesh sizes over its AXES, the strategy's options, microbatches, remat
 policy, capacity factor, which axes lie inside a node). OPTION_GRID names the options varied:
 the K/V exchange of cp and ep_as_cp, ep_tp's routed exchange, shard_exp_on_fsdp's mode, pp's
-schedule (gpipe, 1f1b, and OPTION_EXTRA's interleaved with 2 chunks per stage, its stack stored
-round-robin: pp.stored_config); the rest stay at their defaults (ep's dispatch=ragged needs a GPU's ragged_all_to_all, dispatch=none
+schedule (gpipe, 1f1b, and OPTION_EXTRA's interleaved and interleaved 1F1B with 2 chunks per
+stage, their stack stored round-robin: pp.stored_config); the rest stay at their defaults (ep's dispatch=ragged needs a GPU's ragged_all_to_all, dispatch=none
 is a demonstration of a bug). The temp model was calibrated at the default options only. Microbatches vary for pp only (its pipeline's M, every divisor of
 the sequences a (data, expert) shard holds, up to PP_MAX_MICROBATCHES). The gradient
 accumulation the other strategies run with M > 1 has its bytes in the cost model
@@ -66,7 +66,8 @@ Per candidate, per device:
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
                recomputed forward); pp: x (M + P - 1) / M (the bubble; interleaved's
                (vM + P - 1) / vM; 1f1b's lockstep ticks (P F + (2M + P - 2) B + its counts
-               pre-pass's (M + P - 1) F) / (M (F + B)), B = 2F, 3F with remat block) and its
+               pre-pass's (M + P - 1) F) / (M (F + B)), B = 2F, 3F with remat block;
+               interleaved 1F1B: its table's ticks, each of one chunk, `one_f_ticks`) and its
                dense prefix run on every stage
              communication = per cost-model term (measure.cost.step_terms: kind, axes, bytes),
                its wire bytes over the bandwidth of the links its group spans: the node's when
@@ -81,6 +82,8 @@ import itertools
 import math
 import sys
 import time
+
+import numpy as np
 
 from layout import mesh as mesh_lib
 from measure import cost
@@ -100,8 +103,10 @@ OPTION_GRID = {"cp": {"kv_exchange": ("allgather", "ring")},
                "ep_as_cp": {"kv_exchange": ("allgather", "ring")},
                "ep_tp": {"exchange": ("ring", "folded")},
                "shard_exp_on_fsdp": {"mode": ("gather", "ep")}}
-# Option sets beyond OPTION_GRID's product: pp's interleaved schedule with 2 chunks per stage
-OPTION_EXTRA = {"pp": ({"schedule": "interleaved", "virtual_stages": 2},)}
+# Option sets beyond OPTION_GRID's product: pp's interleaved schedules with 2 chunks per stage
+# (gpipe's order, and Megatron's interleaved 1F1B)
+OPTION_EXTRA = {"pp": ({"schedule": "interleaved", "virtual_stages": 2},
+                       {"schedule": "1f1b", "virtual_stages": 2})}
 # Residual-stream sequence splits that batch_spec does not show: ep_tp keeps [B@data, S@expert, D]
 SEQ_SPLIT = {"ep_tp": ("expert",)}
 # pp_weights' coefficient, not from planning/calibrate.py (whose pp rows predate the gathered
@@ -354,12 +359,27 @@ def _pre_pass(cfg, opts) -> bool:
   return opts is not None and strategies.get("pp").counts_pre_pass(cfg, opts)
 
 
+@functools.lru_cache(maxsize=None)
+def one_f_ticks(p: int, m: int, v: int) -> tuple[int, int, int]:
+  """pp's 1f1b table on P stages, M microbatches, v chunks per stage -> (its ticks where no
+  stage runs a backward, its ticks where one does, its ring's slots). v = 1: the closed form
+  of Megatron's table, (P, 2M + P - 2, min(M, P)) (tests/test_plan.py holds it to the table);
+  v > 1 reads the table (pp.schedule, one lockstep walk per (P, M, v))."""
+  if v == 1:
+    return p, 2 * m + p - 2, min(m, p)
+  pp = strategies.get("pp")
+  table = pp.schedule("1f1b", p, m, v)
+  backward = (np.asarray(table["B"]) >= 0).any(axis=1)
+  return int((~backward).sum()), int(backward.sum()), pp.in_flight(table)
+
+
 def _in_flight(cfg, shape: dict, opts) -> float:
   """pp: microbatches whose activations a stage holds, per microbatch of the step: gpipe's
-  time loop keeps M + P - 1, 1f1b's ring min(M, P) (strategies/pp.py)."""
+  time loop keeps M + P - 1, 1f1b's ring min(M, P) (interleaved 1F1B: its ring's chunk slots,
+  1/v of a microbatch each) (strategies/pp.py)."""
   p, m, v = shape["stage"], cfg.microbatches, _chunks(cfg)
   if _one_f(opts):
-    return min(m, p) / m
+    return one_f_ticks(p, m, v)[2] / v / m
   return (v * m + p - 1) / (v * m)           # interleaved: v*M+P-1 ticks of one chunk each
 
 
@@ -392,10 +412,12 @@ def timing(c: Candidate, cfg, terms, cluster, efficiency: float) -> None:
   if c.strategy == "pp":
     p, m = shape["stage"], cfg.microbatches
     if _one_f(c.opts):
-      # lockstep: P forward-only ticks, 2M+P-2 that hold a backward (b forwards long), the
-      # counts pre-pass's M+P-1 forward ticks, against M passes of 1 + b
-      b = 3 if cfg.remat == "block" else 2
-      pipe = (p + (2 * m + p - 2) * b + (m + p - 1) * _pre_pass(cfg, c.opts)) / (m * (1 + b))
+      # lockstep: its forward-only ticks and those that hold a backward (b forwards long),
+      # the counts pre-pass's vM+P-1 forward ticks, each of one chunk (1/v of a stage),
+      # against M passes of 1 + b (v = 1: P, 2M+P-2 and M+P-1)
+      b, v = (3 if cfg.remat == "block" else 2), _chunks(cfg)
+      fwd, bwd, _ = one_f_ticks(p, m, v)
+      pipe = (fwd + bwd * b + (v * m + p - 1) * _pre_pass(cfg, c.opts)) / (v * m * (1 + b))
     else:
       vm = _chunks(cfg) * m                                      # ticks of 1/v (interleaved)
       pipe = (vm + p - 1) / vm

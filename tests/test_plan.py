@@ -85,15 +85,33 @@ def test_pp_on_stages_that_do_not_divide_the_layers_runs_the_balanced_layout():
   check()'s line."""
   cfg = get_config("tiny", dtype="bfloat16", n_layers=3)
   cands = plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("pp",))
-  plain = [c for c in cands if c.opts.schedule != "interleaved"]
+  plain = [c for c in cands if c.opts.virtual_stages == 1]
   two = [c for c in plain if dict(c.sizes)["stage"] == 2 and not c.error]
   assert two and all(c.layer_layout == "2,1" and "layers=2x1+1x1" in c.layout() for c in two)
   assert plan.config_for(two[0], cfg).layer_layout == "2,1"
   assert all(c.error == "n_layers=3 is not divisible by mesh axis stage=4"
              for c in plain if dict(c.sizes)["stage"] == 4)
-  # interleaved (2 chunks per stage) needs 2P MoE layers: refused with stored_config's line
+  # interleaved and interleaved 1F1B (2 chunks per stage) need 2P MoE layers: refused with
+  # stored_config's line
   assert all(c.error == "--opt=virtual_stages=2 on stage=2 needs 4 MoE layers, the model has 3"
-             for c in cands if c.opts.schedule == "interleaved" and dict(c.sizes)["stage"] == 2)
+             for c in cands if c.opts.virtual_stages == 2 and dict(c.sizes)["stage"] == 2)
+
+
+def test_one_f_ticks_closed_form_is_the_table():
+  """The planner's 1f1b tick counts: v = 1's closed form (P forward-only ticks, 2M + P - 2 with
+  a backward, a ring of min(M, P)) is what pp's table gives; v = 2 is read off the table, and
+  its ring is ((v + 1) P - 1) / v stage-microbatches at most (README, interleaved 1F1B)."""
+  import strategies
+  pp = strategies.get("pp")
+  plan.one_f_ticks.cache_clear()
+  for p, m in ((2, 2), (2, 6), (4, 4), (4, 8), (8, 8)):
+    table = pp.schedule("1f1b", p, m, 1)
+    backward = (np.asarray(table["B"]) >= 0).any(axis=1)
+    assert plan.one_f_ticks(p, m, 1) == (int((~backward).sum()), int(backward.sum()),
+                                         pp.in_flight(table)), (p, m)
+  fwd, bwd, ring = plan.one_f_ticks(4, 16, 2)
+  assert fwd + bwd == len(pp.schedule("1f1b", 4, 16, 2)["F"]) == 70
+  assert ring == 2 * (4 - 1) + (2 - 1) * 4 + 1
 
 
 def test_interleaved_candidates_store_the_chunks_and_shorten_the_bubble():
@@ -114,6 +132,14 @@ def test_interleaved_candidates_store_the_chunks_and_shorten_the_bubble():
     p, m = 2, c.microbatches
     np.testing.assert_allclose(c.compute_s / g.compute_s,
                                (2 * m + p - 1) / (2 * m) / ((m + p - 1) / m), rtol=1e-9)
+  # interleaved 1F1B: the same storage, its table's ticks of one chunk each, fewer in time
+  # than plain 1f1b's, and a ring of chunk slots in place of min(M, P) microbatches
+  one_f = {key(c): c for c in cands if c.opts.schedule == "1f1b" and c.opts.virtual_stages == 1}
+  inter_1f = [c for c in cands if c.opts.schedule == "1f1b" and c.opts.virtual_stages == 2]
+  assert inter_1f and all("schedule=1f1b virtual_stages=2" in c.layout() for c in inter_1f)
+  for c in inter_1f:
+    assert plan.config_for(c, cfg).layer_stages == 2
+    assert c.compute_s < one_f[key(c)].compute_s, (c.layout(), c.compute_s)
 
 
 def test_ranking_order_and_exact_params():
