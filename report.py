@@ -14,13 +14,15 @@ SHORT = {"all-to-all": "a2a", "all-gather": "ag", "reduce-scatter": "rs", "all-r
          "collective-permute": "cp", "ragged-all-to-all": "ra2a"}
 
 
-def fmt_bytes(b) -> str:
+def fmt_bytes(b, long: bool = False) -> str:
+  """Bytes in the largest binary unit that keeps them at 1 or more: "1.3M"; long: two decimals
+  and the unit's name, "1.25 MiB" (tables of exact figures)."""
   if b is None:
     return "-"
   for unit, div in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
     if b >= div:
-      return f"{b / div:.1f}{unit}"
-  return f"{b:.0f}"
+      return f"{b / div:.2f} {unit}iB" if long else f"{b / div:.1f}{unit}"
+  return f"{b:.0f} B" if long else f"{b:.0f}"
 
 
 def _collective_cell(row) -> str:

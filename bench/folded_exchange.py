@@ -28,16 +28,9 @@ jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
 from layout import mesh as mesh_lib  # noqa: E402
 from measure import cost, hlo  # noqa: E402
 from modeling.config import get_config  # noqa: E402
+from report import fmt_bytes  # noqa: E402
 from runtime import train  # noqa: E402
 import strategies  # noqa: E402
-
-
-def size(n: float) -> str:
-  """Bytes in the largest binary unit that keeps them at 1 or more (GiB at most)."""
-  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if n >= scale:
-      return f"{n / scale:.2f} {unit}"
-  return f"{n:.0f} B"
 
 
 def point(name, opts, cfg, spec):
@@ -50,7 +43,8 @@ def point(name, opts, cfg, spec):
   rows = {k: v for k, v in table.items() if k[1] == frozenset({model_axis})}
   total = lambda key: sum(v[key] for v in rows.values())
   worst = max(abs(v["ratio"] - 1) for v in table.values())
-  detail = " ".join(f"{k[0]} {size(v['measured'])}" for k, v in sorted(rows.items()))
+  detail = " ".join(f"{k[0]} {fmt_bytes(v['measured'], long=True)}"
+                    for k, v in sorted(rows.items()))
   return total("measured"), total("predicted"), worst, detail
 
 
@@ -69,5 +63,5 @@ if __name__ == "__main__":
         ("ep_tp folded", "ep_tp", ep_tp.Options(exchange="folded"), spec),
         ("tp", "tp", None, spec.replace("expert", "tensor"))):
       m, p, worst, detail = point(name, opts, cfg, s)
-      print(f"| {model} | {s} | {label} | {size(m)} | {size(p)} | "
+      print(f"| {model} | {s} | {label} | {fmt_bytes(m, long=True)} | {fmt_bytes(p, long=True)} | "
             f"{worst:.3f} | {detail} |", flush=True)

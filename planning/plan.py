@@ -354,11 +354,6 @@ def _one_f(opts) -> bool:
   return opts is not None and opts.schedule == "1f1b"
 
 
-def _pre_pass(cfg, opts) -> bool:
-  """pp's 1f1b with the batch-wise aux loss runs a forward pass for the step's counts first."""
-  return opts is not None and strategies.get("pp").counts_pre_pass(cfg, opts)
-
-
 @functools.lru_cache(maxsize=None)
 def one_f_ticks(p: int, m: int, v: int) -> tuple[int, int, int]:
   """pp's 1f1b table on P stages, M microbatches, v chunks per stage -> (its ticks where no
@@ -413,11 +408,12 @@ def timing(c: Candidate, cfg, terms, cluster, efficiency: float) -> None:
     p, m = shape["stage"], cfg.microbatches
     if _one_f(c.opts):
       # lockstep: its forward-only ticks and those that hold a backward (b forwards long),
-      # the counts pre-pass's vM+P-1 forward ticks, each of one chunk (1/v of a stage),
-      # against M passes of 1 + b (v = 1: P, 2M+P-2 and M+P-1)
+      # the counts pre-pass's forward ticks (pp.stage_passes), each of one chunk (1/v of a
+      # stage), against M passes of 1 + b (v = 1: P, 2M+P-2 and M+P-1)
       b, v = (3 if cfg.remat == "block" else 2), _chunks(cfg)
       fwd, bwd, _ = one_f_ticks(p, m, v)
-      pipe = (fwd + bwd * b + (v * m + p - 1) * _pre_pass(cfg, c.opts)) / (v * m * (1 + b))
+      pre = strategies.get("pp").stage_passes(cfg, p, c.opts)[1]
+      pipe = (fwd + bwd * b + pre) / (v * m * (1 + b))
     else:
       vm = _chunks(cfg) * m                                      # ticks of 1/v (interleaved)
       pipe = (vm + p - 1) / vm

@@ -881,6 +881,7 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
   layers = pc["layers"]
   lay = model.Layout(moe=functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
                                            token_axes=TOKENS, transport=ep.a2a_exchange))
+  v = chunks(cfg)                             # chunks per stage (interleaved 1F1B: v > 1)
 
   # the batch-wise load-balance loss's f needs the step's counts before the first backward: a
   # forward pass over every microbatch first (exact; the sequence-wise loss needs none)
@@ -892,10 +893,9 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
   if pre_pass:
     counts = jax.lax.stop_gradient(
         _stages(pc, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
-                unroll=chunks(cfg) == 1)[1]["counts"])
+                unroll=v == 1)[1]["counts"])
 
   mask = _stage_mask(cfg, n_stage)
-  v = chunks(cfg)                             # chunks per stage (interleaved 1F1B: v > 1)
   per = cfg.n_layer_slots // n_stage // v     # a chunk's rows of the stage's stack
   # chunk r's rows of a stage-stacked array (the layers, their mask, counts, stats); v = 1: all
   cut = lambda a, r: a if v == 1 else jax.lax.dynamic_slice_in_dim(a, r * per, per)
