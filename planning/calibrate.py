@@ -3,6 +3,7 @@
 squares, each case weighted by 1 / its temp (relative errors).
 
   python -m planning.calibrate            # prints the coefficients and each case's error
+  python -m planning.calibrate --save=F   # also writes each case's features and bytes to F (JSON)
 
 Two small models stand in for the presets' shapes: Mixtral-8x7B's (GQA, 8 experts top-2) and
 DeepSeek-V2-Lite's (MLA, 64 experts top-6, shared experts, a dense first layer), narrowed and
@@ -23,7 +24,7 @@ MIXTRAL = ("mixtral-8x7b", dict(d_model=1024, n_heads=8, n_kv_heads=8, head_dim=
 MIXTRAL_V8K = ("mixtral-8x7b", dict(MIXTRAL[1], vocab=8000, d_ff=1024))
 V2LITE = ("deepseek-v2-lite", dict(d_model=512, n_heads=8, n_kv_heads=8, d_ff=512, n_layers=5,
                                    dense_d_ff=2048, seq_len=1024, batch=16, vocab=16000))
-# (model, strategy, mesh, remat, microbatches, capacity factor)
+# (model, strategy, mesh, remat, microbatches, capacity factor[, the strategy's options])
 CASES = [
     (MIXTRAL, "ep", "fsdp:2,expert:4", "block", 1, 0.0),
     (MIXTRAL, "ep", "data:2,expert:4", "none", 1, 0.0),
@@ -48,14 +49,20 @@ CASES = [
     (V2LITE, "ep", "data:2,expert:4", "block", 1, 1.25),
     (V2LITE, "ep_tp", "data:1,expert:8", "none", 1, 0.0),
     (V2LITE, "pp", "stage:2,data:2,expert:2", "block", 4, 0.0),
+    (MIXTRAL, "pp", "stage:2,expert:4", "block", 4, 0.0, {"schedule": "1f1b"}),
+    (V2LITE, "pp", "stage:2,data:2,expert:2", "block", 4, 0.0, {"schedule": "1f1b"}),
 ]
 
 
 def case_config(case):
   from modeling.config import get_config
-  (preset, over), _, _, remat, m, cf = case
+  (preset, over), _, _, remat, m, cf, *_ = case
   return get_config(preset, **over, dtype="bfloat16", gmm_backend="scan", remat=remat,
                     microbatches=m, capacity_factor=cf)
+
+
+def options(case) -> dict:
+  return case[6] if len(case) > 6 else {}
 
 
 def measure(case) -> tuple[dict, float, float]:
@@ -68,18 +75,22 @@ def measure(case) -> tuple[dict, float, float]:
   import strategies
   _, name, spec, *_ = case
   cfg, strat = case_config(case), strategies.get(name)
+  opts = strat.Options(**options(case))
   mesh = mesh_lib.for_strategy(strat, spec)
-  job = train.build(strat, cfg, mesh, strat.Options(), compile_only=True)
+  job = train.build(strat, cfg, mesh, opts, compile_only=True)
   mem = cost.param_memory(model.init_params_shapes(cfg), strat.param_specs(cfg, mesh), mesh,
                           cfg.optimizer)
-  feats = plan.temp_features(name, cfg, mesh, strat.cost(cfg, mesh, strat.Options()))
+  feats = plan.temp_features(name, cfg, mesh, strat.cost(cfg, mesh, opts), opts,
+                             param_bytes=mem["param_bytes"])
   return feats, job.compiled.memory_analysis().temp_size_in_bytes, \
       mem["param_bytes"] + mem["opt_bytes"]
 
 
 # Held at 1 rather than fitted: under remat block every layer keeps its input, whatever the fit
 # says; the calibration models have 4-5 layers, too few for the fit to see it (it set it to 0).
-FIXED = {"saved_block": 1.0}
+# pp's weights: its stage's copy and gradient sum are both live through the time loop; fitted,
+# the small models' stages put it at 0.69, and DeepSeek-V3's 1f1b rows came out 12-16% under.
+FIXED = {"saved_block": 1.0, "pp_weights": 1.0}
 
 
 def fit(rows) -> dict:
@@ -103,15 +114,22 @@ def main() -> None:
   for case in CASES:
     feats, temp, po = measure(case)
     rows.append((feats, temp, po, case))
-    print(f"  {case[1]} {case[2]} remat={case[3]} M={case[4]} cf={case[5]}: temp "
+    print(f"  {case[1]} {case[2]} remat={case[3]} M={case[4]} cf={case[5]} {options(case)}: temp "
           f"{temp / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+  save = next((a.removeprefix("--save=") for a in sys.argv[1:] if a.startswith("--save=")), None)
+  if save:
+    import json
+    with open(save, "w") as f:
+      json.dump([{"case": repr(c), "features": fe, "temp": t, "param_opt": po}
+                 for fe, t, po, c in rows], f, indent=1)
   coef = fit([(f, t) for f, t, _, _ in rows])
   print("TEMP_COEF = {" + ", ".join(f'"{k}": {v:.3f}' for k, v in coef.items()) + "}")
   for f, t, po, case in rows:
     pred = sum(coef[k] * v for k, v in f.items())
     over = case[0][1]
     label = f"{case[0][0]} D{over['d_model']} F{over['d_ff']} V{over.get('vocab', 'preset')}"
-    print(f"{label:<38} {case[1]:<18} {case[2]:<24} remat={case[3]:<5} M={case[4]} "
+    name = case[1] + "".join(f" {k}={v}" for k, v in options(case).items())
+    print(f"{label:<38} {name:<18} {case[2]:<24} remat={case[3]:<5} M={case[4]} "
           f"cf={case[5]:<4}  temp {t / 2**20:7.0f} MiB pred {pred / 2**20:7.0f} "
           f"({pred / t - 1:+.0%})  total {(t + po) / 2**20:7.0f} pred {(pred + po) / 2**20:7.0f} "
           f"({(pred + po) / (t + po) - 1:+.0%})")

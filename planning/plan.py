@@ -34,10 +34,17 @@ Per candidate, per device:
              work_rows_d       one MoE layer's expert rows, R x D x 4
              work_rows_tokens  R x T bytes: temp grows by about 4 x R x T bytes whatever D, F
                                and E (measured); which op holds it is not traced
-             pp_weights        pp: the weights its _use gathers once per step (over data, the
-                               embedding and head over (stage, data)), at their gathered size,
-                               a copy in the compute dtype plus its float32 gradient sum, both
-                               live through the time loop (strategies/pp.py)
+             pp_weights        pp: the weights a stage uses, each a copy in the compute dtype
+                               plus its gradient sum, both live through the time loop
+                               (strategies/pp.py): those its _use gathers once per step (over
+                               data, the embedding and head over (stage, data)) at their
+                               gathered size with a float32 sum; the others at their stored
+                               size with a float32 sum under 1f1b (its table sums explicitly,
+                               `_run_table`) and a compute-dtype one under gpipe and
+                               interleaved (autodiff of the time loop sums the copy's cotangents)
+             grads             the float32 gradients of the parameters the device stores (their
+                               param_bytes): the optimizer reads them beside the state, which
+                               the donated step overwrites in place
            T = tokens per device in the residual stream (pp: logits, attn_chunk and
            work_rows_tokens count one pass's, T/M, the microbatch it runs at a time; gpipe's
            and interleaved's logits the step's T, which autodiff of the head's map keeps);
@@ -46,21 +53,25 @@ Per candidate, per device:
            all-to-all, ep_tp's compaction bound, else T x K); L_held = the layers whose
            activations a device keeps (pp: rows / P x (M + P - 1) / M + the dense prefix under
            gpipe, (rows / P + the prefix) x min(M, P) / M under 1f1b, (vM + P - 1) / vM
-           under interleaved; the temp model was fitted on gpipe and default options only).
-           Not terms: the local gradients, the reduced gradients, a residual-sized working set
-           and R x F_local each got weight 0 when fitted beside these.
+           under interleaved).
+           Not terms: the gathered (pre-reduction) gradients, a residual-sized working set and
+           R x F_local each got weight 0 when fitted beside these.
+           XLA's temp is that of the step as a training loop runs it, its params and optimizer
+           state donated (runtime/train.py compiles compile-only steps so): without donation XLA
+           uses the outputs' buffers as scratch, and its temp leaves out up to a copy of the
+           state (the gradients above among it).
            TEMP_COEF: saved_block held at 1 (the calibration models have 4-5 layers, too few for
-           the fit to see it); the rest fitted by non-negative least squares on relative error
-           to XLA:CPU's temp bytes of 23 compiled steps on 8 devices (`python -m
+           the fit to see it) and pp_weights at 1 (both buffers are live through the loop; the
+           small models' stages are too small for the fit to see them: fitted, it came out at
+           0.69 and DeepSeek-V3's 1f1b rows at 0.84 and 0.88); the rest fitted by non-negative least squares on relative error
+           to XLA:CPU's temp bytes of 25 compiled steps on 8 devices (`python -m
            planning.calibrate`: --gmm=scan, bf16, small models shaped like Mixtral-8x7B and
-           DeepSeek-V2-Lite). On those 23, total memory is within -17% .. +12% of XLA's (temp
-           alone -28% .. +30%; measured with pp's per-microbatch terms, fitted before them). At
-           full scale (README, "Planner": Mixtral-8x7B on 64 devices, DeepSeek-V3 on 256 and
-           2048) ep comes out within 0.94 .. 1.06 of XLA's total, pp's
-           gpipe and interleaved within 0.85 .. 1.05 (0.97 for V3 16 x 64 at M = 120), while
-           1f1b (0.76 .. 0.90; V3 at M = 120: 0.85), dp, fsdp, cp, ep_tp (0.83 .. 0.88) and
-           tp (1.12) miss: their replicated or data-reduced gradients are a term the small
-           models barely show, and 1f1b holds buffers the fit has no term for.
+           DeepSeek-V2-Lite; pp under gpipe and 1f1b, the other options at their defaults).
+           On those 25, total memory is within -9% .. +8% of XLA's (temp alone -13% .. +16%).
+           At full scale (README, "Planner": Mixtral-8x7B on 64 devices, DeepSeek-V3 on 256
+           and 2,048, 21 compiled candidates) 18 come out within 10% of XLA's total; the misses
+           are remat none on fsdp (0.75) and on pp 1f1b (0.84), whose saved activations at
+           S = 4096 the calibration's S = 1024 does not show, and pp 1f1b interleaved (0.90).
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
@@ -109,14 +120,11 @@ OPTION_EXTRA = {"pp": ({"schedule": "interleaved", "virtual_stages": 2},
                        {"schedule": "1f1b", "virtual_stages": 2})}
 # Residual-stream sequence splits that batch_spec does not show: ep_tp keeps [B@data, S@expert, D]
 SEQ_SPLIT = {"ep_tp": ("expert",)}
-# pp_weights' coefficient, not from planning/calibrate.py (whose pp rows predate the gathered
-# weights): the value that puts the two full-scale pp compiles with a data axis in the README
-# ("Planner", "pp at full scale") nearest XLA's temp, stated there
-PP_WEIGHTS_COEF = 0.75
-# Fitted by planning/calibrate.py (bytes of temp per byte of feature); see the module docstring.
-TEMP_COEF = {"logits": 1.200, "gathered": 0.754, "attn_chunk": 0.879, "saved_block": 1.000,
-             "saved_none_res": 28.751, "saved_none_routed": 2.930, "work_rows_d": 3.443,
-             "work_rows_tokens": 3.879, "pp_weights": PP_WEIGHTS_COEF}
+# Fitted by planning/calibrate.py (bytes of temp per byte of feature), saved_block and pp_weights
+# held at 1; see the module docstring.
+TEMP_COEF = {"logits": 0.622, "gathered": 1.321, "attn_chunk": 7.599, "saved_block": 1.000,
+             "saved_none_res": 33.239, "saved_none_routed": 2.659, "work_rows_d": 6.524,
+             "work_rows_tokens": 3.342, "pp_weights": 1.000, "grads": 0.952}
 
 
 @dataclasses.dataclass
@@ -239,9 +247,10 @@ def _dense_flops_share(cfg) -> float:
   return cfg.first_k_dense_replace / cfg.n_layers
 
 
-def temp_features(name: str, cfg, mesh, terms, opts=None) -> dict:
+def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0.0) -> dict:
   """The features of the temp model (module docstring), in bytes per device. terms: the
-  strategy's cost terms (without remat's copies); opts: its Options (None = the defaults)."""
+  strategy's cost terms (without remat's copies); opts: its Options (None = the defaults);
+  param_bytes: the parameters a device stores (measure.cost.param_memory's param_bytes)."""
   strat = strategies.get(name)
   shape = dict(mesh.shape)
   t = cfg.batch * cfg.seq_len / spec_shards(strat.batch_spec(cfg, mesh), mesh)
@@ -272,20 +281,24 @@ def temp_features(name: str, cfg, mesh, terms, opts=None) -> dict:
           "saved_none_res": held * res * none,
           "saved_none_routed": held * routed * none, "work_rows_d": rows * cfg.d_model * 4,
           "work_rows_tokens": rows * t_pass,
-          "pp_weights": _pp_weights(name, cfg, mesh) * (cost.act_bytes(cfg) + 4)}
+          "pp_weights": _pp_weights(name, cfg, mesh) * (cost.act_bytes(cfg) + 4)
+          + _pp_weights(name, cfg, mesh, local=True)
+          * (cost.act_bytes(cfg) + (4 if name == "pp" and _one_f(opts) else cost.act_bytes(cfg))),
+          "grads": param_bytes}
 
 
-def _pp_weights(name: str, cfg, mesh) -> float:
+def _pp_weights(name: str, cfg, mesh, local: bool = False) -> float:
   """pp: how many parameter values a device holds gathered by _use (strategies/pp.py): each
-  leaf stored split over data, or (stage, data), at its size times those shards. 0 otherwise."""
+  leaf stored split over data, or (stage, data), at its size times those shards; local: the
+  values of the other leaves, which _use only casts. 0 otherwise."""
   if name != "pp":
     return 0.0
   return _pp_gathered(cfg.replace(microbatches=1, capacity_factor=0.0, remat="none"),
-                      tuple(dict(mesh.shape).items()))
+                      tuple(dict(mesh.shape).items()))[local]
 
 
 @functools.lru_cache(maxsize=256)
-def _pp_gathered(cfg, shape: tuple) -> float:
+def _pp_gathered(cfg, shape: tuple) -> tuple[float, float]:
   import jax
   from jax.sharding import PartitionSpec
   strat = strategies.get("pp")
@@ -293,13 +306,15 @@ def _pp_gathered(cfg, shape: tuple) -> float:
   leaves = jax.tree.leaves(model.init_params_shapes(cfg), is_leaf=lambda l: hasattr(l, "role"))
   specs = jax.tree.leaves(strat.param_specs(cfg, mesh),
                           is_leaf=lambda x: isinstance(x, PartitionSpec))
-  out = 0.0
+  gathered = local = 0.0
   for leaf, spec in zip(leaves, specs):
     n = math.prod(mesh.shape[a] for e in spec for a in entry_axes(e)
                   if strat.DATA in entry_axes(e) and a in strat.SPREAD)
     if n > 1:
-      out += math.prod(leaf.shape) / spec_shards(spec, mesh) * n
-  return out
+      gathered += math.prod(leaf.shape) / spec_shards(spec, mesh) * n
+    else:
+      local += math.prod(leaf.shape) / spec_shards(spec, mesh)
+  return gathered, local
 
 
 def _routed_rows(name: str, cfg, shape: dict, t: float, terms, opts=None) -> float:
@@ -490,7 +505,8 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
             for remat in remats:
               c_cfg = base.replace(remat=remat)
               terms = _step_terms(raw, remat)
-              temp = predict_temp(temp_features(name, c_cfg, mesh, raw, opts))
+              temp = predict_temp(temp_features(name, c_cfg, mesh, raw, opts,
+                                                o_mem["param_bytes"]))
               for inner in placements(shape, cluster.node_size):
                 c = Candidate(*key[:3], remat, cf, opts, inner,
                               param_opt=o_mem["param_bytes"] + o_mem["opt_bytes"], temp=temp,

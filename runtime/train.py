@@ -177,7 +177,14 @@ def build(strategy, cfg, mesh, opts=None, *, with_grads: bool = False, compile_o
       opt_state = jax.jit(opt.init)(params)
       b0 = batch(0)
     t0 = time.perf_counter()
-    compiled, hlo_text = _compile(jax.jit(step_fn).lower(params, opt_state, b0), cfg.mixed)
+    # compile only: the program a training loop runs, its params and optimizer state donated
+    # (their buffers become the new ones), so XLA's temp is the scratch beside one copy of the
+    # state; without donation XLA borrows the outputs' buffers as scratch, which a donated step
+    # cannot, and the state's two copies are live at its end. The executed runs here keep the
+    # state: steps() starts again from job.params and yields each step's state to the caller.
+    donate = (0, 1) if compile_only else ()
+    compiled, hlo_text = _compile(
+        jax.jit(step_fn, donate_argnums=donate).lower(params, opt_state, b0), cfg.mixed)
     compile_s = time.perf_counter() - t0
 
   def run_step(p, o, b):
