@@ -67,11 +67,12 @@ Per candidate, per device:
            to XLA:CPU's temp bytes of 25 compiled steps on 8 devices (`python -m
            planning.calibrate`: --gmm=scan, bf16, small models shaped like Mixtral-8x7B and
            DeepSeek-V2-Lite; pp under gpipe and 1f1b, the other options at their defaults).
-           On those 25, total memory is within -9% .. +8% of XLA's (temp alone -13% .. +16%).
-           At full scale (README, "Planner": Mixtral-8x7B on 64 devices, DeepSeek-V3 on 256
-           and 2,048, 21 compiled candidates) 18 come out within 10% of XLA's total; the misses
-           are remat none on fsdp (0.75) and on pp 1f1b (0.84), whose saved activations at
-           S = 4096 the calibration's S = 1024 does not show, and pp 1f1b interleaved (0.90).
+           On those 25, total memory is within -10% .. +12% of XLA's (temp alone -16% .. +22%).
+           At full scale (README, "Planner": Mixtral-8x7B on 64 devices, DeepSeek-V3 on 256 and
+           2,048, 22 compiled candidates) 16 come out within 10% of XLA's total, every 1f1b
+           row among them; the misses are ep-like layouts with remat block (0.87 .. 0.89),
+           remat none on fsdp (0.75) and pp 1f1b (0.86), whose saved activations at S = 4096
+           the calibration's S = 1024 does not show, and DeepSeek-V3's gpipe at M = 120 (0.64).
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
