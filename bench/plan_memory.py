@@ -6,6 +6,7 @@ Run from the repo root:
   python bench/plan_memory.py --model=mixtral-8x7b --devices=64 --cluster=h100 \
       pp@stage:4,data:2,expert:8/M=4/block/schedule=1f1b ...
 A candidate is STRATEGY@MESH/M=m/REMAT[/option=value...]; capacity factor 1.25.
+--layers=L compiles the model L layers deep (what one layer adds, against the full depth).
 --bytes adds a second table: the planner's predicted step time and the compiled program's
 bytes per (kind, axes), with the worst predicted-vs-HLO ratio.
 """
@@ -20,6 +21,8 @@ ARGS.add_argument("--devices", type=int, default=64)
 ARGS.add_argument("--cluster", default="h100")
 ARGS.add_argument("--bytes", action="store_true")
 ARGS.add_argument("--batch", type=int, default=None, help="global batch (default: the planner's)")
+ARGS.add_argument("--layers", type=int, default=None,
+                  help="the model's depth (default: the preset's), to see what a layer adds")
 ARGS.add_argument("candidates", nargs="+")
 A = ARGS.parse_args()
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -41,7 +44,8 @@ def parse(text: str):
 
 
 cfg = get_config(A.model, dtype="bfloat16")
-cfg = cfg.replace(batch=A.batch or max(PRESETS[A.model].batch, A.devices)).validate()
+cfg = cfg.replace(batch=A.batch or max(PRESETS[A.model].batch, A.devices))
+cfg = (cfg.replace(n_layers=A.layers) if A.layers else cfg).validate()
 cluster = clusters.get(A.cluster)
 wanted = [parse(c) for c in A.candidates]
 cands = [c for c in plan.enumerate_candidates(cfg, A.devices, cluster, cluster.hbm_bytes,
