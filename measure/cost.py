@@ -85,14 +85,28 @@ def step_terms(strategy, cfg, mesh, opts=None) -> list[Term]:
   if m <= 1 or strategy.layout(cfg, mesh, opts).loss is not None:
     terms = strategy.cost(cfg, mesh, opts)
     return terms + _recomputed(terms, cfg)
-  per_mb = strategy.cost(cfg.replace(batch=cfg.batch // m, microbatches=1), mesh, opts)
+  return accumulated(strategy.cost(cfg.replace(batch=cfg.batch // m, microbatches=1), mesh, opts),
+                     cfg)
+
+
+def accumulated(per_mb, cfg) -> list[Term]:
+  """step_terms of gradient accumulation from the cost of one microbatch's step (B/M sequences,
+  without remat's copies): M of its forward and backward terms with their recompute, pass 1's
+  forwards under the batch-wise aux loss, and its once-per-step "opt" terms."""
+  m = cfg.microbatches
   times = lambda ts, k, note: [dataclasses.replace(t, bytes=t.bytes * k, what=t.what + note)
                                for t in ts]
   step = [t for t in per_mb if t.phase != "opt"]
   out = times(step + _recomputed(step, cfg), m, f", x{m} microbatches")
-  if cfg.aux_loss_kind == "batch" and cfg.aux_loss_coef:
+  if counts_pass(cfg):
     out += times([t for t in step if t.phase == "fwd"], m, ", counts pass")
   return out + [t for t in per_mb if t.phase == "opt"]
+
+
+def counts_pass(cfg) -> bool:
+  """Gradient accumulation runs pass 1, a forward of every microbatch for the step's expert
+  counts, when the aux loss is batch-wise (runtime.train.accumulated_grads)."""
+  return cfg.microbatches > 1 and cfg.aux_loss_kind == "batch" and bool(cfg.aux_loss_coef)
 
 
 def _recomputed(terms, cfg) -> list[Term]:

@@ -49,6 +49,9 @@ CASES = [
     (V2LITE, "ep", "data:2,expert:4", "block", 1, 1.25),
     (V2LITE, "ep_tp", "data:1,expert:8", "none", 1, 0.0),
     (V2LITE, "pp", "stage:2,data:2,expert:2", "block", 4, 0.0),
+    (MIXTRAL, "ep", "fsdp:2,expert:4", "block", 2, 0.0),
+    (MIXTRAL, "fsdp", "data:2,fsdp:4", "block", 2, 1.25),
+    (V2LITE, "ep", "data:2,expert:4", "block", 2, 1.25),
     (MIXTRAL, "pp", "stage:2,expert:4", "block", 4, 0.0, {"schedule": "1f1b"}),
     (V2LITE, "pp", "stage:2,data:2,expert:2", "block", 4, 0.0, {"schedule": "1f1b"}),
 ]
@@ -80,8 +83,8 @@ def measure(case) -> tuple[dict, float, float]:
   job = train.build(strat, cfg, mesh, opts, compile_only=True)
   mem = cost.param_memory(model.init_params_shapes(cfg), strat.param_specs(cfg, mesh), mesh,
                           cfg.optimizer)
-  feats = plan.temp_features(name, cfg, mesh, strat.cost(cfg, mesh, opts), opts,
-                             param_bytes=mem["param_bytes"])
+  raw = strat.cost(plan.per_microbatch(name, cfg), mesh, opts)
+  feats = plan.step_features(name, cfg, mesh, raw, opts, param_bytes=mem["param_bytes"])
   return feats, job.compiled.memory_analysis().temp_size_in_bytes, \
       mem["param_bytes"] + mem["opt_bytes"]
 

@@ -6,17 +6,18 @@ A candidate is (strategy, mesh sizes over its AXES, the strategy's options, micr
 policy, capacity factor, which axes lie inside a node). OPTION_GRID names the options varied:
 the K/V exchange of cp and ep_as_cp, ep_tp's routed exchange, shard_exp_on_fsdp's mode, pp's
 schedule (gpipe, 1f1b, and OPTION_EXTRA's interleaved and interleaved 1F1B with 2 chunks per
-stage, their stack stored round-robin: pp.stored_config); the rest stay at their defaults (ep's dispatch=ragged needs a GPU's ragged_all_to_all, dispatch=none
-is a demonstration of a bug). The temp model was calibrated at the default options only. Microbatches vary for pp only (its pipeline's M, every divisor of
-the sequences a (data, expert) shard holds, up to PP_MAX_MICROBATCHES). The gradient
-accumulation the other strategies run with M > 1 has its bytes in the cost model
-(measure.cost.step_terms: M steps of B/M sequences, pass 1's forwards), but the temp model below
-was calibrated at M = 1 only, so those candidates could not be held to the compiler's memory and
-are not enumerated. Remat varies over none and block (the two policies the memory
-model below is calibrated for). pp on a stage count that does not divide the MoE layers runs
-the balanced uneven layout (`_layer_layout`, modeling.config.balanced_layout: DeepSeek-V3's 58
-on 16 stages as 4 x 10 + 3 x 6): its padded stack's rows count for memory, exchanges and the
-stage's compute (x rows / L_moe: every stage runs the largest group each tick).
+stage, their stack stored round-robin: pp.stored_config); the rest stay at their defaults
+(ep's dispatch=ragged needs a GPU's ragged_all_to_all, dispatch=none is a demonstration of a
+bug). The temp model was calibrated at the default options, and pp's 1f1b. Microbatches: pp's
+pipeline M, every divisor of the sequences a (data, expert) shard holds, up to
+PP_MAX_MICROBATCHES; elsewhere gradient accumulation's M, every divisor of the sequences a
+batch shard holds, up to ACCUM_MAX_MICROBATCHES (its bytes measure.cost.accumulated: M steps
+of B/M sequences, pass 1's forwards; its temp one microbatch's step plus the gradient carry,
+`step_features`). Remat varies over none and block (the two policies the memory model below
+is calibrated for). pp on a stage count that does not divide the MoE layers runs the balanced
+uneven layout (`_layer_layout`, modeling.config.balanced_layout: DeepSeek-V3's 58 on 16 stages
+as 4 x 10 + 3 x 6): its padded stack's rows count for memory, exchanges and the stage's
+compute (x rows / L_moe: every stage runs the largest group each tick).
 
 Per candidate, per device:
   memory = params + optimizer state (exact: the strategy's param_specs, measure.cost.param_memory)
@@ -45,6 +46,9 @@ Per candidate, per device:
              grads             the float32 gradients of the parameters the device stores (their
                                param_bytes): the optimizer reads them beside the state, which
                                the donated step overwrites in place
+             grad_accum        gradient accumulation (M > 1 outside pp): the float32 gradient
+                               carry beside each microbatch's gradients, the stored parameters'
+                               size; the other terms are one microbatch's (B/M sequences)
            T = tokens per device in the residual stream (pp: logits, attn_chunk and
            work_rows_tokens count one pass's, T/M, the microbatch it runs at a time; gpipe's
            and interleaved's logits the step's T, which autodiff of the head's map keeps);
@@ -64,19 +68,22 @@ Per candidate, per device:
            the fit to see it) and pp_weights at 1 (both buffers are live through the loop; the
            small models' stages are too small for the fit to see them: fitted, it came out at
            0.69 and DeepSeek-V3's 1f1b rows at 0.84 and 0.88); the rest fitted by non-negative least squares on relative error
-           to XLA:CPU's temp bytes of 25 compiled steps on 8 devices (`python -m
+           to XLA:CPU's temp bytes of 28 compiled steps on 8 devices (`python -m
            planning.calibrate`: --gmm=scan, bf16, small models shaped like Mixtral-8x7B and
-           DeepSeek-V2-Lite; pp under gpipe and 1f1b, the other options at their defaults).
-           On those 25, total memory is within -10% .. +12% of XLA's (temp alone -16% .. +22%).
+           DeepSeek-V2-Lite; pp under gpipe and 1f1b, gradient accumulation at M = 2, the other
+           options at their defaults).
+           On those 28, total memory is within -11% .. +12% of XLA's (temp alone -16% .. +22%).
            At full scale (README, "Planner": Mixtral-8x7B on 64 devices, DeepSeek-V3 on 256 and
-           2,048, 22 compiled candidates) 16 come out within 10% of XLA's total, every 1f1b
-           row among them; the misses are ep-like layouts with remat block (0.87 .. 0.89),
-           remat none on fsdp (0.75) and pp 1f1b (0.86), whose saved activations at S = 4096
-           the calibration's S = 1024 does not show, and DeepSeek-V3's gpipe at M = 120 (0.64).
+           2,048) most compiled candidates come out within 10% of XLA's total, every 1f1b row and
+           the accumulating ones among them; the misses are ep-like layouts with remat block on
+           DeepSeek-V3 (0.87 .. 0.89), remat none on fsdp (0.76) and pp 1f1b (0.86), whose saved
+           activations at S = 4096 the calibration's S = 1024 does not show, and DeepSeek-V3's
+           gpipe at M = 120 (0.63).
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
-               recomputed forward); pp: x (M + P - 1) / M (the bubble; interleaved's
+               recomputed forward), + 1/3 for gradient accumulation's pass 1 under the
+               batch-wise aux loss; pp: x (M + P - 1) / M (the bubble; interleaved's
                (vM + P - 1) / vM; 1f1b's lockstep ticks (P F + (2M + P - 2) B + its counts
                pre-pass's (M + P - 1) F) / (M (F + B)), B = 2F, 3F with remat block;
                interleaved 1F1B: its table's ticks, each of one chunk, `one_f_ticks`) and its
@@ -107,6 +114,7 @@ import strategies
 REMATS = ("none", "block")
 CAPACITY_FACTORS = (0.0, 1.25)
 PP_MAX_MICROBATCHES = 256     # pp's M: every divisor of its per-shard batch up to this
+ACCUM_MAX_MICROBATCHES = 16   # gradient accumulation's M elsewhere, likewise
 NAMES = tuple(n for n in strategies.NAMES if n != "reference")
 EFFICIENCY = 0.5      # the fraction of peak FLOP/s the matmuls reach: an assumption, stated
 # Strategy options the enumeration varies: {strategy: {field: values}} (module docstring)
@@ -123,9 +131,9 @@ OPTION_EXTRA = {"pp": ({"schedule": "interleaved", "virtual_stages": 2},
 SEQ_SPLIT = {"ep_tp": ("expert",)}
 # Fitted by planning/calibrate.py (bytes of temp per byte of feature), saved_block and pp_weights
 # held at 1; see the module docstring.
-TEMP_COEF = {"logits": 0.622, "gathered": 1.321, "attn_chunk": 7.599, "saved_block": 1.000,
-             "saved_none_res": 33.239, "saved_none_routed": 2.659, "work_rows_d": 6.524,
-             "work_rows_tokens": 3.342, "pp_weights": 1.000, "grads": 0.952}
+TEMP_COEF = {"logits": 0.601, "gathered": 1.743, "attn_chunk": 5.052, "saved_block": 1.000,
+             "saved_none_res": 33.140, "saved_none_routed": 2.629, "work_rows_d": 6.927,
+             "work_rows_tokens": 3.338, "pp_weights": 1.000, "grads": 1.000, "grad_accum": 1.533}
 
 
 @dataclasses.dataclass
@@ -167,7 +175,7 @@ class Candidate:
     out = f"{self.strategy} {self.mesh_str}"
     for k, v in sorted(_varied(self.strategy, self.opts).items()):
       out += f" {k}={v}"
-    if self.strategy == "pp":
+    if self.strategy == "pp" or self.microbatches > 1:
       out += f" M={self.microbatches}"
       if self.layer_layout:
         counts = [int(c) for c in self.layer_layout.split(",")]
@@ -286,6 +294,27 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
           + _pp_weights(name, cfg, mesh, local=True)
           * (cost.act_bytes(cfg) + (4 if name == "pp" and _one_f(opts) else cost.act_bytes(cfg))),
           "grads": param_bytes}
+
+
+def _accumulates(name: str, cfg) -> bool:
+  """Gradient accumulation: M > 1 outside pp (pp runs its microbatches in its pipeline)."""
+  return cfg.microbatches > 1 and name != "pp"
+
+
+def per_microbatch(name: str, cfg):
+  """The step one microbatch runs: B/M sequences where the step accumulates, else the step."""
+  if not _accumulates(name, cfg):
+    return cfg
+  return cfg.replace(batch=cfg.batch // cfg.microbatches, microbatches=1)
+
+
+def step_features(name: str, cfg, mesh, raw, opts=None, param_bytes: float = 0.0) -> dict:
+  """temp_features of a candidate from raw, the strategy's cost of per_microbatch(name, cfg):
+  an accumulating step holds one microbatch's working set, plus its float32 gradient carry
+  (`grad_accum`, the stored parameters' size: runtime.train.accumulated_grads)."""
+  f = temp_features(name, per_microbatch(name, cfg), mesh, raw, opts, param_bytes)
+  f["grad_accum"] = param_bytes * _accumulates(name, cfg)
+  return f
 
 
 def _pp_weights(name: str, cfg, mesh, local: bool = False) -> float:
@@ -416,9 +445,10 @@ def timing(c: Candidate, cfg, terms, cluster, efficiency: float) -> None:
   """Fill c's compute, communication, dominant collective, tokens/s and MFU (module docstring)."""
   model_flops = flops_per_step(cfg)
   n = math.prod(s for _, s in c.sizes)
-  work = model_flops / n
-  if cfg.remat == "block":
-    work *= 4 / 3
+  # forward + backward = 3 forwards; remat block recomputes one, and gradient accumulation's
+  # pass 1 runs one more under the batch-wise aux loss (measure.cost.counts_pass)
+  extra = (cfg.remat == "block") + (c.strategy != "pp" and cost.counts_pass(cfg))
+  work = model_flops / n * (3 + extra) / 3
   shape = dict(c.sizes)
   if c.strategy == "pp":
     p, m = shape["stage"], cfg.microbatches
@@ -457,7 +487,9 @@ def _step_terms(terms, remat: str) -> list:
 
 def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                          remats=REMATS, capacity_factors=CAPACITY_FACTORS,
-                         pp_max_microbatches=PP_MAX_MICROBATCHES, efficiency: float = EFFICIENCY,
+                         pp_max_microbatches=PP_MAX_MICROBATCHES,
+                         accum_max_microbatches=ACCUM_MAX_MICROBATCHES,
+                         efficiency: float = EFFICIENCY,
                          progress=None) -> list[Candidate]:
   """Every candidate of the grid (module docstring), predicted; refused ones carry `error`
   (check()'s one line) and no prediction. progress: called as progress(done, name, kept) now
@@ -483,7 +515,8 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
         except ConfigError as e:
           o_error = str(e)
         o_layers = o_cfg.layer_layout
-        for m in (_pp_microbatches(cfg, shape, pp_max_microbatches) if name == "pp" else (1,)):
+        for m in (_pp_microbatches(cfg, shape, pp_max_microbatches) if name == "pp" else
+                  _accum_microbatches(cfg, strat, mesh, accum_max_microbatches)):
           for cf in capacity_factors:
             base = o_cfg.replace(microbatches=m, capacity_factor=cf)
             key = (name, tuple(shape.items()), m, cf, opts)
@@ -502,11 +535,12 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
               mems[o_cfg] = cost.param_memory(o_shapes, strat.param_specs(o_cfg, mesh), mesh,
                                               cfg.optimizer)
             o_mem = mems[o_cfg]
-            raw = strat.cost(base, mesh, opts)
+            raw = strat.cost(per_microbatch(name, base), mesh, opts)
             for remat in remats:
               c_cfg = base.replace(remat=remat)
-              terms = _step_terms(raw, remat)
-              temp = predict_temp(temp_features(name, c_cfg, mesh, raw, opts,
+              terms = (cost.accumulated(raw, c_cfg) if _accumulates(name, c_cfg)
+                       else _step_terms(raw, remat))
+              temp = predict_temp(step_features(name, c_cfg, mesh, raw, opts,
                                                 o_mem["param_bytes"]))
               for inner in placements(shape, cluster.node_size):
                 c = Candidate(*key[:3], remat, cf, opts, inner,
@@ -529,6 +563,13 @@ def _layer_layout(name: str, cfg, shape: dict) -> str:
     return cfg.layer_layout
   from modeling.config import balanced_layout
   return balanced_layout(cfg.n_moe_layers, p)
+
+
+def _accum_microbatches(cfg, strat, mesh, most: int) -> list[int]:
+  """Gradient accumulation's M outside pp: 1 and every divisor of the sequences one batch shard
+  holds, up to `most` (mesh.require_microbatches: each microbatch is sharded like the batch)."""
+  b = cfg.batch // spec_shards(strat.batch_spec(cfg, mesh), mesh)
+  return [m for m in range(1, min(b, most) + 1) if b % m == 0] or [1]
 
 
 def _pp_microbatches(cfg, shape: dict, most: int) -> list[int]:

@@ -1,7 +1,8 @@
 """The planner (planning/): enumeration counts, admissibility errors, ranking order, the speed
-of ranking on real shapes, and the honesty check: two compiled candidates whose predicted bytes
-per (kind, axes) are within 1% of the HLO's and whose predicted memory is within MEMORY_RTOL of
-XLA's."""
+of ranking on real shapes, gradient accumulation's candidates, and the honesty check: three
+compiled candidates (one accumulating) whose predicted bytes per (kind, axes) are within 1% of
+the HLO's and whose predicted memory is within MEMORY_RTOL of XLA's."""
+import dataclasses
 import math
 import time
 
@@ -14,6 +15,7 @@ from measure import cost
 from modeling import model
 from modeling.config import get_config
 from planning import check, clusters, plan
+import strategies
 
 H100 = clusters.get("h100")
 NODE4 = clusters.Cluster("node4", H100.peak_flops, H100.hbm_bytes, 4, H100.intra_bw,
@@ -159,7 +161,8 @@ def test_ranking_order_and_exact_params():
   assert dp.param_opt == 3 * full and not dp.fits
   same = {}
   for c in ranked:
-    same.setdefault((c.strategy, c.sizes, c.remat, c.capacity_factor), []).append(c)
+    same.setdefault((c.strategy, c.sizes, c.microbatches, c.remat, c.capacity_factor),
+                    []).append(c)
   groups = [g for g in same.values() if len(g) > 1]
   assert groups                                   # placements differ only in communication
   for g in groups:
@@ -202,11 +205,35 @@ SMALL = dict(d_model=512, n_heads=8, n_kv_heads=8, head_dim=64, d_ff=1024, n_lay
 @pytest.fixture(scope="module")
 def compiled():
   """The planner's two best distinct layouts of ep and fsdp for a small Mixtral-shaped model on
-  the 8 test devices, compiled (compile only)."""
+  the 8 test devices, and its best with gradient accumulation, compiled (compile only)."""
   cfg = get_config("mixtral-8x7b", **SMALL)
   ranked = plan.rank(plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("ep", "fsdp"),
                                                remats=("block",), capacity_factors=(0.0,)))
-  return [check.compile_candidate(c, cfg) for c in check.distinct(ranked, 2)]
+  accum = next(c for c in ranked if c.microbatches > 1)
+  return [check.compile_candidate(c, cfg) for c in check.distinct(ranked, 2) + [accum]]
+
+
+def test_accumulation_is_enumerated_and_priced_as_the_cost_model():
+  """Outside pp, gradient accumulation's M is every divisor of the sequences a batch shard
+  holds: each M is a candidate of its own, says M in its layout, and is priced as
+  measure.cost.step_terms prices the step (M microbatches' exchanges, the counts pass, the
+  once-per-step terms once); it holds one microbatch's activations plus a gradient carry."""
+  cfg = get_config("mixtral-8x7b", **SMALL)
+  cands = [c for c in plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("ep",),
+                                                remats=("block",), capacity_factors=(0.0,))
+           if not c.error and dict(c.sizes) == {"data": 1, "fsdp": 1, "expert": 8}]
+  by_m = {c.microbatches: c for c in cands}
+  assert sorted(by_m) == [1, 2], sorted(by_m)            # 16 sequences over 8 batch shards
+  one, two = by_m[1], by_m[2]
+  assert " M=2 " in two.layout() and " M=" not in one.layout()
+  c_cfg = plan.config_for(two, cfg)
+  ref = dataclasses.replace(two)
+  plan.timing(ref, c_cfg, cost.step_terms(strategies.get("ep"), c_cfg,
+                                          mesh_lib.abstract_mesh(dict(two.sizes)), two.opts),
+              H100, plan.EFFICIENCY)
+  assert ref.comm_s == pytest.approx(two.comm_s, rel=1e-12) and two.comm_s > one.comm_s
+  assert two.compute_s == pytest.approx(one.compute_s * 5 / 4)   # + pass 1's forwards
+  assert two.temp < one.temp, (two.temp, one.temp)
 
 
 def test_compiled_bytes_per_kind_and_axes_within_one_percent(compiled):
