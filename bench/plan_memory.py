@@ -6,7 +6,8 @@ Run from the repo root:
   python bench/plan_memory.py --model=mixtral-8x7b --devices=64 --cluster=h100 \
       pp@stage:4,data:2,expert:8/M=4/block/schedule=1f1b ...
 A candidate is STRATEGY@MESH/M=m/REMAT[/option=value...]; capacity factor 1.25.
---layers=L compiles the model L layers deep (what one layer adds, against the full depth).
+--layers=L compiles the model L layers deep (what one layer adds, against the full depth);
+--vocab=V with a vocabulary of V (what the logits add).
 --bytes adds a second table: the planner's predicted step time and the compiled program's
 bytes per (kind, axes), with the worst predicted-vs-HLO ratio.
 """
@@ -23,6 +24,8 @@ ARGS.add_argument("--bytes", action="store_true")
 ARGS.add_argument("--batch", type=int, default=None, help="global batch (default: the planner's)")
 ARGS.add_argument("--layers", type=int, default=None,
                   help="the model's depth (default: the preset's), to see what a layer adds")
+ARGS.add_argument("--vocab", type=int, default=None,
+                  help="the model's vocabulary (default: the preset's), to see what logits add")
 ARGS.add_argument("candidates", nargs="+")
 A = ARGS.parse_args()
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -45,7 +48,8 @@ def parse(text: str):
 
 cfg = get_config(A.model, dtype="bfloat16")
 cfg = cfg.replace(batch=A.batch or max(PRESETS[A.model].batch, A.devices))
-cfg = (cfg.replace(n_layers=A.layers) if A.layers else cfg).validate()
+cfg = cfg.replace(**{k: v for k, v in (("n_layers", A.layers), ("vocab", A.vocab)) if v})
+cfg = cfg.validate()
 cluster = clusters.get(A.cluster)
 wanted = [parse(c) for c in A.candidates]
 cands = [c for c in plan.enumerate_candidates(cfg, A.devices, cluster, cluster.hbm_bytes,
