@@ -67,18 +67,19 @@ Per candidate, per device:
            TEMP_COEF: saved_block held at 1 (the calibration models have 4-5 layers, too few for
            the fit to see it) and pp_weights at 1 (both buffers are live through the loop; the
            small models' stages are too small for the fit to see them: fitted, it came out at
-           0.69 and DeepSeek-V3's 1f1b rows at 0.84 and 0.88); the rest fitted by non-negative least squares on relative error
-           to XLA:CPU's temp bytes of 28 compiled steps on 8 devices (`python -m
-           planning.calibrate`: --gmm=scan, bf16, small models shaped like Mixtral-8x7B and
-           DeepSeek-V2-Lite; pp under gpipe and 1f1b, gradient accumulation at M = 2, the other
-           options at their defaults).
-           On those 28, total memory is within -11% .. +12% of XLA's (temp alone -16% .. +22%).
-           At full scale (README, "Planner": Mixtral-8x7B on 64 devices, DeepSeek-V3 on 256 and
-           2,048) most compiled candidates come out within 10% of XLA's total, every 1f1b row and
-           the accumulating ones among them; the misses are ep-like layouts with remat block on
-           DeepSeek-V3 (0.87 .. 0.89), remat none on fsdp (0.76) and pp 1f1b (0.86), whose saved
-           activations at S = 4096 the calibration's S = 1024 does not show, and DeepSeek-V3's
-           gpipe at M = 120 (0.63).
+           0.69 and DeepSeek-V3's 1f1b rows at 0.84 and 0.88); the rest fitted by non-negative
+           least squares on relative error to XLA:CPU's temp bytes of 28 compiled steps on 8
+           devices (`python -m planning.calibrate`: --gmm=scan, bf16, small models shaped like
+           Mixtral-8x7B and DeepSeek-V2-Lite; pp under gpipe and 1f1b, gradient accumulation at
+           M = 2, the other options at their defaults). On those 28, total memory is within
+           -11% .. +12% of XLA's (temp alone -16% .. +22%). At full scale (README, "Planner":
+           Mixtral-8x7B on 64 devices, DeepSeek-V3 on 256 and 2,048) most compiled candidates
+           come out within 10% of XLA's total, every 1f1b row and the accumulating ones among
+           them. The misses: ep-like layouts with remat block and many tokens or a large
+           vocabulary per device (0.88 .. 0.90: a constant the model under-counts, the logits'
+           share of it measured at about 1.6 bytes per byte against the fit's 0.60), remat none
+           on fsdp (0.76) and pp 1f1b (0.86), whose saved activations at S = 4096 the
+           calibration's S = 1024 does not show, and DeepSeek-V3's gpipe at M = 120 (0.63).
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
@@ -290,10 +291,7 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
           "saved_none_res": held * res * none,
           "saved_none_routed": held * routed * none, "work_rows_d": rows * cfg.d_model * 4,
           "work_rows_tokens": rows * t_pass,
-          "pp_weights": _pp_weights(name, cfg, mesh) * (cost.act_bytes(cfg) + 4)
-          + _pp_weights(name, cfg, mesh, local=True)
-          * (cost.act_bytes(cfg) + (4 if name == "pp" and _one_f(opts) else cost.act_bytes(cfg))),
-          "grads": param_bytes}
+          "pp_weights": _pp_weight_bytes(name, cfg, mesh, opts), "grads": param_bytes}
 
 
 def _accumulates(name: str, cfg) -> bool:
@@ -317,18 +315,23 @@ def step_features(name: str, cfg, mesh, raw, opts=None, param_bytes: float = 0.0
   return f
 
 
-def _pp_weights(name: str, cfg, mesh, local: bool = False) -> float:
-  """pp: how many parameter values a device holds gathered by _use (strategies/pp.py): each
-  leaf stored split over data, or (stage, data), at its size times those shards; local: the
-  values of the other leaves, which _use only casts. 0 otherwise."""
+def _pp_weight_bytes(name: str, cfg, mesh, opts) -> float:
+  """pp_weights (module docstring): each value a stage uses, a compute-dtype copy plus its
+  gradient sum: float32 for those _use gathers (strategies/pp.py), and for the others under
+  1f1b; the compute dtype for the others under autodiff's time loop. 0 outside pp."""
   if name != "pp":
     return 0.0
-  return _pp_gathered(cfg.replace(microbatches=1, capacity_factor=0.0, remat="none"),
-                      tuple(dict(mesh.shape).items()))[local]
+  gathered, local = _pp_gathered(cfg.replace(microbatches=1, capacity_factor=0.0, remat="none"),
+                                 tuple(dict(mesh.shape).items()))
+  act = cost.act_bytes(cfg)
+  return gathered * (act + 4) + local * (act + (4 if _one_f(opts) else act))
 
 
 @functools.lru_cache(maxsize=256)
 def _pp_gathered(cfg, shape: tuple) -> tuple[float, float]:
+  """pp: (the values a device holds gathered by _use: each leaf stored split over data, or
+  (stage, data), at its size times those shards; the values of the other leaves, which _use
+  only casts)."""
   import jax
   from jax.sharding import PartitionSpec
   strat = strategies.get("pp")
