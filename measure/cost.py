@@ -84,7 +84,7 @@ def step_terms(strategy, cfg, mesh, opts=None) -> list[Term]:
   m = cfg.microbatches
   if m <= 1 or strategy.layout(cfg, mesh, opts).loss is not None:
     terms = strategy.cost(cfg, mesh, opts)
-    return terms + _recomputed(terms, cfg)
+    return terms + recomputed(terms, cfg)
   return accumulated(strategy.cost(cfg.replace(batch=cfg.batch // m, microbatches=1), mesh, opts),
                      cfg)
 
@@ -97,7 +97,7 @@ def accumulated(per_mb, cfg) -> list[Term]:
   times = lambda ts, k, note: [dataclasses.replace(t, bytes=t.bytes * k, what=t.what + note)
                                for t in ts]
   step = [t for t in per_mb if t.phase != "opt"]
-  out = times(step + _recomputed(step, cfg), m, f", x{m} microbatches")
+  out = times(step + recomputed(step, cfg), m, f", x{m} microbatches")
   if counts_pass(cfg):
     out += times([t for t in step if t.phase == "fwd"], m, ", counts pass")
   return out + [t for t in per_mb if t.phase == "opt"]
@@ -109,7 +109,7 @@ def counts_pass(cfg) -> bool:
   return cfg.microbatches > 1 and cfg.aux_loss_kind == "batch" and bool(cfg.aux_loss_coef)
 
 
-def _recomputed(terms, cfg) -> list[Term]:
+def recomputed(terms, cfg) -> list[Term]:
   """A backward copy of each forward term that cfg.remat's recompute issues again."""
   return [dataclasses.replace(t, phase="bwd", what=f"{t.what}, recomputed", remat=())
           for t in terms if cfg.remat in t.remat]

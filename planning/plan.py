@@ -482,12 +482,6 @@ def timing(c: Candidate, cfg, terms, cluster, efficiency: float) -> None:
   c.mfu = model_flops / (c.step_s * n * cluster.peak_flops)
 
 
-def _step_terms(terms, remat: str) -> list:
-  """measure.cost.step_terms on terms already computed: remat's recomputed forward copies."""
-  return terms + [dataclasses.replace(t, phase="bwd", what=f"{t.what}, recomputed", remat=())
-                  for t in terms if remat in t.remat]
-
-
 def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                          remats=REMATS, capacity_factors=CAPACITY_FACTORS,
                          pp_max_microbatches=PP_MAX_MICROBATCHES,
@@ -541,8 +535,9 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
             raw = strat.cost(per_microbatch(name, base), mesh, opts)
             for remat in remats:
               c_cfg = base.replace(remat=remat)
+              # measure.cost.step_terms on the terms already computed
               terms = (cost.accumulated(raw, c_cfg) if _accumulates(name, c_cfg)
-                       else _step_terms(raw, remat))
+                       else raw + cost.recomputed(raw, c_cfg))
               temp = predict_temp(step_features(name, c_cfg, mesh, raw, opts,
                                                 o_mem["param_bytes"]))
               for inner in placements(shape, cluster.node_size):
@@ -571,17 +566,19 @@ def _layer_layout(name: str, cfg, shape: dict) -> str:
 def _accum_microbatches(cfg, strat, mesh, most: int) -> list[int]:
   """Gradient accumulation's M outside pp: 1 and every divisor of the sequences one batch shard
   holds, up to `most` (mesh.require_microbatches: each microbatch is sharded like the batch)."""
-  b = cfg.batch // spec_shards(strat.batch_spec(cfg, mesh), mesh)
-  return [m for m in range(1, min(b, most) + 1) if b % m == 0] or [1]
+  return _divisors(cfg.batch // spec_shards(strat.batch_spec(cfg, mesh), mesh), most)
 
 
 def _pp_microbatches(cfg, shape: dict, most: int) -> list[int]:
   """pp's M: every divisor of the sequences one (data, expert) shard holds, up to `most` (a
   batch the shard does not divide gets M = 1, for check() to refuse)."""
   b, rest = divmod(cfg.batch, shape.get("data", 1) * shape.get("expert", 1))
-  if rest or b < 1:
-    return [1]
-  return [m for m in range(1, min(b, most) + 1) if b % m == 0]
+  return [1] if rest else _divisors(b, most)
+
+
+def _divisors(b: int, most: int) -> list[int]:
+  """Every divisor of b up to `most` ([1] when b < 1)."""
+  return [m for m in range(1, min(b, most) + 1) if b % m == 0] or [1]
 
 
 def rank(cands: list[Candidate]) -> list[Candidate]:

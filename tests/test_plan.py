@@ -102,7 +102,6 @@ def test_one_f_ticks_closed_form_is_the_table():
   """The planner's 1f1b tick counts: v = 1's closed form (P forward-only ticks, 2M + P - 2 with
   a backward, a ring of min(M, P)) is what pp's table gives; v = 2 is read off the table, and
   its ring is ((v + 1) P - 1) / v stage-microbatches at most (README, interleaved 1F1B)."""
-  import strategies
   pp = strategies.get("pp")
   plan.one_f_ticks.cache_clear()
   for p, m in ((2, 2), (2, 6), (4, 4), (4, 8), (8, 8)):
