@@ -7,7 +7,10 @@ Run from the repo root:
       pp@stage:4,data:2,expert:8/M=4/block/schedule=1f1b ...
 A candidate is STRATEGY@MESH/M=m/REMAT[/option=value...]; capacity factor 1.25.
 --layers=L compiles the model L layers deep (what one layer adds, against the full depth);
---vocab=V with a vocabulary of V (what the logits add).
+--vocab=V with a vocabulary of V (what the logits add); --set=FIELD=VALUE (repeatable) any other
+config field, e.g. --set=d_ff=7168 (what the expert rows' hidden width adds).
+--save=F writes each candidate and XLA's temp bytes to F (JSON), rows that
+`python -m planning.calibrate --with=F` fits beside its own (planning/full_scale.json).
 --bytes adds a second table: the planner's predicted step time and the compiled program's
 bytes per (kind, axes), with the worst predicted-vs-HLO ratio.
 """
@@ -26,6 +29,9 @@ ARGS.add_argument("--layers", type=int, default=None,
                   help="the model's depth (default: the preset's), to see what a layer adds")
 ARGS.add_argument("--vocab", type=int, default=None,
                   help="the model's vocabulary (default: the preset's), to see what logits add")
+ARGS.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                  help="a config field's value (int), e.g. d_ff=7168")
+ARGS.add_argument("--save", default=None, help="JSON file for calibrate.py --with")
 ARGS.add_argument("candidates", nargs="+")
 A = ARGS.parse_args()
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -38,39 +44,34 @@ from planning import check, clusters, plan  # noqa: E402
 G = 2**30
 
 
-def parse(text: str):
-  """STRATEGY@MESH/M=m/REMAT[/k=v...] -> (strategy, {axis: size}, m, remat, {k: v})."""
-  head, m, remat, *opts = text.split("/")
-  name, mesh = head.split("@")
-  sizes = {a: int(n) for a, n in (kv.split(":") for kv in mesh.split(","))}
-  return name, sizes, int(m.removeprefix("M=")), remat, dict(o.split("=") for o in opts)
-
-
 cfg = get_config(A.model, dtype="bfloat16")
 cfg = cfg.replace(batch=A.batch or max(PRESETS[A.model].batch, A.devices))
-cfg = cfg.replace(**{k: v for k, v in (("n_layers", A.layers), ("vocab", A.vocab)) if v})
-cfg = cfg.validate()
+over = {k: v for k, v in (("n_layers", A.layers), ("vocab", A.vocab)) if v}
+over.update({k: int(v) for k, v in (kv.split("=") for kv in A.set)})
+cfg = cfg.replace(**over).validate()
 cluster = clusters.get(A.cluster)
-wanted = [parse(c) for c in A.candidates]
-cands = [c for c in plan.enumerate_candidates(cfg, A.devices, cluster, cluster.hbm_bytes,
-                                              names=tuple({w[0] for w in wanted}))
-         if not c.error and c.capacity_factor == 1.25]
+cands = plan.enumerate_candidates(cfg, A.devices, cluster, cluster.hbm_bytes,
+                                 names=tuple({check.parse(t)[0] for t in A.candidates}))
 checked = []
 print("| candidate | params+opt | predicted | compiled | ratio | temp predicted | temp compiled |")
 print("|---|---|---|---|---|---|---|")
-for (name, sizes, m, remat, opts), text in zip(wanted, A.candidates):
-  hit = [c for c in cands if c.strategy == name and c.microbatches == m and c.remat == remat
-         and {a: n for a, n in c.sizes if n > 1} == sizes
-         and all(str(getattr(c.opts, k)) == v for k, v in opts.items())]
-  if not hit:
+for text in A.candidates:
+  c = check.find(cands, text)
+  if c is None:
     sys.exit(f"error: {text} is not among the planner's admitted candidates")
   t = time.time()
-  r = check.compile_candidate(hit[0], cfg)
-  c = hit[0]
+  r = check.compile_candidate(c, cfg)
   checked.append((text, r))
   print(f"| {text} | {c.param_opt / G:.1f}G | {c.memory / G:.1f}G | {r.compiled_memory / G:.1f}G "
         f"| {r.memory_ratio:.3f} | {c.temp / G:.1f}G | {r.compiled_temp / G:.1f}G |", flush=True)
   print(f"  ({time.time() - t:.0f} s)", file=sys.stderr)
+
+if A.save:
+  import json
+  with open(A.save, "w") as f:
+    json.dump([{"model": A.model, "devices": A.devices, "cluster": A.cluster,
+                "batch": cfg.batch, "over": over, "candidate": text, "temp": r.compiled_temp}
+               for text, r in checked], f, indent=1)
 
 if A.bytes:
   print("\n| candidate | step s (predicted) | dominant | bytes per device (HLO) | worst HLO/cost - 1 |")

@@ -4,6 +4,8 @@ squares, each case weighted by 1 / its temp (relative errors).
 
   python -m planning.calibrate            # prints the coefficients and each case's error
   python -m planning.calibrate --save=F   # also writes each case's features and bytes to F (JSON)
+  python -m planning.calibrate --with=F1,F2  # fits beside CASES the rows of F1, F2: full-scale
+      # candidates that bench/plan_memory.py --save compiled on their own device counts
 
 Two small models stand in for the presets' shapes: Mixtral-8x7B's (GQA, 8 experts top-2) and
 DeepSeek-V2-Lite's (MLA, 64 experts top-6, shared experts, a dense first layer), narrowed and
@@ -24,6 +26,10 @@ MIXTRAL = ("mixtral-8x7b", dict(d_model=1024, n_heads=8, n_kv_heads=8, head_dim=
 MIXTRAL_V8K = ("mixtral-8x7b", dict(MIXTRAL[1], vocab=8000, d_ff=1024))
 V2LITE = ("deepseek-v2-lite", dict(d_model=512, n_heads=8, n_kv_heads=8, d_ff=512, n_layers=5,
                                    dense_d_ff=2048, seq_len=1024, batch=16, vocab=16000))
+# Mixtral's expert width to model width (3.5): rows x F against rows x D
+MIXTRAL_F35 = ("mixtral-8x7b", dict(MIXTRAL[1], d_ff=3584))
+# a vocabulary large against the layers, as DeepSeek-V3's: the head's gathered tables
+MIXTRAL_V64K = ("mixtral-8x7b", dict(MIXTRAL[1], vocab=64000, seq_len=512))
 # (model, strategy, mesh, remat, microbatches, capacity factor[, the strategy's options])
 CASES = [
     (MIXTRAL, "ep", "fsdp:2,expert:4", "block", 1, 0.0),
@@ -54,6 +60,11 @@ CASES = [
     (V2LITE, "ep", "data:2,expert:4", "block", 2, 1.25),
     (MIXTRAL, "pp", "stage:2,expert:4", "block", 4, 0.0, {"schedule": "1f1b"}),
     (V2LITE, "pp", "stage:2,data:2,expert:2", "block", 4, 0.0, {"schedule": "1f1b"}),
+    (MIXTRAL_F35, "ep", "fsdp:2,expert:4", "block", 1, 0.0),
+    (MIXTRAL_F35, "ep", "expert:8", "block", 1, 1.25),
+    (MIXTRAL_F35, "fsdp", "fsdp:8", "block", 1, 0.0),
+    (MIXTRAL_V64K, "shard_exp_on_fsdp", "fsdp:1,expert:8", "block", 1, 1.25),
+    (MIXTRAL_V64K, "ep", "fsdp:4,expert:2", "block", 1, 0.0),
 ]
 
 
@@ -119,24 +130,59 @@ def main() -> None:
     rows.append((feats, temp, po, case))
     print(f"  {case[1]} {case[2]} remat={case[3]} M={case[4]} cf={case[5]} {options(case)}: temp "
           f"{temp / 2**20:.0f} MiB", file=sys.stderr, flush=True)
-  save = next((a.removeprefix("--save=") for a in sys.argv[1:] if a.startswith("--save=")), None)
+  import json
+  save = _arg("save")
   if save:
-    import json
     with open(save, "w") as f:
       json.dump([{"case": repr(c), "features": fe, "temp": t, "param_opt": po}
                  for fe, t, po, c in rows], f, indent=1)
+  rows = [(f, t, po, _label(c)) for f, t, po, c in rows]
+  for path in filter(None, (_arg("with") or "").split(",")):
+    rows += full_scale_rows(path)
   coef = fit([(f, t) for f, t, _, _ in rows])
   print("TEMP_COEF = {" + ", ".join(f'"{k}": {v:.3f}' for k, v in coef.items()) + "}")
-  for f, t, po, case in rows:
-    pred = sum(coef[k] * v for k, v in f.items())
-    over = case[0][1]
-    label = f"{case[0][0]} D{over['d_model']} F{over['d_ff']} V{over.get('vocab', 'preset')}"
-    name = case[1] + "".join(f" {k}={v}" for k, v in options(case).items())
-    print(f"{label:<38} {name:<18} {case[2]:<24} remat={case[3]:<5} M={case[4]} "
-          f"cf={case[5]:<4}  temp {t / 2**20:7.0f} MiB pred {pred / 2**20:7.0f} "
-          f"({pred / t - 1:+.0%})  total {(t + po) / 2**20:7.0f} pred {(pred + po) / 2**20:7.0f} "
+  for f, t, po, label in rows:
+    pred = sum(coef[k] * f.get(k, 0.0) for k in coef)
+    print(f"{label:<110}  temp {t / 2**20:8.0f} MiB pred {pred / 2**20:8.0f} "
+          f"({pred / t - 1:+.0%})  total {(t + po) / 2**20:8.0f} pred {(pred + po) / 2**20:8.0f} "
           f"({(pred + po) / (t + po) - 1:+.0%})")
   del plan
+
+
+def full_scale_rows(path: str) -> list:
+  """The rows bench/plan_memory.py --save wrote (a candidate of a model on N devices, XLA's
+  temp bytes) -> [(its features, temp, params + optimizer, label)]: the candidate enumerated
+  again (planning.check.find), its features from the planner's current temp_features."""
+  import json
+  from modeling.config import get_config
+  from planning import check, clusters, plan
+  with open(path) as f:
+    saved = json.load(f)
+  out, enumerated = [], {}
+  for r in saved:
+    cfg = get_config(r["model"], dtype="bfloat16").replace(batch=r["batch"], **r["over"]).validate()
+    key = (cfg, r["devices"], r["cluster"], check.parse(r["candidate"])[0])
+    if key not in enumerated:
+      cluster = clusters.get(r["cluster"])
+      enumerated[key] = plan.enumerate_candidates(cfg, r["devices"], cluster, cluster.hbm_bytes,
+                                                  names=key[3:])
+    c = check.find(enumerated[key], r["candidate"])
+    over = "".join(f" {k}={v}" for k, v in r["over"].items())
+    out.append((plan.candidate_features(c, cfg), r["temp"], c.param_opt,
+                f"{r['model']} N={r['devices']} B={r['batch']}{over} {r['candidate']}"))
+  return out
+
+
+def _arg(name: str):
+  return next((a.removeprefix(f"--{name}=") for a in sys.argv[1:]
+               if a.startswith(f"--{name}=")), None)
+
+
+def _label(case) -> str:
+  over = case[0][1]
+  model = f"{case[0][0]} D{over['d_model']} F{over['d_ff']} V{over.get('vocab', 'preset')}"
+  name = case[1] + "".join(f" {k}={v}" for k, v in options(case).items())
+  return f"{model:<38} {name:<18} {case[2]:<24} remat={case[3]:<5} M={case[4]} cf={case[5]:<4}"
 
 
 if __name__ == "__main__":

@@ -38,6 +38,25 @@ def distinct(ranked: list[plan.Candidate], k: int) -> list[plan.Candidate]:
   return out
 
 
+def parse(text: str):
+  """A candidate named as STRATEGY@MESH/M=m/REMAT[/option=value...] (bench/plan_memory.py's
+  form) -> (strategy, {axis: size}, m, remat, {option: value})."""
+  head, m, remat, *opts = text.split("/")
+  name, mesh = head.split("@")
+  sizes = {a: int(n) for a, n in (kv.split(":") for kv in mesh.split(","))}
+  return name, sizes, int(m.removeprefix("M=")), remat, dict(o.split("=") for o in opts)
+
+
+def find(cands: list[plan.Candidate], text: str) -> plan.Candidate | None:
+  """The admitted candidate of cands, at capacity factor 1.25, that text names (parse), or
+  None."""
+  name, sizes, m, remat, opts = parse(text)
+  return next((c for c in cands if not c.error and c.capacity_factor == 1.25
+               and c.strategy == name and c.microbatches == m and c.remat == remat
+               and {a: n for a, n in c.sizes if n > 1} == sizes
+               and all(str(getattr(c.opts, k)) == v for k, v in opts.items())), None)
+
+
 def compile_candidate(c: plan.Candidate, cfg) -> Checked:
   """Compile c (compile only) on this process's devices and compare it with its prediction."""
   import jax

@@ -24,7 +24,9 @@ Per candidate, per device:
          + temp, a model of XLA's temporaries: TEMP_COEF . `temp_features`, bytes per device:
              logits            the float32 logits of the device's tokens, T_head x V_local x 4
              gathered          one layer's gathered weights (the cost model's forward
-                               all-gathers of weights, per layer)
+                               all-gathers of weights but the embedding's and head's, per layer)
+             gathered_head     the embedding's and head's gathered tables, whole: XLA gathers
+                               them once per step (0 under pp, whose pp_weights count them)
              attn_chunk        one key chunk's float32 scores, T x H_local x chunk x 4; x chunk
                                / S where attention runs ordered (query blocks: every strategy
                                but cp and ep_as_cp, modeling/attention.py)
@@ -32,7 +34,8 @@ Per candidate, per device:
                                compute dtype (the residual stream's)
              saved_none_res    remat none: each of L_held layers keeps its activations,
              saved_none_routed   T x D x 4 (res) and R x (D + F_local) in the compute dtype
-             work_rows_d       one MoE layer's expert rows, R x D x 4
+             work_rows_d       one MoE layer's expert rows, R x D x 4, and at the expert's
+             work_rows_f         hidden width, R x F_local x 4
              work_rows_tokens  R x T bytes: temp grows by about 4 x R x T bytes whatever D, F
                                and E (measured); which op holds it is not traced
              pp_weights        pp: the weights a stage uses, each a copy in the compute dtype
@@ -58,8 +61,9 @@ Per candidate, per device:
            activations a device keeps (pp: rows / P x (M + P - 1) / M + the dense prefix under
            gpipe, (rows / P + the prefix) x min(M, P) / M under 1f1b, (vM + P - 1) / vM
            under interleaved).
-           Not terms: the gathered (pre-reduction) gradients, a residual-sized working set and
-           R x F_local each got weight 0 when fitted beside these.
+           Not terms: the gathered (pre-reduction) gradients and a residual-sized working set
+           each got weight 0 when fitted beside these; remat none's gathered weights per layer
+           kept (fitted at 0.42) moved which remat-none rows miss, not how many.
            XLA's temp is that of the step as a training loop runs it, its params and optimizer
            state donated (runtime/train.py compiles compile-only steps so): without donation XLA
            uses the outputs' buffers as scratch, and its temp leaves out up to a copy of the
@@ -68,18 +72,23 @@ Per candidate, per device:
            the fit to see it) and pp_weights at 1 (both buffers are live through the loop; the
            small models' stages are too small for the fit to see them: fitted, it came out at
            0.69 and DeepSeek-V3's 1f1b rows at 0.84 and 0.88); the rest fitted by non-negative
-           least squares on relative error to XLA:CPU's temp bytes of 28 compiled steps on 8
-           devices (`python -m planning.calibrate`: --gmm=scan, bf16, small models shaped like
-           Mixtral-8x7B and DeepSeek-V2-Lite; pp under gpipe and 1f1b, gradient accumulation at
-           M = 2, the other options at their defaults). On those 28, total memory is within
-           -11% .. +12% of XLA's (temp alone -16% .. +22%). At full scale (README, "Planner":
-           Mixtral-8x7B on 64 devices, DeepSeek-V3 on 256 and 2,048) most compiled candidates
-           come out within 10% of XLA's total, every 1f1b row and the accumulating ones among
-           them. The misses: ep-like layouts with remat block and many tokens or a large
-           vocabulary per device (0.88 .. 0.90: a constant the model under-counts, the logits'
-           share of it measured at about 1.6 bytes per byte against the fit's 0.60), remat none
-           on fsdp (0.76) and pp 1f1b (0.86), whose saved activations at S = 4096 the
-           calibration's S = 1024 does not show, and DeepSeek-V3's gpipe at M = 120 (0.63).
+           least squares on relative error to XLA:CPU's temp bytes of 33 compiled steps on 8
+           devices and 23 full-scale candidates (`python -m planning.calibrate
+           --with=planning/full_scale.json`). The 33: --gmm=scan, bf16, small models shaped like
+           Mixtral-8x7B and DeepSeek-V2-Lite (F at 1, 2 and 3.5 x D, vocabularies of 8,000 to
+           64,000), pp under gpipe and 1f1b, gradient accumulation at M = 2, the other options
+           at their defaults. The 23 (planning/full_scale.json, written by bench/plan_memory.py
+           --save): Mixtral-8x7B on 64 devices, every strategy's best layout, remat none, pp's
+           schedules, accumulation at batch 512, and DeepSeek-V3's pp layouts on 2,048. Why
+           both: XLA's temp is the live set at its peak, which falls in one phase (the head's
+           gathered tables and logits, or one MoE layer's expert rows, over the saved
+           activations), and a sum of terms fitted where another phase peaks mis-weighs it:
+           fitted on the 33 alone, Mixtral's ep at batch 512 came out at 1.11 and DeepSeek-V3's
+           1f1b at 0.88. On the 33 the fit is
+           within -9% .. +16% of XLA's total (30 within 10%); on the 23, 20 within 10%: the
+           misses are remat none on ep (1.12) and fsdp (0.78), whose S = 4096 activations the
+           small steps do not show, and DeepSeek-V3's gpipe at M = 120 (0.74). Held out (README,
+           "Planner"): tests/test_plan.py's small grid and the planner's first picks.
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
@@ -128,13 +137,16 @@ OPTION_GRID = {"cp": {"kv_exchange": ("allgather", "ring")},
 # (gpipe's order, and Megatron's interleaved 1F1B)
 OPTION_EXTRA = {"pp": ({"schedule": "interleaved", "virtual_stages": 2},
                        {"schedule": "1f1b", "virtual_stages": 2})}
+# The leaves outside the layer stack: their gathers are live whole, not one layer's at a time
+HEAD_LEAVES = ("embed", "unembed")
 # Residual-stream sequence splits that batch_spec does not show: ep_tp keeps [B@data, S@expert, D]
 SEQ_SPLIT = {"ep_tp": ("expert",)}
 # Fitted by planning/calibrate.py (bytes of temp per byte of feature), saved_block and pp_weights
 # held at 1; see the module docstring.
-TEMP_COEF = {"logits": 0.601, "gathered": 1.743, "attn_chunk": 5.052, "saved_block": 1.000,
-             "saved_none_res": 33.140, "saved_none_routed": 2.629, "work_rows_d": 6.927,
-             "work_rows_tokens": 3.338, "pp_weights": 1.000, "grads": 1.000, "grad_accum": 1.533}
+TEMP_COEF = {"logits": 0.787, "gathered": 1.446, "gathered_head": 1.357, "attn_chunk": 0.734,
+             "saved_none_res": 36.247, "saved_none_routed": 2.309, "work_rows_d": 5.362,
+             "work_rows_f": 1.327, "work_rows_tokens": 3.244, "grads": 1.102, "grad_accum": 1.228,
+             "saved_block": 1.000, "pp_weights": 1.000}
 
 
 @dataclasses.dataclass
@@ -272,8 +284,10 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   t_head = t_pass if name == "pp" and _one_f(opts) else t
   v_loc = cfg.vocab / _dim_shards(strat.param_specs(cfg, mesh)["unembed"], 1, mesh)
   f_loc = cfg.d_ff / _expert_f_shards(name, shape)
-  gathered = sum(x.bytes for x in terms if x.kind == "all-gather" and x.phase == "fwd"
-                 and x.what.endswith("gathered")) / cfg.n_layers
+  gathers = [x for x in terms if x.kind == "all-gather" and x.phase == "fwd"
+             and x.what.endswith("gathered")]
+  head = [x.bytes for x in gathers if x.what.split()[0] in HEAD_LEAVES]
+  gathered = (sum(x.bytes for x in gathers) - sum(head)) / cfg.n_layers
   res = t * cfg.d_model * 4
   rows = _routed_rows(name, cfg, shape, t, terms, opts)
   routed = rows * (cfg.d_model + f_loc) * cost.act_bytes(cfg)
@@ -286,10 +300,12 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   ordered = strat.layout(cfg, mesh, strat.Options() if opts is None else opts).kv is None
   blocks = chunk / cfg.seq_len if cfg.attention_impl == "chunked" and ordered else 1
   return {"logits": t_head * v_loc * 4, "gathered": gathered,
+          "gathered_head": sum(head) * (name != "pp"),
           "attn_chunk": t_pass * heads * chunk * 4 * blocks,
           "saved_block": held * t * cfg.d_model * cost.act_bytes(cfg) * block,
           "saved_none_res": held * res * none,
           "saved_none_routed": held * routed * none, "work_rows_d": rows * cfg.d_model * 4,
+          "work_rows_f": rows * f_loc * 4,
           "work_rows_tokens": rows * t_pass,
           "pp_weights": _pp_weight_bytes(name, cfg, mesh, opts), "grads": param_bytes}
 
@@ -593,6 +609,18 @@ def config_for(c: Candidate, cfg):
   return cfg.replace(microbatches=c.microbatches, remat=c.remat,
                      capacity_factor=c.capacity_factor, layer_layout=c.layer_layout,
                      layer_stages=c.layer_stages)
+
+
+def candidate_features(c: Candidate, cfg) -> dict:
+  """The temp model's features of a candidate (step_features, as enumerate_candidates computes
+  them), for calibrate.py's full-scale rows."""
+  strat = strategies.get(c.strategy)
+  c_cfg = config_for(c, cfg)
+  mesh = mesh_lib.abstract_mesh(dict(c.sizes))
+  mem = cost.param_memory(model.init_params_shapes(c_cfg), strat.param_specs(c_cfg, mesh), mesh,
+                          c_cfg.optimizer)
+  raw = strat.cost(per_microbatch(c.strategy, c_cfg), mesh, c.opts)
+  return step_features(c.strategy, c_cfg, mesh, raw, c.opts, mem["param_bytes"])
 
 
 def progress_line(done: int, name: str, kept: int) -> None:

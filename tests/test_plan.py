@@ -284,6 +284,28 @@ def test_compiled_verdict_passes_over_what_compiles_over_hbm():
   assert none.startswith("verdict after compiling 1: none fits in 74.5G"), none
 
 
+def test_full_scale_rows_name_admitted_candidates(tmp_path):
+  """planning/full_scale.json, the full-scale rows of the temp model's fit: every row names a
+  candidate the planner admits (its Mixtral rows enumerated again, as calibrate.py does), with
+  the temp terms of the head's tables and the expert rows at the hidden width."""
+  import json
+  import os
+  from planning import calibrate
+  path = os.path.join(os.path.dirname(plan.__file__), "full_scale.json")
+  with open(path) as f:
+    saved = json.load(f)
+  assert len(saved) >= 20 and all(check.parse(r["candidate"]) for r in saved)
+  mixtral = [r for r in saved if r["model"] == "mixtral-8x7b" and r["batch"] == 64]
+  small = tmp_path / "rows.json"
+  small.write_text(json.dumps(mixtral))
+  rows = calibrate.full_scale_rows(str(small))
+  assert len(rows) == len(mixtral) >= 10
+  for (features, temp, param_opt, label), r in zip(rows, mixtral):
+    assert label.endswith(r["candidate"]) and temp == r["temp"] and param_opt > 0
+    routed = "work_rows_f" in features and features["work_rows_f"] > 0
+    assert routed and (features["gathered_head"] > 0) == ("fsdp:" in r["candidate"]), label
+
+
 def test_abstract_mesh_is_what_enumeration_uses():
   """check, param_specs and cost read axis sizes only: the same terms on an abstract mesh as on
   the devices' mesh."""
