@@ -11,12 +11,15 @@ A candidate is STRATEGY@MESH/M=m/REMAT[/option=value...]; capacity factor 1.25.
 config field, e.g. --set=d_ff=7168 (what the expert rows' hidden width adds).
 --save=F writes each candidate and XLA's temp bytes to F (JSON), rows that
 `python -m planning.calibrate --with=F` fits beside its own (planning/full_scale.json).
+--peak=K prints, under each candidate, the K largest buffers live at XLA's temp peak
+(measure/peak.py, from the step's buffer assignment).
 --bytes adds a second table: the planner's predicted step time and the compiled program's
 bytes per (kind, axes), with the worst predicted-vs-HLO ratio.
 """
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -32,6 +35,7 @@ ARGS.add_argument("--vocab", type=int, default=None,
 ARGS.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                   help="a config field's value (int), e.g. d_ff=7168")
 ARGS.add_argument("--save", default=None, help="JSON file for calibrate.py --with")
+ARGS.add_argument("--peak", type=int, default=0, help="list the K largest buffers at the peak")
 ARGS.add_argument("candidates", nargs="+")
 A = ARGS.parse_args()
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -39,6 +43,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from modeling.config import PRESETS, get_config  # noqa: E402
+from measure import peak  # noqa: E402
 from planning import check, clusters, plan  # noqa: E402
 
 G = 2**30
@@ -60,10 +65,16 @@ for text in A.candidates:
   if c is None:
     sys.exit(f"error: {text} is not among the planner's admitted candidates")
   t = time.time()
-  r = check.compile_candidate(c, cfg)
+  with tempfile.TemporaryDirectory() as dump:
+    r = check.compile_candidate(c, cfg, dump_dir=dump if A.peak else None)
+    top = peak.peak(dump) if A.peak else None
   checked.append((text, r))
   print(f"| {text} | {c.param_opt / G:.1f}G | {c.memory / G:.1f}G | {r.compiled_memory / G:.1f}G "
         f"| {r.memory_ratio:.3f} | {c.temp / G:.1f}G | {r.compiled_temp / G:.1f}G |", flush=True)
+  if top is not None:
+    print(f"  peak {top.bytes / G:.2f}G of XLA's {top.temp_bytes / G:.2f}G temp, at {top.at}:")
+    for size, shape, name in top.buffers[:A.peak]:
+      print(f"    {size / 2**20:9.1f} MiB  {shape:<32} {name}")
   print(f"  ({time.time() - t:.0f} s)", file=sys.stderr)
 
 if A.save:

@@ -57,8 +57,9 @@ def find(cands: list[plan.Candidate], text: str) -> plan.Candidate | None:
                and all(str(getattr(c.opts, k)) == v for k, v in opts.items())), None)
 
 
-def compile_candidate(c: plan.Candidate, cfg) -> Checked:
-  """Compile c (compile only) on this process's devices and compare it with its prediction."""
+def compile_candidate(c: plan.Candidate, cfg, dump_dir: str | None = None) -> Checked:
+  """Compile c (compile only) on this process's devices and compare it with its prediction;
+  dump_dir: where XLA also writes the step's module and buffer assignment (measure/peak.py)."""
   import jax
 
   from layout import mesh as mesh_lib
@@ -71,7 +72,7 @@ def compile_candidate(c: plan.Candidate, cfg) -> Checked:
     c_cfg = c_cfg.replace(gmm_backend="scan")
   mesh = mesh_lib.make_mesh(dict(c.sizes))
   opts = c.opts if c.opts is not None else strat.Options()
-  job = train.build(strat, c_cfg, mesh, opts, compile_only=True)
+  job = train.build(strat, c_cfg, mesh, opts, compile_only=True, dump_dir=dump_dir)
   temp = job.compiled.memory_analysis().temp_size_in_bytes
   got = hlo.collective_stats_by_axes(job.hlo, mesh)
   table = cost.versus(cost.step_terms(strat, c_cfg, mesh, opts), got, by="axes")

@@ -84,11 +84,11 @@ Per candidate, per device:
            gathered tables and logits, or one MoE layer's expert rows, over the saved
            activations), and a sum of terms fitted where another phase peaks mis-weighs it:
            fitted on the 33 alone, Mixtral's ep at batch 512 came out at 1.11 and DeepSeek-V3's
-           1f1b at 0.88. On the 33 the fit is
-           within -9% .. +16% of XLA's total (30 within 10%); on the 23, 20 within 10%: the
-           misses are remat none on ep (1.12) and fsdp (0.78), whose S = 4096 activations the
-           small steps do not show, and DeepSeek-V3's gpipe at M = 120 (0.74). Held out (README,
-           "Planner"): tests/test_plan.py's small grid and the planner's first picks.
+           1f1b at 0.88. On the 33 the fit is within -9% .. +16% of XLA's total (30 within
+           10%); on the 23, 20 within 10%: the misses are remat none on ep (1.12) and fsdp
+           (0.78), whose S = 4096 activations the small steps do not show, and DeepSeek-V3's
+           gpipe at M = 120 (0.74). Held out (README, "Planner"): tests/test_plan.py's small
+           grid and the planner's picks, at 0.947 .. 0.996.
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the

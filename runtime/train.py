@@ -138,11 +138,13 @@ def check_layer_layout(strategy, cfg) -> None:
 
 
 def build(strategy, cfg, mesh, opts=None, *, with_grads: bool = False, compile_only: bool = False,
-          init: Callable | None = None, state: tuple | None = None) -> Job:
+          init: Callable | None = None, state: tuple | None = None,
+          dump_dir: str | None = None) -> Job:
   """strategy: a module from strategies/ (see strategies/__init__.py for the contract); opts:
   its Options (None = the defaults). init: cfg -> numpy params (default model.init_params);
   state: (params, opt_state) already placed in this strategy's shardings (a restored
-  checkpoint, runtime/checkpoint.py)."""
+  checkpoint, runtime/checkpoint.py); dump_dir: an empty folder where XLA also writes the step's
+  optimized module and buffer assignment (measure/peak.py reads them)."""
   opts = strategy.Options() if opts is None else opts
   ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
   with ctx:
@@ -184,7 +186,8 @@ def build(strategy, cfg, mesh, opts=None, *, with_grads: bool = False, compile_o
     # state: steps() starts again from job.params and yields each step's state to the caller.
     donate = (0, 1) if compile_only else ()
     compiled, hlo_text = _compile(
-        jax.jit(step_fn, donate_argnums=donate).lower(params, opt_state, b0), cfg.mixed)
+        jax.jit(step_fn, donate_argnums=donate).lower(params, opt_state, b0), cfg.mixed,
+        dump_dir)
     compile_s = time.perf_counter() - t0
 
   def run_step(p, o, b):
@@ -198,11 +201,13 @@ def build(strategy, cfg, mesh, opts=None, *, with_grads: bool = False, compile_o
 _DUMP_LOCK = threading.Lock()     # compare compiles strategies in threads; the cache switch is global
 
 
-def _compile(lowered, mixed: bool):
-  """-> (compiled, the HLO text to count collectives in: see measure/hlo.py WIRE_PASS). The
-  dump needs a real compile: the persistent compilation cache is off for it (its key ignores
-  the dump flags, and jax memoises "cache on", hence reset_cache both ways)."""
-  if not hlo.wire_dump_needed(mixed):
+def _compile(lowered, mixed: bool, dump_dir: str | None = None):
+  """-> (compiled, the HLO text to count collectives in: see measure/hlo.py WIRE_PASS). A dump
+  (the wire pass's, or dump_dir's) needs a real compile: the persistent compilation cache is
+  off for it (its key ignores the dump flags, and jax memoises "cache on", hence reset_cache
+  both ways)."""
+  wire = hlo.wire_dump_needed(mixed)
+  if not wire and dump_dir is None:
     compiled = lowered.compile()
     return compiled, compiled.as_text()
   from jax.experimental.compilation_cache import compilation_cache
@@ -210,12 +215,15 @@ def _compile(lowered, mixed: bool):
     cache = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()
+    options = hlo.wire_dump_options(dump_dir or d) if wire else {"xla_dump_to": dump_dir}
+    if dump_dir is not None:
+      options["xla_dump_hlo_as_text"] = True
     try:
-      compiled = lowered.compile(compiler_options=hlo.wire_dump_options(d))
+      compiled = lowered.compile(compiler_options=options)
     finally:
       jax.config.update("jax_enable_compilation_cache", cache)
       compilation_cache.reset_cache()
-    return compiled, hlo.read_wire_dump(d) or compiled.as_text()
+    return compiled, (wire and hlo.read_wire_dump(dump_dir or d)) or compiled.as_text()
 
 
 def steps(job: Job, n: int, start: int = 0):

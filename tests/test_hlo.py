@@ -179,3 +179,26 @@ def test_tuple_bytes_trivial_and_async():
   stats = hlo.collective_stats(text)
   assert stats["all-reduce"] == {"count": 0, "bytes": 0, "wire_bytes": 0}  # trivial: skipped
   assert stats["all-gather"] == {"count": 1, "bytes": 64, "wire_bytes": 64 * 7 / 8}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_peak_reads_the_buffer_assignment(dtype, tmp_path):
+  """measure/peak.py on a compile-only step's dump (f32: a dump of its own; bf16: beside the
+  wire pass's): its peak is within XLA's temp and holds most of it, and its largest buffer is
+  the float32 logits [T, V] (tiny with a vocabulary of 32,768, T = 256 tokens per device on
+  expert:8)."""
+  from layout import mesh as mesh_lib
+  from measure import peak
+  from modeling.config import get_config
+  from runtime import train
+  import strategies
+  cfg = get_config("tiny", dtype=dtype, seq_len=256, vocab=32768, batch=8)
+  strat = strategies.get("ep")
+  job = train.build(strat, cfg, mesh_lib.for_strategy(strat, "expert:8"), compile_only=True,
+                    dump_dir=str(tmp_path))
+  got = peak.peak(str(tmp_path))
+  assert got.temp_bytes == job.compiled.memory_analysis().temp_size_in_bytes
+  assert 0.5 * got.temp_bytes <= got.bytes <= got.temp_bytes, (got.bytes, got.temp_bytes)
+  size, shape, _ = got.buffers[0]
+  assert size == 256 * 32768 * 4 and shape.startswith("f32[") and "32768" in shape, \
+      got.buffers[:3]
