@@ -32,8 +32,10 @@ Per candidate, per device:
                                but cp and ep_as_cp, modeling/attention.py)
              saved_block       remat block: each of L_held layers keeps its input, T x D in the
                                compute dtype (the residual stream's)
-             saved_none_res    remat none: each of L_held layers keeps its activations,
-             saved_none_routed   T x D x 4 (res) and R x (D + F_local) in the compute dtype
+             saved_none_res    remat none: each of L_held layers keeps its activations:
+             saved_none_routed   T x D x 4 (res), R x D and R x F_local in the compute dtype,
+             saved_none_rows_f   and its gathered weights (`gathered`: XLA keeps the copy for
+             saved_none_gathered the backward rather than gather again)
              work_rows_d       one MoE layer's expert rows, R x D x 4, and at the expert's
              work_rows_f         hidden width, R x F_local x 4
              work_rows_tokens  R x T bytes: temp grows by about 4 x R x T bytes whatever D, F
@@ -62,8 +64,7 @@ Per candidate, per device:
            gpipe, (rows / P + the prefix) x min(M, P) / M under 1f1b, (vM + P - 1) / vM
            under interleaved).
            Not terms: the gathered (pre-reduction) gradients and a residual-sized working set
-           each got weight 0 when fitted beside these; remat none's gathered weights per layer
-           kept (fitted at 0.42) moved which remat-none rows miss, not how many.
+           each got weight 0 when fitted beside these.
            XLA's temp is that of the step as a training loop runs it, its params and optimizer
            state donated (runtime/train.py compiles compile-only steps so): without donation XLA
            uses the outputs' buffers as scratch, and its temp leaves out up to a copy of the
@@ -84,11 +85,11 @@ Per candidate, per device:
            gathered tables and logits, or one MoE layer's expert rows, over the saved
            activations), and a sum of terms fitted where another phase peaks mis-weighs it:
            fitted on the 33 alone, Mixtral's ep at batch 512 came out at 1.11 and DeepSeek-V3's
-           1f1b at 0.88. On the 33 the fit is within -9% .. +16% of XLA's total (30 within
-           10%); on the 23, 20 within 10%: the misses are remat none on ep (1.12) and fsdp
-           (0.78), whose S = 4096 activations the small steps do not show, and DeepSeek-V3's
-           gpipe at M = 120 (0.74). Held out (README, "Planner"): tests/test_plan.py's small
-           grid and the planner's picks, at 0.947 .. 0.996.
+           1f1b at 0.88. On the 33 the fit is within -10% .. +20% of XLA's total (30 within
+           10%); on the 23, 21 within 10%: the misses are pp 1f1b with remat none (0.88), whose
+           S = 4096 activations the small steps do not show, and DeepSeek-V3's gpipe at M = 120
+           (0.74). Held out (README, "Planner"): tests/test_plan.py's small
+           grid and the planner's picks, at 0.946 .. 0.995.
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
@@ -143,10 +144,11 @@ HEAD_LEAVES = ("embed", "unembed")
 SEQ_SPLIT = {"ep_tp": ("expert",)}
 # Fitted by planning/calibrate.py (bytes of temp per byte of feature), saved_block and pp_weights
 # held at 1; see the module docstring.
-TEMP_COEF = {"logits": 0.787, "gathered": 1.446, "gathered_head": 1.357, "attn_chunk": 0.734,
-             "saved_none_res": 36.247, "saved_none_routed": 2.309, "work_rows_d": 5.362,
-             "work_rows_f": 1.327, "work_rows_tokens": 3.244, "grads": 1.102, "grad_accum": 1.228,
-             "saved_block": 1.000, "pp_weights": 1.000}
+TEMP_COEF = {"logits": 0.789, "gathered": 1.261, "gathered_head": 1.386, "attn_chunk": 0.892,
+             "saved_none_res": 35.479, "saved_none_routed": 4.192, "saved_none_rows_f": 0.716,
+             "saved_none_gathered": 0.441, "work_rows_d": 5.297, "work_rows_f": 1.429,
+             "work_rows_tokens": 3.155, "grads": 1.100, "grad_accum": 1.241, "saved_block": 1.000,
+             "pp_weights": 1.000}
 
 
 @dataclasses.dataclass
@@ -290,7 +292,6 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   gathered = (sum(x.bytes for x in gathers) - sum(head)) / cfg.n_layers
   res = t * cfg.d_model * 4
   rows = _routed_rows(name, cfg, shape, t, terms, opts)
-  routed = rows * (cfg.d_model + f_loc) * cost.act_bytes(cfg)
   held = _layers_held(name, cfg, shape, opts)
   block, none = cfg.remat == "block", cfg.remat == "none"
   heads = cfg.n_heads / shape.get("tensor", 1)
@@ -304,7 +305,9 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
           "attn_chunk": t_pass * heads * chunk * 4 * blocks,
           "saved_block": held * t * cfg.d_model * cost.act_bytes(cfg) * block,
           "saved_none_res": held * res * none,
-          "saved_none_routed": held * routed * none, "work_rows_d": rows * cfg.d_model * 4,
+          "saved_none_routed": held * rows * cfg.d_model * cost.act_bytes(cfg) * none,
+          "saved_none_rows_f": held * rows * f_loc * cost.act_bytes(cfg) * none,
+          "saved_none_gathered": held * gathered * none, "work_rows_d": rows * cfg.d_model * 4,
           "work_rows_f": rows * f_loc * 4,
           "work_rows_tokens": rows * t_pass,
           "pp_weights": _pp_weight_bytes(name, cfg, mesh, opts), "grads": param_bytes}
