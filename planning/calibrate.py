@@ -82,8 +82,6 @@ def options(case) -> dict:
 def measure(case) -> tuple[dict, float, float]:
   """Compile one case -> (its temp features, XLA's temp bytes, params + optimizer bytes)."""
   from layout import mesh as mesh_lib
-  from measure import cost
-  from modeling import model
   from planning import plan
   from runtime import train
   import strategies
@@ -92,10 +90,7 @@ def measure(case) -> tuple[dict, float, float]:
   opts = strat.Options(**options(case))
   mesh = mesh_lib.for_strategy(strat, spec)
   job = train.build(strat, cfg, mesh, opts, compile_only=True)
-  mem = cost.param_memory(model.init_params_shapes(cfg), strat.param_specs(cfg, mesh), mesh,
-                          cfg.optimizer)
-  raw = strat.cost(plan.per_microbatch(name, cfg), mesh, opts)
-  feats = plan.step_features(name, cfg, mesh, raw, opts, param_bytes=mem["param_bytes"])
+  feats, mem = plan.features(name, cfg, mesh, opts)
   return feats, job.compiled.memory_analysis().temp_size_in_bytes, \
       mem["param_bytes"] + mem["opt_bytes"]
 

@@ -614,16 +614,20 @@ def config_for(c: Candidate, cfg):
                      layer_stages=c.layer_stages)
 
 
+def features(name: str, cfg, mesh, opts) -> tuple[dict, dict]:
+  """A step's temp-model features (step_features, as enumerate_candidates computes them) and
+  its measure.cost.param_memory, for calibrate.py's rows."""
+  strat = strategies.get(name)
+  mem = cost.param_memory(model.init_params_shapes(cfg), strat.param_specs(cfg, mesh), mesh,
+                          cfg.optimizer)
+  raw = strat.cost(per_microbatch(name, cfg), mesh, opts)
+  return step_features(name, cfg, mesh, raw, opts, mem["param_bytes"]), mem
+
+
 def candidate_features(c: Candidate, cfg) -> dict:
-  """The temp model's features of a candidate (step_features, as enumerate_candidates computes
-  them), for calibrate.py's full-scale rows."""
-  strat = strategies.get(c.strategy)
-  c_cfg = config_for(c, cfg)
-  mesh = mesh_lib.abstract_mesh(dict(c.sizes))
-  mem = cost.param_memory(model.init_params_shapes(c_cfg), strat.param_specs(c_cfg, mesh), mesh,
-                          c_cfg.optimizer)
-  raw = strat.cost(per_microbatch(c.strategy, c_cfg), mesh, c.opts)
-  return step_features(c.strategy, c_cfg, mesh, raw, c.opts, mem["param_bytes"])
+  """features of a candidate, on its abstract mesh."""
+  return features(c.strategy, config_for(c, cfg), mesh_lib.abstract_mesh(dict(c.sizes)),
+                  c.opts)[0]
 
 
 def progress_line(done: int, name: str, kept: int) -> None:
