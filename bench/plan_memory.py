@@ -42,28 +42,47 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + f" --xla_force_host_platform_device_count={A.devices}")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from modeling.config import PRESETS, get_config  # noqa: E402
+import dataclasses  # noqa: E402
+
+from modeling.config import PRESETS, ConfigError, get_config  # noqa: E402
 from measure import peak  # noqa: E402
 from planning import check, clusters, plan  # noqa: E402
 
 G = 2**30
 
 
-cfg = get_config(A.model, dtype="bfloat16")
-cfg = cfg.replace(batch=A.batch or max(PRESETS[A.model].batch, A.devices))
-over = {k: v for k, v in (("n_layers", A.layers), ("vocab", A.vocab)) if v}
-over.update({k: int(v) for k, v in (kv.split("=") for kv in A.set)})
-cfg = cfg.replace(**over).validate()
-cluster = clusters.get(A.cluster)
-cands = plan.enumerate_candidates(cfg, A.devices, cluster, cluster.hbm_bytes,
-                                 names=tuple({check.parse(t)[0] for t in A.candidates}))
+def config():
+  """The model's Config with --batch, --layers, --vocab and --set; ConfigError on bad input."""
+  if A.model not in PRESETS:
+    raise ConfigError(f"unknown model {A.model!r}; choose from {', '.join(PRESETS)}")
+  cfg = get_config(A.model, dtype="bfloat16")
+  cfg = cfg.replace(batch=A.batch or max(PRESETS[A.model].batch, A.devices))
+  over = {k: v for k, v in (("n_layers", A.layers), ("vocab", A.vocab)) if v}
+  fields = {f.name for f in dataclasses.fields(cfg)}
+  for kv in A.set:
+    k, _, v = kv.partition("=")
+    if k not in fields or not v.lstrip("-").isdigit():
+      raise ConfigError(f"--set={kv}: want FIELD=INTEGER, FIELD a config field")
+    over[k] = int(v)
+  return cfg.replace(**over).validate(), over
+
+
+try:                  # every input checked before the first compile
+  cfg, over = config()
+  cluster = clusters.get(A.cluster)
+  cands = plan.enumerate_candidates(cfg, A.devices, cluster, cluster.hbm_bytes,
+                                   names=tuple({check.parse(t)[0] for t in A.candidates}))
+  chosen = [(text, check.find(cands, text)) for text in A.candidates]
+  for text, c in chosen:
+    if c is None:
+      raise ConfigError(f"{text} is not among the planner's admitted candidates")
+except ConfigError as e:
+  print(f"error: {e}", file=sys.stderr)
+  sys.exit(2)
 checked = []
 print("| candidate | params+opt | predicted | compiled | ratio | temp predicted | temp compiled |")
 print("|---|---|---|---|---|---|---|")
-for text in A.candidates:
-  c = check.find(cands, text)
-  if c is None:
-    sys.exit(f"error: {text} is not among the planner's admitted candidates")
+for text, c in chosen:
   t = time.time()
   with tempfile.TemporaryDirectory() as dump:
     r = check.compile_candidate(c, cfg, dump_dir=dump if A.peak else None)

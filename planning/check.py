@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from modeling.config import ConfigError
 from planning import plan
 
 
@@ -41,10 +42,14 @@ def distinct(ranked: list[plan.Candidate], k: int) -> list[plan.Candidate]:
 def parse(text: str):
   """A candidate named as STRATEGY@MESH/M=m/REMAT[/option=value...] (bench/plan_memory.py's
   form) -> (strategy, {axis: size}, m, remat, {option: value})."""
-  head, m, remat, *opts = text.split("/")
-  name, mesh = head.split("@")
-  sizes = {a: int(n) for a, n in (kv.split(":") for kv in mesh.split(","))}
-  return name, sizes, int(m.removeprefix("M=")), remat, dict(o.split("=") for o in opts)
+  try:
+    head, m, remat, *opts = text.split("/")
+    name, mesh = head.split("@")
+    sizes = {a: int(n) for a, n in (kv.split(":") for kv in mesh.split(","))}
+    return name, sizes, int(m.removeprefix("M=")), remat, dict(o.split("=") for o in opts)
+  except ValueError:
+    raise ConfigError(f"candidate {text!r}: want STRATEGY@AXIS:N,.../M=m/REMAT"
+                      "[/option=value...]") from None
 
 
 def find(cands: list[plan.Candidate], text: str) -> plan.Candidate | None:

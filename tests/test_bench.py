@@ -11,11 +11,15 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script, *flags):
+def _process(script, *flags) -> subprocess.CompletedProcess:
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # conftest's 8 simulated devices: the benches use one device
-  out = subprocess.run([sys.executable, os.path.join("bench", script), *flags], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120, check=False)
+  return subprocess.run([sys.executable, os.path.join("bench", script), *flags], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+def _run(script, *flags):
+  out = _process(script, *flags)
   assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}"
   return out.stdout
 
@@ -94,3 +98,14 @@ def test_step_mfu_bench():
   mfu = float(re.search(r"mfu (\S+) of h100", out).group(1))
   assert step > 0 and flops > 0, out
   np.testing.assert_allclose(mfu, flops / (step * 989.4e12), rtol=0.01)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--set=foo=1", "ep@expert:8/M=1/block"), "error: --set=foo=1: want FIELD=INTEGER"),
+    (("ep@expert:8/M=1/block", "ep/expert"), "error: candidate 'ep/expert': want STRATEGY@"),
+    (("ep@expert:16/M=1/block",), "error: ep@expert:16/M=1/block is not among the planner's")])
+def test_plan_memory_bad_input_is_one_line_before_any_compile(flags, message):
+  """bench/plan_memory.py checks every flag and candidate before it compiles the first one."""
+  out = _process("plan_memory.py", "--devices=8", *flags)
+  assert out.returncode == 2 and out.stderr.startswith(message), (out.returncode, out.stderr)
+  assert len(out.stderr.strip().splitlines()) == 1 and "| candidate" not in out.stdout, out
