@@ -330,6 +330,23 @@ def cp_terms(cfg, mesh, cp_axis: str, batch_axes, ring: bool = False) -> list[Te
   return out
 
 
+def tensor_terms(cfg, mesh, tensor_axis: str, b_loc: int) -> list[Term]:
+  """Megatron's activation all-reduces over tensor_axis (tp, ep_x_tp), b_loc sequences per
+  device: forward, the row-parallel outputs (attention wo; the MoE after its combine, the shared
+  expert, the dense layers); backward, the normed input of every block, which attention and the
+  MLP read typed reduced (MLA: attention's latents instead of h)."""
+  x = b_loc * cfg.seq_len * cfg.d_model * act_bytes(cfg)           # one [b, S, D] activation
+  sh = 1 if cfg.n_shared_experts else 0
+  return (term(mesh, "all-reduce", "fwd", "attention wo output", cfg.n_layers * x, tensor_axis,
+               BLOCK_ONLY)
+          + term(mesh, "all-reduce", "fwd", "MoE / shared / dense FFN wo outputs",
+                 (cfg.n_moe_layers * (1 + sh) + cfg.first_k_dense_replace) * x, tensor_axis)
+          + term(mesh, "all-reduce", "bwd", "d(normed h) of the MLP blocks and of "
+                 "attention's h or MLA latents",
+                 cfg.n_layers * x * (attn_gather_values(cfg) + cfg.d_model) // cfg.d_model,
+                 tensor_axis))
+
+
 def _tuple(axes) -> tuple[str, ...]:
   return (axes,) if isinstance(axes, str) else tuple(axes)
 

@@ -285,7 +285,7 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   t_pass = t / cfg.microbatches if name == "pp" else t
   t_head = t_pass if name == "pp" and _one_f(opts) else t
   v_loc = cfg.vocab / _dim_shards(strat.param_specs(cfg, mesh)["unembed"], 1, mesh)
-  f_loc = cfg.d_ff / _expert_f_shards(name, shape)
+  f_loc = cfg.d_ff / _expert_f_shards(strat, cfg, mesh)
   gathers = [x for x in terms if x.kind == "all-gather" and x.phase == "fwd"
              and x.what.endswith("gathered")]
   head = [x.bytes for x in gathers if x.what.split()[0] in HEAD_LEAVES]
@@ -395,9 +395,10 @@ def _dim_shards(spec, dim: int, mesh) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def _expert_f_shards(name: str, shape: dict) -> int:
-  """How many ways a routed expert's hidden width F is split: tp's tensor axis."""
-  return shape.get("tensor", 1) if name == "tp" else 1
+def _expert_f_shards(strat, cfg, mesh) -> int:
+  """How many ways a routed expert's hidden width F is split: wi_0's last dim as stored (tp's
+  and ep_x_tp's tensor axis)."""
+  return _dim_shards(strat.param_specs(cfg, mesh)["layers"]["moe"]["wi_0"], 3, mesh)
 
 
 def _chunks(cfg) -> int:

@@ -65,7 +65,7 @@ class BadInput(NamedTuple):
   message: str
 
 # Order = the order of the comparison table.
-NAMES = ["reference", "dp", "fsdp", "tp", "ep", "cp", "ep_as_cp", "shard_exp_on_fsdp", "ep_tp", "pp"]
+NAMES = ["reference", "dp", "fsdp", "tp", "ep", "cp", "ep_as_cp", "shard_exp_on_fsdp", "ep_tp", "ep_x_tp", "pp"]
 
 
 def available() -> list[str]:

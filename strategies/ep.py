@@ -340,7 +340,7 @@ def cost(cfg, mesh, opts, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
   traffic from moe_weights / fsdp.use; the exchange; router statistics. batch_axes: the axes
   splitting B (ep_as_cp: (data, fsdp); the rest of token_axes split S); grads: overrides of
   cost.weight_terms' gradient axes (ep_as_cp's norms)."""
-  whole, e = opts.dispatch == "none", mesh_lib.axis_size(mesh, EXPERT)
+  whole = opts.dispatch == "none"
   expert_use = (P(), token_axes) if whole else (
       P(EXPERT, None, None), tuple(a for a in token_axes if a != EXPERT))
   gathered = {**cost_lib.fsdp_gathered(token_axes), **dict.fromkeys(model.EXPERTS, expert_use)}
@@ -349,18 +349,25 @@ def cost(cfg, mesh, opts, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
                                   tuple(a for a in token_axes if a not in batch_axes)))
   b_loc = cfg.batch // mesh_lib.axis_size(mesh, *batch_axes)
   t_loc = cfg.batch * cfg.seq_len // mesh_lib.axis_size(mesh, *token_axes)
+  return terms + exchange_terms(cfg, mesh, opts.dispatch, b_loc, t_loc)
+
+
+def exchange_terms(cfg, mesh, dispatch_name, b_loc, t_loc):
+  """The token exchange over `expert` per step (moe_body with that transport; also ep_x_tp's):
+  b_loc sequences and t_loc tokens routed per device."""
+  e = mesh_lib.axis_size(mesh, EXPERT)
   c = dispatch.send_rows(cfg, b_loc, t_loc // b_loc, e)
   act, term = cost_lib.act_bytes(cfg), functools.partial(cost_lib.term, mesh)
-  if opts.dispatch == "a2a":
+  if dispatch_name == "a2a":
     buf = e * c * cfg.d_model * act                              # [EP, C, D]
-    terms += (term("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, e] (int32)",
-                   cfg.n_moe_layers * (2 * buf + cfg.n_experts * 4), EXPERT, cost_lib.RECOMPUTED)
-              + term("all-to-all", "bwd", "their transposes", cfg.n_moe_layers * 2 * buf, EXPERT))
-  elif opts.dispatch == "ragged":                  # output buffers: [EP*C, D] and [T*K, D]
+    return (term("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, e] (int32)",
+                 cfg.n_moe_layers * (2 * buf + cfg.n_experts * 4), EXPERT, cost_lib.RECOMPUTED)
+            + term("all-to-all", "bwd", "their transposes", cfg.n_moe_layers * 2 * buf, EXPERT))
+  if dispatch_name == "ragged":                    # output buffers: [EP*C, D] and [T*K, D]
     rows = (e * c + t_loc * cfg.top_k) * cfg.d_model * act
-    terms += (term("all-gather", "fwd", "counts [EP, EP, e] (int32)", cfg.n_moe_layers * e * cfg.n_experts * 4,
+    return (term("all-gather", "fwd", "counts [EP, EP, e] (int32)", cfg.n_moe_layers * e * cfg.n_experts * 4,
+                 EXPERT, cost_lib.RECOMPUTED)
+            + term("ragged-all-to-all", "fwd", "dispatch + combine rows", cfg.n_moe_layers * rows,
                    EXPERT, cost_lib.RECOMPUTED)
-              + term("ragged-all-to-all", "fwd", "dispatch + combine rows", cfg.n_moe_layers * rows,
-                     EXPERT, cost_lib.RECOMPUTED)
-              + term("ragged-all-to-all", "bwd", "their transposes", cfg.n_moe_layers * rows, EXPERT))
-  return terms
+            + term("ragged-all-to-all", "bwd", "their transposes", cfg.n_moe_layers * rows, EXPERT))
+  return []

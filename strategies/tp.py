@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from layout import mesh as mesh_lib
+from layout import mesh as mesh_lib, tensor
 from layout.options import NoOptions
 from layout.precision import moe_stored, stored_use
 from measure import cost as cost_lib
@@ -93,15 +93,8 @@ def check(cfg, mesh, opts):
 
 
 def param_specs(cfg, mesh):
-  return model.param_specs(cfg, {
-      "attn_q": P(None, TENSOR, None), "attn_kv": P(None, TENSOR, None),  # [D, H_t|KV_t, Dh] column
-      "attn_q_b": P(None, TENSOR, None), "attn_kv_b": P(None, TENSOR, None),  # MLA [R, H_t, .]
-      "attn_o": P(TENSOR, None, None),                                      # [H_t, Dh, D] row
-      "expert_in": P(None, None, TENSOR),                                   # [E, D, F_t] column
-      "expert_out": P(None, TENSOR, None),                                  # [E, F_t, D] row
-      "shared_in": P(None, TENSOR), "shared_out": P(TENSOR, None),
-      "dense_in": P(None, TENSOR), "dense_out": P(TENSOR, None)})
   # embed, norms, router, MLA's down-projections wq_a / wkv_a: replicated
+  return model.param_specs(cfg, tensor.table(TENSOR))          # heads, F over tensor
 
 
 def batch_spec(cfg, mesh):
@@ -156,14 +149,5 @@ def cost(cfg, mesh, opts):
   terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), (DATA,),
                                  grads={"router": TOKENS})
            + cost_lib.stats_terms(cfg, mesh, TOKENS))
-  x = (cfg.batch // mesh_lib.axis_size(mesh, DATA) * cfg.seq_len * cfg.d_model
-       * cost_lib.act_bytes(cfg))                                   # one [b, S, D] activation
-  sh = 1 if cfg.n_shared_experts else 0
-  return (terms
-          + cost_lib.term(mesh, "all-reduce", "fwd", "attention wo output", cfg.n_layers * x, TENSOR,
-                          cost_lib.BLOCK_ONLY)
-          + cost_lib.term(mesh, "all-reduce", "fwd", "MoE / shared / dense FFN wo outputs",
-                          (cfg.n_moe_layers * (1 + sh) + cfg.first_k_dense_replace) * x, TENSOR)
-          + cost_lib.term(mesh, "all-reduce", "bwd", "d(normed h) of the MLP blocks and of "
-                          "attention's h or MLA latents", cfg.n_layers * x
-                          * (cost_lib.attn_gather_values(cfg) + cfg.d_model) // cfg.d_model, TENSOR))
+  return terms + cost_lib.tensor_terms(cfg, mesh, TENSOR,
+                                       cfg.batch // mesh_lib.axis_size(mesh, DATA))

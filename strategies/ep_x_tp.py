@@ -1,0 +1,164 @@
+"""ep_x_tp — Megatron-Core's MoE layout: tensor parallelism over `tensor` (attention heads, the
+dense SwiGLUs' and every expert's width F), expert parallelism over `expert` (the routed
+experts), the batch over (data, expert). EP and TP are separate axes, so EP4 x TP2 is a mesh
+(expert:4,tensor:2), where ep_tp folds both onto one axis (TP = EP).
+
+Mesh axes: (data, expert, tensor). EP = |expert|, t = |tensor|, e = E / EP local experts,
+b = B / (|data| |expert|) local sequences, T = b*S tokens per device.
+
+| tensor                                   | sharding                                        |
+|------------------------------------------|-------------------------------------------------|
+| attn wq [D, H, Dh], wk/wv [D, KV, Dh]    | column-parallel: [D, H_t, Dh], [D, KV_t, Dh]    |
+| attn wo [H, Dh, D]                       | row-parallel: [H_t, Dh, D]                      |
+| MLA wq_b / wkv_b, wq_a / wkv_a           | as tp.py: up-projections column, down replicated|
+| experts wi_0/wi_1 [E, D, F], wo [E, F, D]| [E_expert, D, F_t] column, [E_expert, F_t, D]   |
+| shared / dense wi_0/wi_1 [D, F], wo      | [D, F_t] column, [F_t, D] row                   |
+| embed, unembed, norms, router, bias      | replicated                                      |
+| tokens / positions [B, S]                | (B_(data,expert), S)                            |
+| residual x [B, S, D]                     | (B_(data,expert), S, D), replicated over tensor |
+| dispatch buffer [EP, C, D] per device    | one per tensor rank: each routes the same T     |
+
+MoE (one full-manual shard_map): every tensor rank routes the same T local tokens and sends
+their copies through ep.py's padded all-to-all over `expert` (ep.moe_body, a2a transport); the
+receiving rank runs its e local experts on its F_t slice, so what comes back is a partial sum
+over tensor; the weighted combine is linear, so ONE psum over tensor of y [T, D] finishes it
+(as tp.py: T*D, not the K copies).
+
+Collectives per layer (d/x/t = the data/expert/tensor axes; y bytes = T*D*act; C rows per
+destination as ep.py: T*min(K, e) dropless, about cf*T*K/EP with a capacity factor):
+  forward : 1. attention out  o[b,S,H_t,Dh] @ wo[H_t,Dh,D] {U_t} -> all-reduce over t (y bytes)
+            2. "dispatch_a2a": all-to-all over x of the counts [EP, e] (int32) and of the send
+               buffer [EP, C, D]                                           [critical path]
+            3. "expert_gmm": SwiGLU of the e local experts on their F_t slices -> {U_t}
+            4. "combine_a2a": all-to-all over x of [EP, C, D]; weighted combine -> y [T, D] {U_t}
+            5. ONE all-reduce over t of y (y bytes); the shared expert's and dense layers' row-
+               parallel outputs: one all-reduce over t each
+            6. all-reduce over (d, x, t) of the router statistics (t rank 0's count)
+  backward: 7. all-to-all over x: the transposes of 2 and 4 ([EP, C, D] each)
+            8. ONE all-reduce over t per block input (2 per layer, y bytes each; MLA: its
+               latents for attention), as tp.py's gather_in
+            9. weight grads: attention / shared / dense / embed / norms all-reduced over (d, x);
+               experts over d (x splits E); the router over (d, x, t)
+Each tensor rank carries its own copy of the exchange, so the all-to-all bytes per device are
+ep.py's at the same EP and T: TP divides the weights and the expert FLOPs by t, not the tokens
+(Megatron's sequence parallelism, which splits T over t before the exchange, is not modelled).
+
+HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
+(kind, axes) set equals it; tests/test_strategies.py holds both to the program):
+  all-reduce over tensor: activations and their gradients (above)
+  all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
+  all-reduce over (data, expert): non-expert weight gradients
+  all-reduce over data: expert weight gradients
+  all-reduce over (data, expert, tensor): router grads, router statistics, loss sums, grad norm
+
+Pick it when the experts need EP but attention or each expert is too wide for one device, with
+t inside a node (its activation all-reduces are on the critical path) and EP across what is
+left; cost: ep's 4 exchanges of EP*C*D per layer plus tp's 4 all-reduces of T*D per layer.
+Megatron-Core reports EP8 x TP1 faster than EP4 x TP2 for Mixtral 8x7B (README, "Published
+setups"): both are meshes of this file.
+
+  python run.py --strategy=ep_x_tp --mesh=data:2,expert:2,tensor:2 --devices=8 --steps=3 --hlo_stats
+"""
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from layout import mesh as mesh_lib, tensor
+from layout.options import NoOptions
+from layout.precision import moe_stored, stored_use
+from measure import cost as cost_lib
+from modeling import model
+from parallel import sharding
+from strategies import BadInput, Case
+from strategies import ep
+
+NAME = "ep_x_tp"
+DATA, EXPERT, TENSOR = mesh_lib.DATA, mesh_lib.EXPERT, mesh_lib.TENSOR
+AXES = (DATA, EXPERT, TENSOR)
+MAIN_AXIS = EXPERT
+BATCH = (DATA, EXPERT)                 # the axes that split the batch (= non-expert grad axes)
+TOKENS = (DATA, EXPERT, TENSOR)        # router statistics and the router's grads: every rank routes
+COMPARE_MESH = "data:2,expert:2,tensor:2"   # the presets' 2 KV heads cap TP at 2
+GROW_AXIS = EXPERT                    # at scale EP grows while the experts admit it
+Options = NoOptions
+_TINY8 = dict(n_heads=8, n_kv_heads=4)
+TEST_CASES = [Case("tiny", "data:2,expert:2,tensor:2", _TINY8),
+              Case("deepseek-test", "expert:4,tensor:2")]
+COST_CASES = TEST_CASES
+BAD_INPUT = [
+    BadInput(dict(n_heads=8, n_kv_heads=2), "expert:2,tensor:4", Options(),
+             "n_kv_heads=2 is not divisible by mesh axis tensor=4"),
+    BadInput(dict(n_experts=6, top_k=2), "expert:4,tensor:2", Options(),
+             "n_experts=6 is not divisible by mesh axis expert=4"),
+    BadInput(dict(batch=6), "data:2,expert:2,tensor:2", Options(),
+             "batch=6 is not divisible by mesh axis dataxexpert=4")]
+
+
+def check(cfg, mesh, opts):
+  mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
+  mesh_lib.require_divisible("batch", cfg.batch, mesh, BATCH)
+  mesh_lib.require_head_split(cfg, mesh, TENSOR, expert_ff=True)
+
+
+def param_specs(cfg, mesh):
+  """layout/tensor.py's table (as tp.py), with the routed experts' E dim over expert."""
+  return model.param_specs(cfg, {**tensor.table(TENSOR),
+                                 "expert_in": P(EXPERT, None, TENSOR),    # [E@x, D, F@t] column
+                                 "expert_out": P(EXPERT, TENSOR, None)})  # [E@x, F@t, D] row
+
+
+def batch_spec(cfg, mesh):
+  return P(BATCH, None)                                   # [B, S] @ ((data, expert), None)
+
+
+def layout(cfg, mesh, opts):
+  x_spec = P(BATCH, None, None)                           # [B, S, D] @ ((d, x),), rep. over t
+  # normed h as attention and the MLP read it: typed reduced over t (tp.py's gather_in)
+  h_spec = P(BATCH, None, None, reduced=frozenset({TENSOR}))
+  n_ep = mesh_lib.axis_size(mesh, EXPERT)
+
+  def moe_fn(p, x, positions):
+    def body(p, x, pos):                                  # x [b, S, D] local, same on all t
+      xv = jax.lax.pcast(x, TENSOR, to="varying")         # cotangent summed once in gather_in
+      # route, all-to-all over x, the e local experts on F_t, all-to-all back, combine
+      y, stats = ep.moe_body(p, xv, pos, cfg=cfg, ep_axes=(EXPERT,), ep=n_ep, token_axes=(),
+                             transport=ep.a2a_exchange)   # y [b, S, D] {U_t}
+      with jax.named_scope("moe_psum_tensor"):
+        y = jax.lax.psum(y, TENSOR)                       # the one reduction per MoE
+      # every t rank routed the same tokens: t rank 0 counts them, summed over (d, x, t)
+      first = (jax.lax.axis_index(TENSOR) == 0).astype(jnp.float32)
+      stats = jax.tree.map(
+          lambda v: jax.lax.psum(sharding.to_varying(v, TOKENS) * first, TOKENS), stats)
+      return y.astype(x.dtype), stats
+    # experts [E@x, D, F@t] / [E@x, F@t, D] as stored (bf16: cast, typed reduced over data)
+    p, specs = moe_stored(p, cfg, (DATA,))
+    return jax.shard_map(body, in_specs=(specs, h_spec, P(BATCH, None)),
+                         out_specs=(x_spec, P()))(p, x, positions)   # y [B, S, D] @ ((d, x),)
+  gather_in = lambda h: sharding.gather_weight(h, x_spec, (TENSOR,))  # [B, S, D] -> h_spec
+  return model.Layout(x=x_spec, use=stored_use(cfg, BATCH), moe=moe_fn, gather_in=gather_in)
+
+
+def dispatch_buffer_type(cfg, mesh, opts):
+  """The experts' input buffer (ShapeDtypeStruct with its sharding) for this cfg and mesh."""
+  return ep.buffer_type(cfg, mesh, P(BATCH, None, None), (EXPERT,))
+
+
+def activation_shardings(cfg, mesh, opts):
+  t = dispatch_buffer_type(cfg, mesh, opts)
+  return [("residual x [B, S, D]", f"[{cfg.batch}@(data,expert), {cfg.seq_len}, {cfg.d_model}]"),
+          ("q [B, S, H, Dh]", f"[{cfg.batch}@(data,expert), {cfg.seq_len}, "
+                              f"{cfg.n_heads}@tensor, {cfg.head_dim}]"),
+          ("dispatch buffer [N_src, EP, C, D]", f"{t.shape} @ {t.sharding.spec}, per tensor rank"),
+          ("expert hidden [EP*C, F]", f"F={cfg.d_ff}@tensor inside the MoE shard_map")]
+
+
+def cost(cfg, mesh, opts):
+  """Per-device collective bytes per step (measure/cost.py; the docstring's schedule): weights
+  used as stored, grads over (data, expert) (experts over data, the router over every axis);
+  tp.py's activation all-reduces over tensor; ep.py's exchange over expert; router statistics."""
+  b_loc = cfg.batch // mesh_lib.axis_size(mesh, *BATCH)
+  return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), BATCH,
+                                grads={"router": TOKENS})
+          + cost_lib.stats_terms(cfg, mesh, TOKENS)
+          + cost_lib.tensor_terms(cfg, mesh, TENSOR, b_loc)
+          + ep.exchange_terms(cfg, mesh, "a2a", b_loc, b_loc * cfg.seq_len))
