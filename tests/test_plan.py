@@ -316,3 +316,23 @@ def test_abstract_mesh_is_what_enumeration_uses():
   a = cost.by_axes(strat.cost(cfg, mesh_lib.abstract_mesh(shape), strat.Options()))
   b = cost.by_axes(strat.cost(cfg, mesh_lib.make_mesh(shape), strat.Options()))
   assert a == b and a
+
+
+def test_plan_find_shows_the_best_of_every_placement():
+  """--plan_find's lines: the six best-ranked, the least memory, then the best of each
+  placement (the axes inside a node) not among them, so two layouts compare at one placement."""
+  from planning import render
+  cands = []
+  for i in range(9):                            # ranked by index; the last two inside a node
+    c = plan.Candidate("ep", (("data", 2), ("expert", 4)), 1, "block", 1.25,
+                       inner=("expert",) if i >= 7 else ("data",), param_opt=2**30 * (9 - i % 3))
+    c.compute_s = 1.0 + i
+    cands.append(c)
+  text = render.found(cands, cands, "ep", {"data": 2, "expert": 4})
+  lines = text.splitlines()
+  assert lines[0] == "ep data:2,expert:4: 9 candidates, 9 admitted"
+  ranks = [l.removeprefix("  least memory: ").split(":")[0].strip() for l in lines[1:7]]
+  assert ranks == [f"rank {i} of 9" for i in range(1, 7)], text
+  assert lines[3].startswith("  least memory: rank 3 of 9"), text
+  best = [l for l in lines if "best with" in l]
+  assert len(best) == 1 and best[0].startswith("  best with node[expert]: rank 8 of 9"), text
