@@ -45,7 +45,8 @@ def refused(cands: list[plan.Candidate], most: int = 6) -> str:
 def found(cands: list[plan.Candidate], ranked: list[plan.Candidate], name: str,
           sizes: dict) -> str:
   """Where the candidates of one strategy on one mesh (sizes; axes of size 1 may be omitted)
-  rank: the first six, the least memory, and the best of each placement not among them; or
+  rank: the first six, the least memory, and the best of each placement and remat policy
+  not among them; or
   the check() line that refused them."""
   want = {a: n for a, n in sizes.items() if n > 1}
   mine = [c for c in cands if c.strategy == name
@@ -58,14 +59,16 @@ def found(cands: list[plan.Candidate], ranked: list[plan.Candidate], name: str,
   lines = [f"{label}: {len(mine)} candidates, {len(kept)} admitted"]
   least = min(kept, key=lambda c: (c.memory, c.step_s), default=None)
   shown = kept[:6] + ([least] if least is not None and least not in kept[:6] else [])
-  # the best-ranked of each placement (the axes inside a node) the lines above leave out
+  # the best-ranked of each placement (the axes inside a node) and remat policy that the lines
+  # above leave out
   best = {}
   for c in kept:
-    best.setdefault(c.inner, c)
-  placed = [c for c in best.values() if all(s.inner != c.inner for s in shown)]
+    best.setdefault((c.inner, c.remat), c)
+  placed = [c for c in best.values() if all((s.inner, s.remat) != (c.inner, c.remat) for s in shown)]
   for c in shown + placed:
     tag = ("least memory: " if c is least else
-           f"best with node[{','.join(c.inner) or '-'}]: " if c in placed else "")
+           f"best with node[{','.join(c.inner) or '-'}], remat={c.remat}: "
+           if any(c is p for p in placed) else "")
     lines.append(f"  {tag}rank {pos[id(c)]} of {len(ranked)}: "
                  f"{c.layout()}: {'fits' if c.fits else 'does NOT fit'}, {fmt_bytes(c.memory)} "
                  f"({fmt_bytes(c.param_opt)} + {fmt_bytes(c.temp)}), {c.step_s:.3f} s/step, "

@@ -320,7 +320,8 @@ def test_abstract_mesh_is_what_enumeration_uses():
 
 def test_plan_find_shows_the_best_of_every_placement():
   """--plan_find's lines: the six best-ranked, the least memory, then the best of each
-  placement (the axes inside a node) not among them, so two layouts compare at one placement."""
+  placement (the axes inside a node) and remat policy not among them, so two layouts compare at
+  one placement."""
   from planning import render
   cands = []
   for i in range(9):                            # ranked by index; the last two inside a node
@@ -335,4 +336,4 @@ def test_plan_find_shows_the_best_of_every_placement():
   assert ranks == [f"rank {i} of 9" for i in range(1, 7)], text
   assert lines[3].startswith("  least memory: rank 3 of 9"), text
   best = [l for l in lines if "best with" in l]
-  assert len(best) == 1 and best[0].startswith("  best with node[expert]: rank 8 of 9"), text
+  assert len(best) == 1 and best[0].startswith("  best with node[expert], remat=block: rank 8"), text
