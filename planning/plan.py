@@ -119,7 +119,7 @@ from layout import mesh as mesh_lib
 from measure import cost
 from modeling import model
 from modeling.config import ConfigError
-from parallel.sharding import entry_axes, spec_shards
+from parallel.sharding import dim_axes, entry_axes, spec_shards
 import strategies
 
 REMATS = ("none", "block")
@@ -133,6 +133,7 @@ OPTION_GRID = {"cp": {"kv_exchange": ("allgather", "ring")},
                "pp": {"schedule": ("gpipe", "1f1b")},
                "ep_as_cp": {"kv_exchange": ("allgather", "ring")},
                "ep_tp": {"exchange": ("ring", "folded")},
+               "ep_x_tp": {"sequence_parallel": (False, True)},
                "shard_exp_on_fsdp": {"mode": ("gather", "ep")}}
 # Option sets beyond OPTION_GRID's product: pp's interleaved schedules with 2 chunks per stage
 # (gpipe's order, and Megatron's interleaved 1F1B)
@@ -140,8 +141,6 @@ OPTION_EXTRA = {"pp": ({"schedule": "interleaved", "virtual_stages": 2},
                        {"schedule": "1f1b", "virtual_stages": 2})}
 # The leaves outside the layer stack: their gathers are live whole, not one layer's at a time
 HEAD_LEAVES = ("embed", "unembed")
-# Residual-stream sequence splits that batch_spec does not show: ep_tp keeps [B@data, S@expert, D]
-SEQ_SPLIT = {"ep_tp": ("expert",)}
 # Fitted by planning/calibrate.py (bytes of temp per byte of feature), saved_block and pp_weights
 # held at 1; see the module docstring.
 TEMP_COEF = {"logits": 0.789, "gathered": 1.261, "gathered_head": 1.386, "attn_chunk": 0.892,
@@ -277,8 +276,13 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   param_bytes: the parameters a device stores (measure.cost.param_memory's param_bytes)."""
   strat = strategies.get(name)
   shape = dict(mesh.shape)
-  t = cfg.batch * cfg.seq_len / spec_shards(strat.batch_spec(cfg, mesh), mesh)
-  t /= math.prod(shape.get(a, 1) for a in SEQ_SPLIT.get(name, ()))
+  lay = strat.layout(cfg, mesh, strat.Options() if opts is None else opts)
+  bspec = strat.batch_spec(cfg, mesh)
+  t = cfg.batch * cfg.seq_len / spec_shards(bspec, mesh)
+  # residual-stream sequence splits that batch_spec does not show (ep_tp's [B@data, S@expert,
+  # D], ep_x_tp's sequence parallelism)
+  seq = dim_axes(lay.x, 1) if lay.x is not None else ()
+  t /= math.prod(shape.get(a, 1) for a in seq if a not in dim_axes(bspec, 1))
   # pp runs a pass on one microbatch at a time: its working set is a microbatch's tokens, and
   # so is the head's under 1f1b (its vjp in the same phase); gpipe's and interleaved's autodiff
   # of the head's map keeps every microbatch's logits
@@ -298,7 +302,7 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   chunk = min(cfg.attention_chunk, cfg.seq_len) if cfg.attention_impl == "chunked" else cfg.seq_len
   # attention runs ordered, in query blocks of the chunk, wherever the layout gathers no K/V
   # (model.gqa / model.mla: ordered=lay.kv is None); cp's reordered, split sequence does not
-  ordered = strat.layout(cfg, mesh, strat.Options() if opts is None else opts).kv is None
+  ordered = lay.kv is None
   blocks = chunk / cfg.seq_len if cfg.attention_impl == "chunked" and ordered else 1
   return {"logits": t_head * v_loc * 4, "gathered": gathered,
           "gathered_head": sum(head) * (name != "pp"),
@@ -377,7 +381,9 @@ def _routed_rows(name: str, cfg, shape: dict, t: float, terms, opts=None) -> flo
   a2a = sum(x.bytes for x in terms if x.kind == "all-to-all" and x.phase == "fwd")
   if a2a:
     calls = 2 * cfg.n_layer_slots * _runs(name, cfg, shape, opts)  # dispatch + combine per call
-    return a2a / calls / (cfg.d_model * cost.act_bytes(cfg))
+    # ep_x_tp's sequence parallelism runs the experts on the tensor group's gathered rows
+    gathered = shape.get("tensor", 1) if getattr(opts, "sequence_parallel", False) else 1
+    return a2a / calls / (cfg.d_model * cost.act_bytes(cfg)) * gathered
   if name == "ep_tp":
     from layout import dispatch
     from modeling import routing

@@ -45,8 +45,8 @@ def refused(cands: list[plan.Candidate], most: int = 6) -> str:
 def found(cands: list[plan.Candidate], ranked: list[plan.Candidate], name: str,
           sizes: dict) -> str:
   """Where the candidates of one strategy on one mesh (sizes; axes of size 1 may be omitted)
-  rank: the first six, the least memory, and the best of each placement and remat policy
-  not among them; or
+  rank: the first six, the least memory, and the best of each placement, remat policy and
+  option setting not among them; or
   the check() line that refused them."""
   want = {a: n for a, n in sizes.items() if n > 1}
   mine = [c for c in cands if c.strategy == name
@@ -59,15 +59,17 @@ def found(cands: list[plan.Candidate], ranked: list[plan.Candidate], name: str,
   lines = [f"{label}: {len(mine)} candidates, {len(kept)} admitted"]
   least = min(kept, key=lambda c: (c.memory, c.step_s), default=None)
   shown = kept[:6] + ([least] if least is not None and least not in kept[:6] else [])
-  # the best-ranked of each placement (the axes inside a node) and remat policy that the lines
-  # above leave out
+  # the best-ranked of each placement (the axes inside a node), remat policy and option setting
+  # that the lines above leave out
+  kind = lambda c: (c.inner, c.remat, tuple(sorted(plan._varied(c.strategy, c.opts).items())))
   best = {}
   for c in kept:
-    best.setdefault((c.inner, c.remat), c)
-  placed = [c for c in best.values() if all((s.inner, s.remat) != (c.inner, c.remat) for s in shown)]
+    best.setdefault(kind(c), c)
+  placed = [c for c in best.values() if all(kind(s) != kind(c) for s in shown)]
   for c in shown + placed:
     tag = ("least memory: " if c is least else
-           f"best with node[{','.join(c.inner) or '-'}], remat={c.remat}: "
+           f"best with node[{','.join(c.inner) or '-'}], remat={c.remat}"
+           + "".join(f", {k}={v}" for k, v in kind(c)[2]) + ": "
            if any(c is p for p in placed) else "")
     lines.append(f"  {tag}rank {pos[id(c)]} of {len(ranked)}: "
                  f"{c.layout()}: {'fits' if c.fits else 'does NOT fit'}, {fmt_bytes(c.memory)} "

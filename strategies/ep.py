@@ -226,19 +226,26 @@ def moe_body(p, x, positions, *, cfg, ep_axes, ep, token_axes, transport, gather
   return y.reshape(b, s, d), jax.tree.map(lambda v: jax.lax.psum(v, token_axes), stats)
 
 
-def a2a_exchange(p, x, plan, c, *, cfg, ep_axes, ep):
-  """Padded all-to-all: x [T, D] local tokens -> their copies' expert outputs [T*K, D]."""
-  n_local = cfg.n_experts // ep
+def a2a_exchange(p, x, plan, c, *, cfg, ep_axes, ep, experts=None):
+  """Padded all-to-all: x [T, D] local tokens -> their copies' expert outputs [T*K, D].
+  experts(p, recv, counts, c, cfg) -> out: what runs the received rows (local_experts by
+  default; ep_x_tp's sequence-parallel exchange gathers them over tensor first)."""
   send = dispatch.pack(x, plan, cfg.top_k, c)                            # [EP, C, D] by dst shard
   with jax.named_scope("dispatch_a2a"):
     recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True)           # [EP, C, D] by src shard
     counts = jax.lax.all_to_all(plan.counts, ep_axes, 0, 0, tiled=True)  # [EP, e] by src shard
   with jax.named_scope("expert_gmm"):
-    ids = dispatch.segment_ids(counts, c)                                # [EP, C] in 0..e (e = pad)
-    out = moe.experts_ffn(p, recv, ids, n_local, cfg.gmm_backend)        # [EP, C, D]
+    out = (experts or local_experts)(p, recv, counts, c, cfg)            # [EP, C, D]
   with jax.named_scope("combine_a2a"):
     back = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)            # [EP, C, D] by dst shard
   return dispatch.unpack(back, plan)                                     # [T*K, D], 0 if dropped
+
+
+def local_experts(p, rows, counts, c, cfg):
+  """rows [N, C, D], each source's C rows sorted by local expert, counts [N, e] -> the e local
+  experts' SwiGLU of them, [N, C, D] (padding rows out as 0)."""
+  ids = dispatch.segment_ids(counts, c)                                  # [N, C] in 0..e (e = pad)
+  return moe.experts_ffn(p, rows, ids, counts.shape[-1], cfg.gmm_backend)
 
 
 def ragged_exchange(p, x, plan, c, *, cfg, ep_axes, ep, ragged_fn=jax.lax.ragged_all_to_all):

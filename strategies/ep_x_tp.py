@@ -16,7 +16,9 @@ b = B / (|data| |expert|) local sequences, T = b*S tokens per device.
 | embed, unembed, norms, router, bias      | replicated                                      |
 | tokens / positions [B, S]                | (B_(data,expert), S)                            |
 | residual x [B, S, D]                     | (B_(data,expert), S, D), replicated over tensor |
+|   sequence_parallel                      | (B_(data,expert), S_tensor, D)                  |
 | dispatch buffer [EP, C, D] per device    | one per tensor rank: each routes the same T     |
+|   sequence_parallel                      | each tensor rank its own T/t tokens             |
 
 MoE (one full-manual shard_map): every tensor rank routes the same T local tokens and sends
 their copies through ep.py's padded all-to-all over `expert` (ep.moe_body, a2a transport); the
@@ -41,7 +43,7 @@ destination as ep.py: T*min(K, e) dropless, about cf*T*K/EP with a capacity fact
                experts over d (x splits E); the router over (d, x, t)
 Each tensor rank carries its own copy of the exchange, so the all-to-all bytes per device are
 ep.py's at the same EP and T: TP divides the weights and the expert FLOPs by t, not the tokens
-(Megatron's sequence parallelism, which splits T over t before the exchange, is not modelled).
+(sequence_parallel, below, splits them).
 
 HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
 (kind, axes) set equals it; tests/test_strategies.py holds both to the program):
@@ -51,6 +53,36 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
   all-reduce over data: expert weight gradients
   all-reduce over (data, expert, tensor): router grads, router statistics, loss sums, grad norm
 
+HLO contract, sequence_parallel:
+  all-gather over tensor: the normed h (MLA: its latents) before attention, h before the shared
+    expert and the dense FFN, the received rows [EP, C, D] and counts of every MoE layer,
+    cotangents of the reduce-scatters; capacity_factor > 0: expert ids [b, S, K] and positions
+    [b, S] (int32, the capacity rule's whole sequences)
+  reduce-scatter over tensor: attn wo, shared / dense FFN outputs, the experts' outputs
+    [t*EP, C, D], cotangents of the gathers
+  all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
+  all-reduce over tensor: norm-scale grads [D] (first half of XLA's split); the sequence-wise
+    loss's [b, E]
+  all-reduce over (data, expert): attention / shared / dense weight grads, norm-scale grads [D]
+    (second half)
+  all-reduce over data: expert weight gradients
+  all-reduce over (data, expert, tensor): embed / unembed / MLA down-projection / router grads,
+    router statistics, loss sums, grad norm
+
+Sequence parallelism (--opt=sequence_parallel=true, Megatron's --sequence-parallel, which it
+requires for MoE with TP > 1): the residual is [B@(d,x), S@t, D], so the norms, the router and
+the CE run on each tensor rank's own S/t positions. Attention and the dense / shared SwiGLUs
+all-gather the normed h over tensor ("seq_ag") and reduce-scatter their row-parallel outputs
+("seq_rs") in place of tp's all-reduces: the same wire bytes, activations at 1/t. The routed MoE
+reads the residual layout (model.Layout.moe_in_residual): each tensor rank routes its own T/t
+tokens and sends them through the all-to-all over expert (C for T/t tokens), then "tensor_ag" all-gathers the received rows over tensor, so each rank runs its F_t
+slice of the e local experts on the t ranks' rows, and "tensor_rs" reduce-scatters the partial
+outputs back to the rows this rank received; "combine_a2a" returns them. Per MoE layer and
+direction that adds an all-gather and a reduce-scatter of t*EP*C*D over tensor. Dropless, C is
+for T/t tokens: the all-to-all moves 1/t of the replicated layout's. Under the capacity rule
+C's per-sequence bound b*e*C_e does not shrink with S/t (a rank's positions may fill a whole
+sequence's slots of an expert), so its padded buffers stay the same size.
+
 Pick it when the experts need EP but attention or each expert is too wide for one device, with
 t inside a node (its activation all-reduces are on the critical path) and EP across what is
 left; cost: ep's 4 exchanges of EP*C*D per layer plus tp's 4 all-reduces of T*D per layer.
@@ -58,17 +90,21 @@ Megatron-Core reports EP8 x TP1 faster than EP4 x TP2 for Mixtral 8x7B (README, 
 setups"): both are meshes of this file.
 
   python run.py --strategy=ep_x_tp --mesh=data:2,expert:2,tensor:2 --devices=8 --steps=3 --hlo_stats
+  python run.py --strategy=ep_x_tp --mesh=expert:4,tensor:2 --opt=sequence_parallel=true --hlo_stats
 """
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from layout import mesh as mesh_lib, tensor
-from layout.options import NoOptions
-from layout.precision import moe_stored, stored_use
+from layout import context, dispatch, mesh as mesh_lib, tensor
+from layout.precision import cast_stored, moe_stored, precision, stored_use
 from measure import cost as cost_lib
 from modeling import model
 from parallel import sharding
+from parallel.sharding import gather_weight, reduce_scatter
 from strategies import BadInput, Case
 from strategies import ep
 
@@ -80,10 +116,29 @@ BATCH = (DATA, EXPERT)                 # the axes that split the batch (= non-ex
 TOKENS = (DATA, EXPERT, TENSOR)        # router statistics and the router's grads: every rank routes
 COMPARE_MESH = "data:2,expert:2,tensor:2"   # the presets' 2 KV heads cap TP at 2
 GROW_AXIS = EXPERT                    # at scale EP grows while the experts admit it
-Options = NoOptions
+X_SP = P(BATCH, TENSOR, None)          # sequence parallelism: the residual [B, S@t, D]
+ROW_SP = P(BATCH, None, None, unreduced={TENSOR})   # row-parallel outputs before "seq_rs"
+# replicated matrices that, under sequence parallelism, run on each rank's own positions: their
+# gradient sums over every axis, one op (gather_weight), not XLA's split
+REPLICATED_MATRICES = ("embed", "unembed", "attn_q_a", "attn_kv_a")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  sequence_parallel: bool = dataclasses.field(default=False, metadata={
+      "doc": "Megatron's sequence parallelism: the residual's S over tensor, AG-RS around the "
+             "tensor-parallel blocks, each tensor rank exchanging its own tokens"})
+
+
+SP = Options(sequence_parallel=True)
 _TINY8 = dict(n_heads=8, n_kv_heads=4)
 TEST_CASES = [Case("tiny", "data:2,expert:2,tensor:2", _TINY8),
-              Case("deepseek-test", "expert:4,tensor:2")]
+              Case("deepseek-test", "expert:4,tensor:2"),
+              # sequence parallelism: Mixtral-style under the capacity rule (whole sequences
+              # gathered); DeepSeek's MLA, dense layer, shared expert and sequence-wise loss
+              Case("mixtral-test", "data:2,expert:2,tensor:2", dict(n_kv_heads=4, capacity_factor=1.0),
+                   SP),
+              Case("deepseek-test", "expert:4,tensor:2", dict(remat="block"), SP)]
 COST_CASES = TEST_CASES
 BAD_INPUT = [
     BadInput(dict(n_heads=8, n_kv_heads=2), "expert:2,tensor:4", Options(),
@@ -91,13 +146,22 @@ BAD_INPUT = [
     BadInput(dict(n_experts=6, top_k=2), "expert:4,tensor:2", Options(),
              "n_experts=6 is not divisible by mesh axis expert=4"),
     BadInput(dict(batch=6), "data:2,expert:2,tensor:2", Options(),
-             "batch=6 is not divisible by mesh axis dataxexpert=4")]
+             "batch=6 is not divisible by mesh axis dataxexpert=4"),
+    BadInput(dict(n_heads=8, n_kv_heads=4, seq_len=30), "expert:2,tensor:4", SP,
+             "seq_len=30 is not divisible by mesh axis tensor=4")]
 
 
 def check(cfg, mesh, opts):
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, BATCH)
   mesh_lib.require_head_split(cfg, mesh, TENSOR, expert_ff=True)
+  if opts.sequence_parallel:
+    mesh_lib.require_divisible("seq_len", cfg.seq_len, mesh, TENSOR)
+
+
+def contract_variant(opts):
+  """Which HLO contract block of the docstring this layout compiles to."""
+  return "sequence_parallel" if opts.sequence_parallel else None
 
 
 def param_specs(cfg, mesh):
@@ -112,6 +176,8 @@ def batch_spec(cfg, mesh):
 
 
 def layout(cfg, mesh, opts):
+  if opts.sequence_parallel:
+    return _sequence_parallel_layout(cfg, mesh)
   x_spec = P(BATCH, None, None)                           # [B, S, D] @ ((d, x),), rep. over t
   # normed h as attention and the MLP read it: typed reduced over t (tp.py's gather_in)
   h_spec = P(BATCH, None, None, reduced=frozenset({TENSOR}))
@@ -138,6 +204,52 @@ def layout(cfg, mesh, opts):
   return model.Layout(x=x_spec, use=stored_use(cfg, BATCH), moe=moe_fn, gather_in=gather_in)
 
 
+def _sequence_parallel_layout(cfg, mesh):
+  """Megatron's sequence parallelism (docstring): the residual [B, S@t, D]; AG-RS over tensor
+  around attention and the dense / shared SwiGLUs; the MoE on each rank's own tokens."""
+  full = P(BATCH, None, None)                             # gathered h [B, S, D]
+
+  def gather_in(h):                                       # [B, S@t, D] -> [B, S, D] (bwd: RS)
+    with jax.named_scope("seq_ag"):
+      return gather_weight(h, full, (TENSOR,))
+
+  def scatter_out(y):                                     # [B, S, D] {U_t} -> [B, S@t, D]
+    with jax.named_scope("seq_rs"):
+      return reduce_scatter(y, X_SP)
+
+  def use(role, w):             # one gradient all-reduce over (d, x, t), not XLA's split
+    if role in REPLICATED_MATRICES:
+      return gather_weight(w, P(), TOKENS, **precision(cfg, role))
+    return cast_stored(w, role, cfg, BATCH)               # float32: w as stored
+
+  gather_seq = context.sequence_gatherer(TENSOR) if cfg.capacity_factor > 0 else None
+
+  def moe_fn(p, h, positions):                            # h [B, S@t, D] normed, the residual
+    p, _ = moe_stored(p, cfg, (DATA,))                    # experts [E@x, D, F@t] as stored
+    pos = jax.reshard(positions, P(BATCH, TENSOR))        # [B, S@t]: a local slice
+    return ep.moe_ep(p, h, pos, cfg, ep_axes=(EXPERT,), gather_sequence=gather_seq,
+                     transport=_tensor_exchange)          # y [B, S@t, D]
+
+  return model.Layout(x=X_SP, use=use, moe=moe_fn, gather_in=gather_in, scatter_out=scatter_out,
+                      row_out=ROW_SP, moe_in_residual=True)
+
+
+def _tensor_experts(p, recv, counts, c, cfg):
+  """The received rows of this tensor rank -> their expert outputs: all-gather the tensor
+  group's rows, run this rank's F_t slice of the local experts on all of them, reduce-scatter
+  the partial sums back to its own rows."""
+  with jax.named_scope("tensor_ag"):
+    rows = jax.lax.all_gather(recv, TENSOR, axis=0, tiled=True)      # [t*EP, C, D]
+    counts = jax.lax.all_gather(counts, TENSOR, axis=0, tiled=True)  # [t*EP, e]
+  out = ep.local_experts(p, rows, counts, c, cfg)                    # [t*EP, C, D] {U_t}: F_t
+  with jax.named_scope("tensor_rs"):
+    return jax.lax.psum_scatter(out, TENSOR, scatter_dimension=0, tiled=True)  # [EP, C, D]
+
+
+# ep.py's padded all-to-all with the experts' F split over tensor
+_tensor_exchange = functools.partial(ep.a2a_exchange, experts=_tensor_experts)
+
+
 def dispatch_buffer_type(cfg, mesh, opts):
   """The experts' input buffer (ShapeDtypeStruct with its sharding) for this cfg and mesh."""
   return ep.buffer_type(cfg, mesh, P(BATCH, None, None), (EXPERT,))
@@ -157,8 +269,51 @@ def cost(cfg, mesh, opts):
   used as stored, grads over (data, expert) (experts over data, the router over every axis);
   tp.py's activation all-reduces over tensor; ep.py's exchange over expert; router statistics."""
   b_loc = cfg.batch // mesh_lib.axis_size(mesh, *BATCH)
+  if opts.sequence_parallel:
+    return _sequence_parallel_cost(cfg, mesh, b_loc)
   return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), BATCH,
                                 grads={"router": TOKENS})
           + cost_lib.stats_terms(cfg, mesh, TOKENS)
           + cost_lib.tensor_terms(cfg, mesh, TENSOR, b_loc)
           + ep.exchange_terms(cfg, mesh, "a2a", b_loc, b_loc * cfg.seq_len))
+
+
+def _sequence_parallel_cost(cfg, mesh, b_loc):
+  """cost() under sequence parallelism: the AG-RS over tensor around the tensor-parallel blocks
+  (ep_tp's folded schedule, over tensor), ep's exchange of T/t tokens, the received rows'
+  AG-RS over tensor; replicated matrices and the router summed over every axis, the norm
+  scales in XLA's split (tensor, then data and expert)."""
+  n_layers, n_moe, t = cfg.n_layers, cfg.n_moe_layers, mesh_lib.axis_size(mesh, TENSOR)
+  tok = b_loc * cfg.seq_len                                  # the batch shard's tokens
+  act = cost_lib.nbytes((tok, cfg.d_model), cost_lib.act_bytes(cfg))   # one gathered [T, D]
+  mlp = n_layers - (0 if cfg.n_shared_experts else n_moe)   # layers with a tensor-parallel SwiGLU
+  gathered = n_layers * act * cost_lib.attn_gather_values(cfg) // cfg.d_model + mlp * act
+  grads = {**dict.fromkeys(REPLICATED_MATRICES + ("router",), TOKENS),
+           **dict.fromkeys(model.NORMS, ((TENSOR,), BATCH))}
+  n_ep = mesh_lib.axis_size(mesh, EXPERT)
+  c = dispatch.send_rows(cfg, b_loc, cfg.seq_len // t, n_ep)
+  rows = n_ep * c * cfg.d_model * cost_lib.act_bytes(cfg)   # one received [EP, C, D]
+  term = functools.partial(cost_lib.term, mesh)
+  terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), BATCH, grads=grads)
+           + cost_lib.stats_terms(cfg, mesh, TOKENS, (TENSOR,))
+           + term("all-gather", "fwd", "normed h / MLA latents before attention, h before the "
+                  "shared expert and the dense FFN", gathered, TENSOR, cost_lib.RECOMPUTED)
+           + term("reduce-scatter", "fwd", "attn wo", n_layers * act / t, TENSOR,
+                  cost_lib.BLOCK_ONLY)
+           + term("reduce-scatter", "fwd", "shared / dense FFN outputs", mlp * act / t, TENSOR)
+           + term("all-gather", "bwd", "cotangents of the reduce-scatters", (n_layers + mlp) * act,
+                  TENSOR)
+           + term("reduce-scatter", "bwd", "cotangents of the gathered h / latents",
+                  gathered / t, TENSOR)
+           + ep.exchange_terms(cfg, mesh, "a2a", b_loc, tok // t)
+           + term("all-gather", "fwd", "received rows [EP, C, D] + counts [EP, e] (int32)",
+                  n_moe * t * (rows + cfg.n_experts * 4), TENSOR, cost_lib.RECOMPUTED)
+           + term("reduce-scatter", "fwd", "the experts' outputs [t*EP, C, D]", n_moe * rows,
+                  TENSOR, cost_lib.RECOMPUTED)
+           + term("all-gather", "bwd", "cotangents of the outputs' reduce-scatter",
+                  n_moe * t * rows, TENSOR)
+           + term("reduce-scatter", "bwd", "cotangents of the gathered rows", n_moe * rows, TENSOR))
+  if cfg.capacity_factor > 0:           # the capacity rule reads whole sequences (positions CSE'd)
+    terms += term("all-gather", "fwd", "expert ids per layer + positions (capacity)",
+                  (n_moe * cfg.top_k + 1) * tok * 4, TENSOR)
+  return terms

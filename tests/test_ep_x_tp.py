@@ -4,6 +4,7 @@ expert, whose buffers are the [EP, C, D] of the tokens each tensor rank routes."
 from layout import dispatch
 from measure import hlo
 from modeling.config import get_config
+import strategies
 from tests import parity
 
 NAME = "ep_x_tp"
@@ -29,3 +30,29 @@ def test_tensor_all_reduces_and_expert_all_to_alls():
   a2a = [op for op in ops if op.kind == "all-to-all"]
   assert {frozenset(hlo.op_axes(op, job.mesh)) for op in a2a} == {frozenset({"expert"})}
   assert sum(op.count for op in a2a if op.bytes == buf) == 4 * TINY8.n_layers, a2a
+
+
+def test_sequence_parallel_exchanges_each_ranks_own_tokens():
+  """sequence_parallel: each tensor rank routes its own S/t positions, so dropless the all-to-all
+  buffers are [EP, C, D] for b x S/t tokens (C half of the replicated layout's at t = 2); the
+  received rows are all-gathered over tensor and the experts' outputs reduce-scattered back;
+  no activation is all-reduced over tensor (only the norm scales' [D] gradients are)."""
+  ep_x_tp = strategies.get(NAME)
+  case = next(c for c in ep_x_tp.TEST_CASES if c.opts == ep_x_tp.SP and not c.config().capacity_factor)
+  cfg = case.config()
+  job = parity.job(NAME, cfg, case.mesh, case.opts)
+  sizes = job.mesh.shape
+  b, t, n_ep = cfg.batch // (sizes["data"] * sizes["expert"]), sizes["tensor"], sizes["expert"]
+  c = dispatch.send_rows(cfg, b, cfg.seq_len // t, n_ep)
+  assert c * t == dispatch.send_rows(cfg, b, cfg.seq_len, n_ep)      # dropless: T/t tokens
+  buf = n_ep * c * cfg.d_model * 4
+  ops = hlo.collective_ops(job.hlo)
+  a2a = [op for op in ops if op.kind == "all-to-all"]
+  # dispatch and combine, forward and backward; remat block runs the forward two again
+  per_layer = 6 if cfg.remat == "block" else 4
+  assert sum(op.count for op in a2a if op.bytes == buf) == per_layer * cfg.n_moe_layers, a2a
+  on_tensor = lambda kind: [op for op in ops if op.kind == kind
+                            and hlo.op_axes(op, job.mesh) == {"tensor"}]
+  assert any(op.bytes == t * buf for op in on_tensor("all-gather")), on_tensor("all-gather")
+  assert any(op.bytes == buf for op in on_tensor("reduce-scatter")), on_tensor("reduce-scatter")
+  assert all(op.bytes <= 4 * cfg.d_model * 8 for op in on_tensor("all-reduce")), on_tensor("all-reduce")
