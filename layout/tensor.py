@@ -1,4 +1,5 @@
-"""Megatron tensor-parallel pieces shared by tp and ep_x_tp: the column / row role table.
+"""Megatron tensor-parallel pieces: the column / row role table (tp, ep_x_tp) and sequence
+parallelism's Layout hooks (ep_tp, ep_x_tp's sequence_parallel).
 
   attn wq [D, H@t, Dh]  wk/wv [D, KV@t, Dh]  (column)      attn wo [H@t, Dh, D]  (row)
   MLA wq_b [Rq, H@t, qk]  wkv_b [Rkv, H@t, nope + v]  (column; wq_a / wkv_a replicated)
@@ -7,7 +8,11 @@ Embed, unembed, norms, router and bias are left out, i.e. replicated.
 """
 from __future__ import annotations
 
+import jax
 from jax.sharding import PartitionSpec as P
+
+from layout.precision import cast_stored, precision
+from parallel.sharding import gather_weight, reduce_scatter
 
 
 def table(axis: str) -> dict:
@@ -19,3 +24,29 @@ def table(axis: str) -> dict:
           "expert_out": P(None, axis, None),                                  # [E, F_t, D] row
           "shared_in": P(None, axis), "shared_out": P(axis, None),
           "dense_in": P(None, axis), "dense_out": P(axis, None)}
+
+
+def sequence_parallel(cfg, residual: P, gathered: P, axis: str, token_axes, grad_axes,
+                      replicated, rs_scope: str = "seq_rs"):
+  """Megatron's sequence parallelism as model.Layout hooks -> (gather_in, scatter_out, use):
+    gather_in    the normed h [B, S@axis, D] (residual) all-gathered over `axis` to `gathered`
+                 before the tensor-parallel blocks ("seq_ag"; backward: reduce-scatter)
+    scatter_out  a row-parallel output [B, S, D], unreduced over `axis`, reduce-scattered back
+                 to the residual layout (rs_scope; backward: all-gather)
+    use          the `replicated` matrices, which run on each rank's own positions, typed
+                 reduced over every token axis, so their gradient is one all-reduce (XLA would
+                 split it); the other weights as stored, their gradient over grad_axes."""
+  def gather_in(h):
+    with jax.named_scope("seq_ag"):
+      return gather_weight(h, gathered, (axis,))
+
+  def scatter_out(y):
+    with jax.named_scope(rs_scope):
+      return reduce_scatter(y, residual)
+
+  def use(role, w):
+    if role in replicated:
+      return gather_weight(w, P(), token_axes, **precision(cfg, role))
+    return cast_stored(w, role, cfg, grad_axes)            # float32: w as stored
+
+  return gather_in, scatter_out, use

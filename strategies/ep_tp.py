@@ -131,12 +131,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from layout import buffers, compact, context, dispatch, mesh as mesh_lib, options
-from layout.precision import cast_stored, moe_stored, precision
+from layout import buffers, compact, context, dispatch, mesh as mesh_lib, options, tensor
+from layout.precision import moe_stored
 from measure import cost as cost_lib
 from modeling import model, moe, routing
 from modeling.config import ConfigError
-from parallel.sharding import gather_weight, reduce_scatter
 from strategies import BadInput, Case, ep
 
 NAME = "ep_tp"
@@ -282,18 +281,10 @@ def layout(cfg, mesh, opts):
         body, in_specs=(p_specs, jax.typeof(x).sharding.spec, P(DATA, None)),
         out_specs=(ROW, P()))(p, x, positions)                         # y [B, S, D] {U_expert}
 
-  def gather_in(h):                                # [B, S@expert, D] -> [B, S, D] (bwd: RS)
-    with jax.named_scope("seq_ag"):
-      return gather_weight(h, FULL, (EXPERT,))
-
-  def scatter_out(y):                              # [B, S, D] {U_expert} -> [B, S@expert, D]
-    with jax.named_scope("combine_rs"):
-      return reduce_scatter(y, X_SPEC)
-
-  def use(role, w):             # one gradient all-reduce over (data, expert), not XLA's split
-    if role in REPLICATED_MATRICES:
-      return gather_weight(w, P(), TOKENS, **precision(cfg, role))
-    return cast_stored(w, role, cfg, TOKENS)       # float32: w as stored
+  # AG of the normed h [B, S@expert, D] -> [B, S, D] before attention / the MLP, RS of the
+  # row-parallel outputs back; embed / unembed / MLA down-projections' grads in one op
+  gather_in, scatter_out, use = tensor.sequence_parallel(
+      cfg, X_SPEC, FULL, EXPERT, TOKENS, TOKENS, REPLICATED_MATRICES, rs_scope="combine_rs")
 
   gather_seq = context.sequence_gatherer(EXPERT) if cfg.capacity_factor > 0 else None
 

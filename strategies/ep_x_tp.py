@@ -100,13 +100,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from layout import context, dispatch, mesh as mesh_lib, tensor
-from layout.precision import cast_stored, moe_stored, precision, stored_use
+from layout.precision import moe_stored, stored_use
 from measure import cost as cost_lib
 from modeling import model
+from modeling.config import ConfigError
 from parallel import sharding
-from parallel.sharding import gather_weight, reduce_scatter
-from strategies import BadInput, Case
-from strategies import ep
+from strategies import BadInput, Case, ep
 
 NAME = "ep_x_tp"
 DATA, EXPERT, TENSOR = mesh_lib.DATA, mesh_lib.EXPERT, mesh_lib.TENSOR
@@ -148,7 +147,9 @@ BAD_INPUT = [
     BadInput(dict(batch=6), "data:2,expert:2,tensor:2", Options(),
              "batch=6 is not divisible by mesh axis dataxexpert=4"),
     BadInput(dict(n_heads=8, n_kv_heads=4, seq_len=30), "expert:2,tensor:4", SP,
-             "seq_len=30 is not divisible by mesh axis tensor=4")]
+             "seq_len=30 is not divisible by mesh axis tensor=4"),
+    BadInput({}, "data:2,expert:4", SP, "ep_x_tp option sequence_parallel=true needs a tensor "
+             "axis of size > 1 (without one it is the same program)")]
 
 
 def check(cfg, mesh, opts):
@@ -156,6 +157,9 @@ def check(cfg, mesh, opts):
   mesh_lib.require_divisible("batch", cfg.batch, mesh, BATCH)
   mesh_lib.require_head_split(cfg, mesh, TENSOR, expert_ff=True)
   if opts.sequence_parallel:
+    if mesh_lib.axis_size(mesh, TENSOR) == 1:
+      raise ConfigError("ep_x_tp option sequence_parallel=true needs a tensor axis of size > 1 "
+                        "(without one it is the same program)")
     mesh_lib.require_divisible("seq_len", cfg.seq_len, mesh, TENSOR)
 
 
@@ -207,20 +211,10 @@ def layout(cfg, mesh, opts):
 def _sequence_parallel_layout(cfg, mesh):
   """Megatron's sequence parallelism (docstring): the residual [B, S@t, D]; AG-RS over tensor
   around attention and the dense / shared SwiGLUs; the MoE on each rank's own tokens."""
-  full = P(BATCH, None, None)                             # gathered h [B, S, D]
-
-  def gather_in(h):                                       # [B, S@t, D] -> [B, S, D] (bwd: RS)
-    with jax.named_scope("seq_ag"):
-      return gather_weight(h, full, (TENSOR,))
-
-  def scatter_out(y):                                     # [B, S, D] {U_t} -> [B, S@t, D]
-    with jax.named_scope("seq_rs"):
-      return reduce_scatter(y, X_SP)
-
-  def use(role, w):             # one gradient all-reduce over (d, x, t), not XLA's split
-    if role in REPLICATED_MATRICES:
-      return gather_weight(w, P(), TOKENS, **precision(cfg, role))
-    return cast_stored(w, role, cfg, BATCH)               # float32: w as stored
+  # AG of the normed h [B, S@t, D] -> [B, S, D] before the tensor-parallel blocks, RS of their
+  # row-parallel outputs back; replicated matrices' grads summed over (d, x, t) in one op
+  gather_in, scatter_out, use = tensor.sequence_parallel(
+      cfg, X_SP, P(BATCH, None, None), TENSOR, TOKENS, BATCH, REPLICATED_MATRICES)
 
   gather_seq = context.sequence_gatherer(TENSOR) if cfg.capacity_factor > 0 else None
 
