@@ -281,21 +281,26 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   t = cfg.batch * cfg.seq_len / spec_shards(bspec, mesh)
   # residual-stream sequence splits that batch_spec does not show (ep_tp's [B@data, S@expert,
   # D], ep_x_tp's sequence parallelism)
-  seq = dim_axes(lay.x, 1) if lay.x is not None else ()
-  t /= math.prod(shape.get(a, 1) for a in seq if a not in dim_axes(bspec, 1))
+  tok_axes = (dim_axes(lay.x, 0), dim_axes(lay.x, 1)) if lay.x is not None else ((), ())
+  t /= math.prod(shape.get(a, 1) for a in tok_axes[1] if a not in dim_axes(bspec, 1))
   # pp runs a pass on one microbatch at a time: its working set is a microbatch's tokens, and
   # so is the head's under 1f1b (its vjp in the same phase); gpipe's and interleaved's autodiff
   # of the head's map keeps every microbatch's logits
   t_pass = t / cfg.microbatches if name == "pp" else t
   t_head = t_pass if name == "pp" and _one_f(opts) else t
-  v_loc = cfg.vocab / _dim_shards(strat.param_specs(cfg, mesh)["unembed"], 1, mesh)
-  f_loc = cfg.d_ff / _expert_f_shards(strat, cfg, mesh)
+  specs = strat.param_specs(cfg, mesh)
+  v_loc = cfg.vocab / _dim_shards(specs["unembed"], 1, mesh)
+  f_axes = dim_axes(specs["layers"]["moe"]["wi_0"], 3)           # the axes splitting F
+  f_loc = cfg.d_ff / math.prod(shape[a] for a in f_axes)
   gathers = [x for x in terms if x.kind == "all-gather" and x.phase == "fwd"
              and x.what.endswith("gathered")]
   head = [x.bytes for x in gathers if x.what.split()[0] in HEAD_LEAVES]
   gathered = (sum(x.bytes for x in gathers) - sum(head)) / cfg.n_layers
   res = t * cfg.d_model * 4
-  rows = _routed_rows(name, cfg, shape, t, terms, opts)
+  # experts whose F is split over an axis that also splits the residual's tokens run on that
+  # axis' gathered rows (ep_x_tp's sequence parallelism)
+  rows = _routed_rows(name, cfg, shape, t, terms, opts) * math.prod(
+      shape[a] for a in f_axes if a in tok_axes[0] + tok_axes[1])
   held = _layers_held(name, cfg, shape, opts)
   block, none = cfg.remat == "block", cfg.remat == "none"
   heads = cfg.n_heads / shape.get("tensor", 1)
@@ -381,9 +386,7 @@ def _routed_rows(name: str, cfg, shape: dict, t: float, terms, opts=None) -> flo
   a2a = sum(x.bytes for x in terms if x.kind == "all-to-all" and x.phase == "fwd")
   if a2a:
     calls = 2 * cfg.n_layer_slots * _runs(name, cfg, shape, opts)  # dispatch + combine per call
-    # ep_x_tp's sequence parallelism runs the experts on the tensor group's gathered rows
-    gathered = shape.get("tensor", 1) if getattr(opts, "sequence_parallel", False) else 1
-    return a2a / calls / (cfg.d_model * cost.act_bytes(cfg)) * gathered
+    return a2a / calls / (cfg.d_model * cost.act_bytes(cfg))
   if name == "ep_tp":
     from layout import dispatch
     from modeling import routing
@@ -399,12 +402,6 @@ def _dim_shards(spec, dim: int, mesh) -> int:
     return 1
   axes = (spec[dim],) if isinstance(spec[dim], str) else spec[dim]
   return math.prod(mesh.shape[a] for a in axes)
-
-
-def _expert_f_shards(strat, cfg, mesh) -> int:
-  """How many ways a routed expert's hidden width F is split: wi_0's last dim as stored (tp's
-  and ep_x_tp's tensor axis)."""
-  return _dim_shards(strat.param_specs(cfg, mesh)["layers"]["moe"]["wi_0"], 3, mesh)
 
 
 def _chunks(cfg) -> int:
