@@ -324,10 +324,38 @@ def cp_terms(cfg, mesh, cp_axis: str, batch_axes, ring: bool = False) -> list[Te
     out = (term(mesh, "all-gather", "fwd", what, cfg.n_layers * kv, cp_axis, RECOMPUTED)
            + term(mesh, "all-gather", "fwd", "kv_pos", b * cfg.seq_len * 4, cp_axis)
            + term(mesh, "reduce-scatter", "bwd", f"d({what})", cfg.n_layers * kv / cp, cp_axis))
-  if cfg.capacity_factor > 0:
-    out += term(mesh, "all-gather", "fwd", "expert ids per layer + positions (capacity)",
-                (cfg.n_moe_layers * cfg.top_k + 1) * b * cfg.seq_len * 4, cp_axis)
-  return out
+  return out + capacity_gather_terms(cfg, mesh, cp_axis, b * cfg.seq_len)
+
+
+def capacity_gather_terms(cfg, mesh, axis: str, tokens: int) -> list[Term]:
+  """The capacity rule orders whole sequences: where `axis` splits them, with capacity_factor > 0
+  each MoE layer's expert ids [T, K] and the positions [T] (once: the same in every layer, CSE'd)
+  are all-gathered over it as int32, T = tokens of the gathered sequences (cp, ep_tp folded,
+  ep_x_tp's sequence parallelism)."""
+  if cfg.capacity_factor <= 0:
+    return []
+  return term(mesh, "all-gather", "fwd", "expert ids per layer + positions (capacity)",
+              (cfg.n_moe_layers * cfg.top_k + 1) * tokens * 4, axis)
+
+
+def sequence_parallel_terms(cfg, mesh, axis: str, tokens: int, mlp_layers: int) -> list[Term]:
+  """Megatron's sequence parallelism over `axis` (ep_tp, ep_x_tp's sequence_parallel), T =
+  tokens of the gathered [T, D]: per layer, forward, the all-gather of attention's normed h
+  (MLA: its latents) and, in mlp_layers layers, of the MLP's h, the reduce-scatter of attention
+  wo and of those MLPs' outputs; backward, the mirror (all-gather of the reduce-scatters'
+  cotangents, reduce-scatter of the gathered inputs')."""
+  n = _size(mesh, (axis,))
+  act = nbytes((tokens, cfg.d_model), act_bytes(cfg))              # one gathered [T, D]
+  gathered = cfg.n_layers * act * attn_gather_values(cfg) // cfg.d_model + mlp_layers * act
+  return (term(mesh, "all-gather", "fwd", "attention's h or MLA latents, the MLP's h", gathered,
+               axis, RECOMPUTED)
+          + term(mesh, "reduce-scatter", "fwd", "attn wo", cfg.n_layers * act / n, axis,
+                 BLOCK_ONLY)
+          + term(mesh, "reduce-scatter", "fwd", "the MLPs' outputs", mlp_layers * act / n, axis)
+          + term(mesh, "all-gather", "bwd", "cotangents of the reduce-scatters",
+                 (cfg.n_layers + mlp_layers) * act, axis)
+          + term(mesh, "reduce-scatter", "bwd", "cotangents of the gathered h / latents",
+                 gathered / n, axis))
 
 
 def tensor_terms(cfg, mesh, tensor_axis: str, b_loc: int) -> list[Term]:

@@ -322,42 +322,28 @@ def send_rows(cfg, mesh) -> int:
 
 def cost(cfg, mesh, opts):
   """Per-device collective bytes per step (measure/cost.py; the docstring's schedule)."""
-  n_layers, n_moe, folded = cfg.n_layers, cfg.n_moe_layers, opts.exchange == "folded"
-  t = cfg.batch // mesh.shape[DATA] * cfg.seq_len
-  act = cost_lib.nbytes((t, cfg.d_model), cost_lib.act_bytes(cfg))  # one gathered [T, D]
+  n_moe, folded = cfg.n_moe_layers, opts.exchange == "folded"
+  b = cfg.batch // mesh.shape[DATA]
+  t = b * cfg.seq_len
   # the layers whose MLP gathers h and reduce-scatters its output: all (ring); the dense ones
   # and, with a shared expert, the MoE ones (folded: the shared expert's own)
-  mlp = n_layers if not folded else n_layers - (0 if cfg.n_shared_experts else n_moe)
-  # per layer: attention's gather (h, or MLA's latents), plus the MLP's h where it has one
-  gathered = n_layers * act * cost_lib.attn_gather_values(cfg) // cfg.d_model + mlp * act
+  mlp = cfg.n_layers if not folded else cfg.n_layers - (0 if cfg.n_shared_experts else n_moe)
   rk = cost_lib.nbytes((t, cfg.top_k))                              # one [T, K] of routing
   ids = (2 if cfg.capacity_factor > 0 else 1) * rk                  # expert ids (+ raw, capacity)
   route = 0 if folded else n_moe * rk                               # ring: the weights [T, K]
-  ep_size = mesh.shape[EXPERT]
   # weights: expert-split ones' grads over data; embed / unembed (gather_weight) and the router
   # (shard_map input) over (data, expert); XLA splits the norm scales' sum: expert, then data
   weights = cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), TOKENS,
                                   grads=dict.fromkeys(model.NORMS, ((EXPERT,), (DATA,))))
   term = functools.partial(cost_lib.term, mesh)
   terms = (weights + cost_lib.stats_terms(cfg, mesh, TOKENS, (EXPERT,))
-           + term("all-gather", "fwd", "attention's h or MLA latents, the MLP's h, routing ids + "
-                  "weights (ring's MoE layers)", gathered + (0 if folded else n_moe * ids) + route,
-                  EXPERT, cost_lib.RECOMPUTED)
-           + term("reduce-scatter", "fwd", "attn wo", n_layers * act / ep_size, EXPERT,
-                  cost_lib.BLOCK_ONLY)
-           + term("reduce-scatter", "fwd", "MoE + shared (folded: shared), or the dense FFN",
-                  mlp * act / ep_size, EXPERT)
-           + term("all-gather", "bwd", "cotangents of the reduce-scatters",
-                  (n_layers + mlp) * act, EXPERT)
-           + term("reduce-scatter", "bwd", "cotangents of the gathered h / latents and weights",
-                  (gathered + route) / ep_size, EXPERT))
+           + cost_lib.sequence_parallel_terms(cfg, mesh, EXPERT, t, mlp)
+           + term("all-gather", "fwd", "routing ids + weights (ring's MoE layers)",
+                  0 if folded else n_moe * ids + route, EXPERT, cost_lib.RECOMPUTED)
+           + term("reduce-scatter", "bwd", "cotangents of the routing weights",
+                  route / mesh.shape[EXPERT], EXPERT))
   if folded:
     # ep's exchange of the T/EP local tokens: [EP, C, D] out and back, the counts [EP, e]
-    buf = ep_size * send_rows(cfg, mesh) * cfg.d_model * cost_lib.act_bytes(cfg)
-    terms += (term("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, e] (int32)",
-                   n_moe * (2 * buf + cfg.n_experts * 4), EXPERT, cost_lib.RECOMPUTED)
-              + term("all-to-all", "bwd", "their transposes", n_moe * 2 * buf, EXPERT))
-    if cfg.capacity_factor > 0:          # the capacity rule reads whole sequences (positions CSE'd)
-      terms += term("all-gather", "fwd", "expert ids per layer + positions (capacity)",
-                    (n_moe * cfg.top_k + 1) * t * 4, EXPERT)
+    terms += (ep.exchange_terms(cfg, mesh, "a2a", b, t // mesh.shape[EXPERT])
+              + cost_lib.capacity_gather_terms(cfg, mesh, EXPERT, t))
   return terms

@@ -277,37 +277,24 @@ def _sequence_parallel_cost(cfg, mesh, b_loc):
   (ep_tp's folded schedule, over tensor), ep's exchange of T/t tokens, the received rows'
   AG-RS over tensor; replicated matrices and the router summed over every axis, the norm
   scales in XLA's split (tensor, then data and expert)."""
-  n_layers, n_moe, t = cfg.n_layers, cfg.n_moe_layers, mesh_lib.axis_size(mesh, TENSOR)
+  n_moe, t = cfg.n_moe_layers, mesh_lib.axis_size(mesh, TENSOR)
   tok = b_loc * cfg.seq_len                                  # the batch shard's tokens
-  act = cost_lib.nbytes((tok, cfg.d_model), cost_lib.act_bytes(cfg))   # one gathered [T, D]
-  mlp = n_layers - (0 if cfg.n_shared_experts else n_moe)   # layers with a tensor-parallel SwiGLU
-  gathered = n_layers * act * cost_lib.attn_gather_values(cfg) // cfg.d_model + mlp * act
+  mlp = cfg.n_layers - (0 if cfg.n_shared_experts else n_moe)   # layers with a tensor-parallel SwiGLU
   grads = {**dict.fromkeys(REPLICATED_MATRICES + ("router",), TOKENS),
            **dict.fromkeys(model.NORMS, ((TENSOR,), BATCH))}
   n_ep = mesh_lib.axis_size(mesh, EXPERT)
   c = dispatch.send_rows(cfg, b_loc, cfg.seq_len // t, n_ep)
   rows = n_ep * c * cfg.d_model * cost_lib.act_bytes(cfg)   # one received [EP, C, D]
   term = functools.partial(cost_lib.term, mesh)
-  terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), BATCH, grads=grads)
-           + cost_lib.stats_terms(cfg, mesh, TOKENS, (TENSOR,))
-           + term("all-gather", "fwd", "normed h / MLA latents before attention, h before the "
-                  "shared expert and the dense FFN", gathered, TENSOR, cost_lib.RECOMPUTED)
-           + term("reduce-scatter", "fwd", "attn wo", n_layers * act / t, TENSOR,
-                  cost_lib.BLOCK_ONLY)
-           + term("reduce-scatter", "fwd", "shared / dense FFN outputs", mlp * act / t, TENSOR)
-           + term("all-gather", "bwd", "cotangents of the reduce-scatters", (n_layers + mlp) * act,
-                  TENSOR)
-           + term("reduce-scatter", "bwd", "cotangents of the gathered h / latents",
-                  gathered / t, TENSOR)
-           + ep.exchange_terms(cfg, mesh, "a2a", b_loc, tok // t)
-           + term("all-gather", "fwd", "received rows [EP, C, D] + counts [EP, e] (int32)",
-                  n_moe * t * (rows + cfg.n_experts * 4), TENSOR, cost_lib.RECOMPUTED)
-           + term("reduce-scatter", "fwd", "the experts' outputs [t*EP, C, D]", n_moe * rows,
-                  TENSOR, cost_lib.RECOMPUTED)
-           + term("all-gather", "bwd", "cotangents of the outputs' reduce-scatter",
-                  n_moe * t * rows, TENSOR)
-           + term("reduce-scatter", "bwd", "cotangents of the gathered rows", n_moe * rows, TENSOR))
-  if cfg.capacity_factor > 0:           # the capacity rule reads whole sequences (positions CSE'd)
-    terms += term("all-gather", "fwd", "expert ids per layer + positions (capacity)",
-                  (n_moe * cfg.top_k + 1) * tok * 4, TENSOR)
-  return terms
+  return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), BATCH, grads=grads)
+          + cost_lib.stats_terms(cfg, mesh, TOKENS, (TENSOR,))
+          + cost_lib.sequence_parallel_terms(cfg, mesh, TENSOR, tok, mlp)
+          + ep.exchange_terms(cfg, mesh, "a2a", b_loc, tok // t)
+          + term("all-gather", "fwd", "received rows [EP, C, D] + counts [EP, e] (int32)",
+                 n_moe * t * (rows + cfg.n_experts * 4), TENSOR, cost_lib.RECOMPUTED)
+          + term("reduce-scatter", "fwd", "the experts' outputs [t*EP, C, D]", n_moe * rows,
+                 TENSOR, cost_lib.RECOMPUTED)
+          + term("all-gather", "bwd", "cotangents of the outputs' reduce-scatter",
+                 n_moe * t * rows, TENSOR)
+          + term("reduce-scatter", "bwd", "cotangents of the gathered rows", n_moe * rows, TENSOR)
+          + cost_lib.capacity_gather_terms(cfg, mesh, TENSOR, tok))
