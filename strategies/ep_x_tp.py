@@ -245,16 +245,20 @@ _tensor_exchange = functools.partial(ep.a2a_exchange, experts=_tensor_experts)
 
 
 def dispatch_buffer_type(cfg, mesh, opts):
-  """The experts' input buffer (ShapeDtypeStruct with its sharding) for this cfg and mesh."""
-  return ep.buffer_type(cfg, mesh, P(BATCH, None, None), (EXPERT,))
+  """The experts' input buffer (ShapeDtypeStruct with its sharding) for this cfg and mesh:
+  every tensor rank's own under sequence parallelism, one per tensor rank (the same) without."""
+  return ep.buffer_type(cfg, mesh, X_SP if opts.sequence_parallel else P(BATCH, None, None),
+                        (EXPERT,))
 
 
 def activation_shardings(cfg, mesh, opts):
   t = dispatch_buffer_type(cfg, mesh, opts)
-  return [("residual x [B, S, D]", f"[{cfg.batch}@(data,expert), {cfg.seq_len}, {cfg.d_model}]"),
+  seq = f"{cfg.seq_len}@tensor" if opts.sequence_parallel else f"{cfg.seq_len}"
+  return [("residual x [B, S, D]", f"[{cfg.batch}@(data,expert), {seq}, {cfg.d_model}]"),
           ("q [B, S, H, Dh]", f"[{cfg.batch}@(data,expert), {cfg.seq_len}, "
                               f"{cfg.n_heads}@tensor, {cfg.head_dim}]"),
-          ("dispatch buffer [N_src, EP, C, D]", f"{t.shape} @ {t.sharding.spec}, per tensor rank"),
+          ("dispatch buffer [N_src, EP, C, D]", f"{t.shape} @ {t.sharding.spec}"
+           + ("" if opts.sequence_parallel else ", the same on every tensor rank")),
           ("expert hidden [EP*C, F]", f"F={cfg.d_ff}@tensor inside the MoE shard_map")]
 
 
