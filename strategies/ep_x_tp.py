@@ -57,7 +57,8 @@ HLO contract, sequence_parallel:
   all-gather over tensor: the normed h (MLA: its latents) before attention, h before the shared
     expert and the dense FFN, the received rows [EP, C, D] and counts of every MoE layer,
     cotangents of the reduce-scatters; capacity_factor > 0: expert ids [b, S, K] and positions
-    [b, S] (int32, the capacity rule's whole sequences)
+    [b, S] (int32, the capacity rule's whole sequences); Muon: the tensor-split matrices'
+    float32 directions, whole for Newton-Schulz, once per step
   reduce-scatter over tensor: attn wo, shared / dense FFN outputs, the experts' outputs
     [t*EP, C, D], cotangents of the gathers
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
@@ -134,10 +135,11 @@ _TINY8 = dict(n_heads=8, n_kv_heads=4)
 TEST_CASES = [Case("tiny", "data:2,expert:2,tensor:2", _TINY8),
               Case("deepseek-test", "expert:4,tensor:2"),
               # sequence parallelism: Mixtral-style under the capacity rule (whole sequences
-              # gathered); DeepSeek's MLA, dense layer, shared expert and sequence-wise loss
+              # gathered); DeepSeek's MLA, dense layer, shared expert and sequence-wise loss,
+              # recomputed, with Muon on the F-split experts
               Case("mixtral-test", "data:2,expert:2,tensor:2", dict(n_kv_heads=4, capacity_factor=1.0),
                    SP),
-              Case("deepseek-test", "expert:4,tensor:2", dict(remat="block"), SP)]
+              Case("deepseek-test", "expert:4,tensor:2", dict(remat="block", optimizer="muon"), SP)]
 COST_CASES = TEST_CASES
 BAD_INPUT = [
     BadInput(dict(n_heads=8, n_kv_heads=2), "expert:2,tensor:4", Options(),
@@ -271,6 +273,7 @@ def cost(cfg, mesh, opts):
     return _sequence_parallel_cost(cfg, mesh, b_loc)
   return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), BATCH,
                                 grads={"router": TOKENS})
+          + cost_lib.muon_terms(cfg, mesh, param_specs(cfg, mesh), (TENSOR,))
           + cost_lib.stats_terms(cfg, mesh, TOKENS)
           + cost_lib.tensor_terms(cfg, mesh, TENSOR, b_loc)
           + ep.exchange_terms(cfg, mesh, "a2a", b_loc, b_loc * cfg.seq_len))
@@ -290,7 +293,9 @@ def _sequence_parallel_cost(cfg, mesh, b_loc):
   c = dispatch.send_rows(cfg, b_loc, cfg.seq_len // t, n_ep)
   rows = n_ep * c * cfg.d_model * cost_lib.act_bytes(cfg)   # one received [EP, C, D]
   term = functools.partial(cost_lib.term, mesh)
-  return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), BATCH, grads=grads)
+  specs = param_specs(cfg, mesh)
+  return (cost_lib.weight_terms(cfg, mesh, specs, BATCH, grads=grads)
+          + cost_lib.muon_terms(cfg, mesh, specs, (TENSOR,))
           + cost_lib.stats_terms(cfg, mesh, TOKENS, (TENSOR,))
           + cost_lib.sequence_parallel_terms(cfg, mesh, TENSOR, tok, mlp)
           + ep.exchange_terms(cfg, mesh, "a2a", b_loc, tok // t)

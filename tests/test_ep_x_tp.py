@@ -56,3 +56,14 @@ def test_sequence_parallel_exchanges_each_ranks_own_tokens():
   assert any(op.bytes == t * buf for op in on_tensor("all-gather")), on_tensor("all-gather")
   assert any(op.bytes == buf for op in on_tensor("reduce-scatter")), on_tensor("reduce-scatter")
   assert all(op.bytes <= 4 * cfg.d_model * 8 for op in on_tensor("all-reduce")), on_tensor("all-reduce")
+
+
+def test_sequence_parallel_bf16_microbatches():
+  """sequence_parallel in bf16 with --microbatches=2, one compile: the bf16 reference's losses,
+  gradients and updates, the sequence_parallel contract, and its cost model per (kind, axes)
+  within 10% in bf16 bytes."""
+  ep_x_tp = strategies.get(NAME)
+  cfg = get_config("deepseek-test", microbatches=2)
+  parity.check_bf16(NAME, cfg, "expert:4,tensor:2", opts=ep_x_tp.SP)
+  parity.assert_contract(NAME, parity.bf16_config(cfg), "expert:4,tensor:2", ep_x_tp.SP)
+  parity.assert_cost_model(NAME, parity.bf16_config(cfg), "expert:4,tensor:2", ep_x_tp.SP)
