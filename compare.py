@@ -113,7 +113,7 @@ def candidate_meshes(strat, cfg, n: int, opts=None) -> list[dict]:
       strat.check(cfg, mesh, opts)
     except ConfigError:
       continue
-    mem = cost.param_memory(shapes, strat.param_specs(cfg, mesh), mesh, cfg.optimizer)
+    mem = cost.param_memory(shapes, strat.param_specs(cfg, mesh, opts), mesh, cfg.optimizer)
     terms = cost.step_terms(strat, cfg, mesh, opts)
     gathered = sum(t.bytes for t in terms if t.kind == "all-gather" and t.phase == "fwd")
     out.append({"mesh": mesh, "param_opt": mem["param_bytes"] + mem["opt_bytes"],
@@ -230,7 +230,7 @@ def measure(row: dict, job, steps: int, compile_only: bool, full_parity: bool = 
     row["collectives_by_axes"] = stats["collectives_by_axes"]
   row["flops"] = stats["flops"]
   row["memory"] = stats["memory"]
-  specs = strat.param_specs(cfg, mesh) if mesh is not None else None
+  specs = strat.param_specs(cfg, mesh, job.opts) if mesh is not None else None
   row.update(cost.param_memory(model.init_params_shapes(cfg), specs, mesh, cfg.optimizer))
   a2a = stats["collectives"]["all-to-all"]["bytes"]
   if a2a and mesh is not None:            # EP padding: a2a bytes / the routed copies' bytes

@@ -370,7 +370,7 @@ def _host_bytes() -> int:
   return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_allocation(cfg, strat, mesh) -> None:
+def check_allocation(cfg, strat, mesh, opts=None) -> None:
   """Refuse, before anything is allocated, a run whose float32 parameters (built whole on the
   host by modeling.model.init_params) plus, on simulated CPU devices, every device's parameter
   and optimizer shards would not fit this host's memory: such a study is --compile_only."""
@@ -381,7 +381,7 @@ def check_allocation(cfg, strat, mesh) -> None:
   full = sum(cost.nbytes(l.shape) for l in model.param_leaves(cfg))           # numpy init
   need = full
   if jax.default_backend() == "cpu":
-    specs = strat.param_specs(cfg, mesh) if mesh is not None else None
+    specs = strat.param_specs(cfg, mesh, opts) if mesh is not None else None
     mem = cost.param_memory(model.init_params_shapes(cfg), specs, mesh, cfg.optimizer)
     need += (mem["param_bytes"] + mem["opt_bytes"]) * (mesh.size if mesh is not None else 1)
   have = _host_bytes()
@@ -412,7 +412,7 @@ def train_one(cfg, opts) -> None:
   steps = 20 if F.steps is None else F.steps
   start, state, saver = 0, None, None
   if not F.compile_only:
-    check_allocation(cfg, strat, mesh)
+    check_allocation(cfg, strat, mesh, opts)
   if F.checkpoint_dir:                        # checked (and read) before anything compiles
     from runtime import checkpoint
     if F.restore is not None:
@@ -421,7 +421,7 @@ def train_one(cfg, opts) -> None:
     doomed = checkpoint.check_plan(F.checkpoint_dir, start, planned, F.restore is not None,
                                    F.overwrite_checkpoint)
     if F.restore is not None:
-      state = checkpoint.restore(F.checkpoint_dir, start, cfg, strat, mesh)
+      state = checkpoint.restore(F.checkpoint_dir, start, cfg, strat, mesh, opts)
     if doomed and main:
       checkpoint.delete_steps(F.checkpoint_dir, doomed)
       say(f"deleted step(s) {', '.join(map(str, doomed))} of {F.checkpoint_dir} "
@@ -448,7 +448,7 @@ def train_one(cfg, opts) -> None:
         say(f"  {kind:<20s} count {v['count']:>4d}  bytes/device {v['bytes']:>15,d}  "
             f"wire bytes/device {v['wire_bytes']:>17,.0f}")
   if F.compile_only and mesh is not None:
-    mem = cost.param_memory(model.init_params_shapes(cfg), strat.param_specs(cfg, mesh), mesh,
+    mem = cost.param_memory(model.init_params_shapes(cfg), strat.param_specs(cfg, mesh, opts), mesh,
                             cfg.optimizer)
     total = mem["param_bytes"] + mem["opt_bytes"] + stats["memory"]["temp_bytes"]
     fits = "" if F.hbm_gb is None else (

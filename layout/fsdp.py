@@ -12,13 +12,15 @@ sharded activation with a weight typed reduced, which is what gather_weight retu
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 from jax.sharding import PartitionSpec as P
 
 from layout import context, mesh as mesh_lib
 from layout.precision import precision
 from modeling import model, moe
-from parallel.sharding import gather_weight
+from parallel.sharding import entry_axes, gather_weight, spec_axes, without_axis
 
 
 def table(fsdp_axes, roles=None) -> dict:
@@ -27,6 +29,37 @@ def table(fsdp_axes, roles=None) -> dict:
   out, i.e. replicated."""
   return {role: P(*(None,) * d, fsdp_axes) for role, d in model.D_DIM.items()
           if roles is None or role in roles}
+
+
+def over(specs: dict, axis: str, roles) -> dict:
+  """A role -> PartitionSpec table with each of `roles` also split over `axis` on its model dim D
+  (model.D_DIM), beside what `specs` splits (ZeRO-1's storage: ep_x_tp's zero1). A role absent
+  from `specs` is otherwise replicated."""
+  out = dict(specs)
+  for role in roles:
+    d = model.D_DIM[role]
+    entries = list(specs.get(role, P())) + [None] * (d + 1 - len(specs.get(role, P())))
+    entries[d] = (*entry_axes(entries[d]), axis) if entries[d] is not None else axis
+    out[role] = P(*entries)
+  return out
+
+
+def gather_once(cfg, axis: str, grad_axes) -> Callable:
+  """Layout.params for ZeRO-1: every leaf stored split over `axis` is cast to the compute dtype
+  and all-gathered over it once per step, before the forward, typed reduced over
+  grad_axes(role) (the axes the step's tokens split it over); its gradient comes back
+  reduce-scattered over `axis` and all-reduced over the rest of them, once
+  (parallel.sharding.gather_weight). The gathered copy lives through the step; the float32
+  master and the optimizer state stay split. Other leaves pass as stored."""
+  def params(p):
+    def one(w, role):
+      spec = jax.typeof(w).sharding.spec
+      if axis not in spec_axes(spec):
+        return w
+      return gather_weight(w, without_axis(spec, axis), grad_axes(role),      # [.., D, ..]
+                           **precision(cfg, role))
+    return jax.tree.map(one, p, model.param_roles(cfg))
+  return params
 
 
 def check(cfg, mesh, fsdp_axes) -> None:

@@ -17,6 +17,12 @@ _CONTRACT = re.compile(r"^\s*(all-gather|reduce-scatter|all-reduce|all-to-all|co
                        r"|ragged-all-to-all)\s+over\s+\(?([\w, ]+?)\)?\s*:", re.M)
 
 
+def _name(header: str) -> str | None:
+  """A variant block's name: ', <name>:' or ', <name> (note):' -> <name>."""
+  m = re.match(r",\s*([^:(]*?)\s*[:(]", header)
+  return m.group(1) if m else None
+
+
 def declared_collectives(doc: str, mesh, variant: str | None = None) -> set:
   """{(kind, frozenset(axes))} from a docstring's 'HLO contract' block
   ('  all-gather over (data, fsdp): why'), size-1 axes dropped (no data moves over them).
@@ -25,7 +31,7 @@ def declared_collectives(doc: str, mesh, variant: str | None = None) -> set:
   blocks = re.split(r"^HLO contract", doc, flags=re.M)[1:]
   header = lambda b: b.split("\n", 1)[0]
   pick = [b for b in blocks if (variant is None and not header(b).startswith(","))
-          or (variant is not None and header(b).startswith(f", {variant}"))]
+          or (variant is not None and _name(header(b)) == variant)]
   assert len(pick) == 1, (variant, [header(b) for b in blocks])
   out = set()
   for kind, axes in _CONTRACT.findall(pick[0]):

@@ -249,7 +249,8 @@ def _used(entry, spec) -> tuple:
 def muon_terms(cfg, mesh, specs, axes) -> list[Term]:
   """Muon's Newton-Schulz runs on whole matrices (modeling.optim.orthogonalize): each Muon leaf
   whose matrix dims are stored split over some of `axes` has its float32 direction all-gathered
-  over them once per step (the batch dims, layers and experts, stay split). [] unless Muon."""
+  over them once per step (the batch dims, layers and experts, stay split), one all-gather per
+  split dim, the minor dim first, each op's bytes the size it gathers to. [] unless Muon."""
   from modeling import model, optim
   if cfg.optimizer != "muon":
     return []
@@ -262,11 +263,12 @@ def muon_terms(cfg, mesh, specs, axes) -> list[Term]:
     shift = 1 if leaf.role in model.LAYER_ROLES else 0
     matrix = {d + shift for d in dims.reduction_axis + dims.output_axis}
     entries = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))
-    moved = tuple(a for d in sorted(matrix) for a in entry_axes(entries[d]) if a in axes)
-    kept = math.prod(mesh.shape[a] for d, e in enumerate(entries) if d not in matrix
-                     for a in entry_axes(e))
-    out += term(mesh, "all-gather", "opt", f"{leaf.role} whole for Newton-Schulz",
-                nbytes(leaf.shape) / kept, moved)
+    moves = [m for m in (tuple(a for a in entry_axes(entries[d]) if a in axes)
+                         for d in sorted(matrix)) if m]                   # per matrix dim
+    size = nbytes(leaf.shape) / math.prod(mesh.shape[a] for e in entries for a in entry_axes(e))
+    for m in reversed(moves):           # one all-gather per split dim, the minor first
+      size *= math.prod(mesh.shape[a] for a in m)
+      out += term(mesh, "all-gather", "opt", f"{leaf.role} whole for Newton-Schulz", size, m)
   return out
 
 

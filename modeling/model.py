@@ -81,6 +81,9 @@ class Layout:
   row_out: Any = None
   moe_in_residual: bool = False
   loss: Callable | None = None
+  # the parameters as the step uses them, once per step before the forward (ZeRO-1's all-gather
+  # over data, layout/fsdp.gather_once), or as stored
+  params: Callable = _identity
 
   @property
   def row(self):
@@ -508,6 +511,7 @@ def forward(params, batch, cfg: Config, lay: Layout):
   scanned over its stacked params (the dense prefix, then the MoE layers): compile time does not
   grow with depth."""
   tokens, positions = batch["tokens"], batch["positions"]
+  params = lay.params(params)
   embed = use(lay, "embed", params["embed"], cfg.dtype)
   x = embed.at[tokens].get(out_sharding=lay.x)                                 # [B, S, D] cfg.dtype
   x = dense_prefix(x, params, positions, cfg, lay)

@@ -35,6 +35,11 @@ def spec_axes(spec) -> tuple[str, ...]:
   return tuple(a for e in (spec or ()) for a in entry_axes(e))
 
 
+def without_axis(spec, axis: str) -> P:
+  """`spec` with mesh axis `axis` removed from every dim (the layout a gather over it leaves)."""
+  return P(*(tuple(a for a in entry_axes(e) if a != axis) or None for e in (spec or ())))
+
+
 def spec_shards(spec, mesh) -> int:
   """How many ways a PartitionSpec splits an array on this mesh."""
   return math.prod(mesh.shape[a] for a in spec_axes(spec))

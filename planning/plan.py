@@ -288,7 +288,7 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   # of the head's map keeps every microbatch's logits
   t_pass = t / cfg.microbatches if name == "pp" else t
   t_head = t_pass if name == "pp" and _one_f(opts) else t
-  specs = strat.param_specs(cfg, mesh)
+  specs = strat.param_specs(cfg, mesh, opts)
   v_loc = cfg.vocab / _dim_shards(specs["unembed"], 1, mesh)
   f_axes = dim_axes(specs["layers"]["moe"]["wi_0"], 3)           # the axes splitting F
   f_loc = cfg.d_ff / math.prod(shape[a] for a in f_axes)
@@ -550,11 +550,11 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                                 layer_stages=o_cfg.layer_stages)
                       for remat in remats]
               continue
-            if o_cfg not in mems:
+            if (o_cfg, opts) not in mems:          # opts may store the params (ep_x_tp's zero1)
               o_shapes = m_shapes if o_cfg is m_cfg else model.init_params_shapes(o_cfg)
-              mems[o_cfg] = cost.param_memory(o_shapes, strat.param_specs(o_cfg, mesh), mesh,
-                                              cfg.optimizer)
-            o_mem = mems[o_cfg]
+              mems[o_cfg, opts] = cost.param_memory(o_shapes, strat.param_specs(o_cfg, mesh, opts),
+                                                    mesh, cfg.optimizer)
+            o_mem = mems[o_cfg, opts]
             raw = strat.cost(per_microbatch(name, base), mesh, opts)
             for remat in remats:
               c_cfg = base.replace(remat=remat)
@@ -622,7 +622,7 @@ def features(name: str, cfg, mesh, opts) -> tuple[dict, dict]:
   """A step's temp-model features (step_features, as enumerate_candidates computes them) and
   its measure.cost.param_memory, for calibrate.py's rows."""
   strat = strategies.get(name)
-  mem = cost.param_memory(model.init_params_shapes(cfg), strat.param_specs(cfg, mesh), mesh,
+  mem = cost.param_memory(model.init_params_shapes(cfg), strat.param_specs(cfg, mesh, opts), mesh,
                           cfg.optimizer)
   raw = strat.cost(per_microbatch(name, cfg), mesh, opts)
   return step_features(name, cfg, mesh, raw, opts, mem["param_bytes"]), mem

@@ -190,15 +190,16 @@ def check(directory: str, step: str | int, cfg: Config) -> int:
   return n
 
 
-def abstract_state(cfg: Config, strategy, mesh) -> dict:
-  """{params, opt_state} as ShapeDtypeStructs with `strategy`'s shardings on `mesh`."""
+def abstract_state(cfg: Config, strategy, mesh, opts=None) -> dict:
+  """{params, opt_state} as ShapeDtypeStructs with `strategy`'s shardings (under its `opts`) on
+  `mesh`."""
   if mesh is None:
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one),
                           model.abstract_params(cfg, None, None))
   else:
     with jax.set_mesh(mesh):
-      params = model.abstract_params(cfg, strategy.param_specs(cfg, mesh), mesh)
+      params = model.abstract_params(cfg, strategy.param_specs(cfg, mesh, opts), mesh)
   opt = optim.make_optimizer(cfg.optimizer, model.param_roles(cfg), lr=cfg.lr,
                              weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
   ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
@@ -210,10 +211,11 @@ def abstract_state(cfg: Config, strategy, mesh) -> dict:
   return {"params": params, "opt_state": opt_state}
 
 
-def restore(directory: str, step: int, cfg: Config, strategy, mesh) -> tuple:
-  """(params, opt_state) of a checked step, placed in `strategy`'s shardings on `mesh`."""
+def restore(directory: str, step: int, cfg: Config, strategy, mesh, opts=None) -> tuple:
+  """(params, opt_state) of a checked step, placed in `strategy`'s shardings (under its `opts`)
+  on `mesh`."""
   import orbax.checkpoint as ocp
-  target = abstract_state(cfg, strategy, mesh)
+  target = abstract_state(cfg, strategy, mesh, opts)
   mgr = _manager(directory)
   try:
     state = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state

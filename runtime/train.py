@@ -151,7 +151,7 @@ def build(strategy, cfg, mesh, opts=None, *, with_grads: bool = False, compile_o
     check_layer_layout(strategy, cfg)
     if mesh is not None:
       strategy.check(cfg, mesh, opts)
-    specs = strategy.param_specs(cfg, mesh) if mesh is not None else None
+    specs = strategy.param_specs(cfg, mesh, opts) if mesh is not None else None
     mesh_lib.require_microbatches(cfg, mesh, strategy.batch_spec(cfg, mesh) if mesh is not None else None)
     opt = optim.make_optimizer(cfg.optimizer, model.param_roles(cfg), lr=cfg.lr,
                                weight_decay=cfg.weight_decay, eps=cfg.adam_eps)

@@ -6,7 +6,8 @@ Every strategy module exposes the same small functional interface:
   Options                     -> a frozen dataclass of the strategy's own knobs (--opt=k=v,...,
                                  parsed by layout/options.py), or layout.options.NoOptions
   check(cfg, mesh, opts)      -> None, raises modeling.config.ConfigError with a one-line message
-  param_specs(cfg, mesh)      -> pytree of PartitionSpec shaped like modeling.model params, written
+  param_specs(cfg, mesh, opts=None) -> pytree of PartitionSpec shaped like modeling.model params (opts:
+                                 the Options, which may store them: ep_x_tp zero1), written
                                  as a role -> spec table (modeling.model.param_specs: one layer's
                                  array per role; the stacked [L] dim is unsharded, or split over
                                  pipeline stages)

@@ -121,7 +121,7 @@ def check(cfg, mesh, opts):
   fsdp.check(cfg, mesh, mesh_lib.FSDP)
 
 
-def param_specs(cfg, mesh):
+def param_specs(cfg, mesh, opts=None):
   return model.param_specs(cfg, fsdp.table(mesh_lib.FSDP))        # fsdp.py's table
 
 

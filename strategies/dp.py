@@ -50,7 +50,7 @@ def check(cfg, mesh, opts):
   mesh_lib.require_divisible("batch", cfg.batch, mesh, AXES)
 
 
-def param_specs(cfg, mesh):
+def param_specs(cfg, mesh, opts=None):
   return model.param_specs(cfg, {})                                 # every role replicated
 
 

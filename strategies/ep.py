@@ -151,7 +151,7 @@ def check(cfg, mesh, opts):
   check_transport(opts.dispatch)
 
 
-def param_specs(cfg, mesh):
+def param_specs(cfg, mesh, opts=None):
   """fsdp.py's table (D over fsdp) with the routed experts' E dim over expert."""
   return model.param_specs(cfg, {**fsdp.table(FSDP),
                                  "expert_in": P(EXPERT, FSDP, None),    # [E@e, D@f, F]

@@ -108,7 +108,7 @@ def check(cfg, mesh, opts):
   fsdp.check(cfg, mesh, FSDP)
 
 
-def param_specs(cfg, mesh):
+def param_specs(cfg, mesh, opts=None):
   return ep.param_specs(cfg, mesh)
 
 

@@ -217,7 +217,7 @@ def contract_variant(opts):
   return None if opts.exchange == "ring" else f"exchange={opts.exchange}"
 
 
-def param_specs(cfg, mesh):
+def param_specs(cfg, mesh, opts=None):
   return model.param_specs(cfg, {
       "attn_q": P(None, EXPERT, None), "attn_kv": P(None, EXPERT, None),  # column-parallel
       "attn_q_b": P(None, EXPERT, None), "attn_kv_b": P(None, EXPERT, None),  # MLA, by head

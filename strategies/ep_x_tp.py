@@ -19,6 +19,8 @@ b = B / (|data| |expert|) local sequences, T = b*S tokens per device.
 |   sequence_parallel                      | (B_(data,expert), S_tensor, D)                  |
 | dispatch buffer [EP, C, D] per device    | one per tensor rank: each routes the same T     |
 |   sequence_parallel                      | each tensor rank its own T/t tokens             |
+| zero1: every matrix but the router, its  | also D over data: [E@x, D@d, F@t], [D@d, H@t,   |
+|   float32 master and optimizer state     |   Dh], embed [V, D@d]; gathered once per step   |
 
 MoE (one full-manual shard_map): every tensor rank routes the same T local tokens and sends
 their copies through ep.py's padded all-to-all over `expert` (ep.moe_body, a2a transport); the
@@ -70,6 +72,30 @@ HLO contract, sequence_parallel:
   all-reduce over (data, expert, tensor): embed / unembed / MLA down-projection / router grads,
     router statistics, loss sums, grad norm
 
+HLO contract, zero1:
+  all-gather over data: every matrix but the router, once per step before the forward, in the
+    compute dtype; Muon: their float32 directions, whole for Newton-Schulz
+  reduce-scatter over data: those matrices' gradients, once per step
+  all-reduce over tensor: activations and their gradients (above)
+  all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
+  all-reduce over expert: the non-expert matrices' gradient shards (after the reduce-scatter)
+  all-reduce over (data, expert): norm-scale grads [D]
+  all-reduce over (data, expert, tensor): router grads, router statistics, loss sums, grad norm
+
+HLO contract, sequence_parallel, zero1:
+  all-gather over data: every matrix but the router, once per step before the forward, in the
+    compute dtype; Muon: their float32 directions, whole for Newton-Schulz
+  reduce-scatter over data: those matrices' gradients, once per step
+  all-gather over tensor: as sequence_parallel's (above)
+  reduce-scatter over tensor: as sequence_parallel's
+  all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
+  all-reduce over tensor: norm-scale grads [D] (first half of XLA's split); the sequence-wise
+    loss's [b, E]
+  all-reduce over expert: attention / shared / dense gradient shards (after the reduce-scatter)
+  all-reduce over (expert, tensor): embed / unembed / MLA down-projection gradient shards
+  all-reduce over (data, expert): norm-scale grads [D] (second half)
+  all-reduce over (data, expert, tensor): router grads, router statistics, loss sums, grad norm
+
 Sequence parallelism (--opt=sequence_parallel=true, Megatron's --sequence-parallel, which it
 requires for MoE with TP > 1): the residual is [B@(d,x), S@t, D], so the norms, the router and
 the CE run on each tensor rank's own S/t positions. Attention and the dense / shared SwiGLUs
@@ -83,6 +109,15 @@ direction that adds an all-gather and a reduce-scatter of t*EP*C*D over tensor. 
 for T/t tokens: the all-to-all moves 1/t of the replicated layout's. Under the capacity rule
 C's per-sequence bound b*e*C_e does not shrink with S/t (a rank's positions may fill a whole
 sequence's slots of an expert), so its padded buffers stay the same size.
+
+ZeRO-1 (--opt=zero1=true, Megatron's --use-distributed-optimizer): every matrix but the router
+is stored split over data on D, with its float32 master and optimizer state (1/|data| of them
+per device). Once per step, before the forward, each is cast to the compute dtype and
+all-gathered over data (Layout.params, layout/fsdp.gather_once); the gathered copy lives through
+the step, and its gradient is reduce-scattered over data once, after the backward, then
+all-reduced over the rest of its token axes at 1/|data| of the size. The wire bytes are those of
+the all-reduce over data they replace (a reduce-scatter plus an all-gather); --remat never
+re-issues the gathers. Gradient accumulation gathers and scatters once per microbatch.
 
 Pick it when the experts need EP but attention or each expert is too wide for one device, with
 t inside a node (its activation all-reduces are on the critical path) and EP across what is
@@ -100,7 +135,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from layout import context, dispatch, mesh as mesh_lib, tensor
+from layout import context, dispatch, fsdp, mesh as mesh_lib, tensor
 from layout.precision import moe_stored, stored_use
 from measure import cost as cost_lib
 from modeling import model
@@ -121,6 +156,10 @@ ROW_SP = P(BATCH, None, None, unreduced={TENSOR})   # row-parallel outputs befor
 # replicated matrices that, under sequence parallelism, run on each rank's own positions: their
 # gradient sums over every axis, one op (gather_weight), not XLA's split
 REPLICATED_MATRICES = ("embed", "unembed", "attn_q_a", "attn_kv_a")
+# zero1: the matrices stored split over data on D (the router, its bias and the norms stay
+# replicated: a [D, E] and vectors)
+ZERO1_ROLES = tuple(r for r in model.D_DIM if r != "router")
+EXPERT_LEAVES = ("wi_0", "wi_1", "wo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +167,10 @@ class Options:
   sequence_parallel: bool = dataclasses.field(default=False, metadata={
       "doc": "Megatron's sequence parallelism: the residual's S over tensor, AG-RS around the "
              "tensor-parallel blocks, each tensor rank exchanging its own tokens"})
+  zero1: bool = dataclasses.field(default=False, metadata={
+      "doc": "ZeRO-1 (Megatron's distributed optimizer): the matrices, their float32 masters "
+             "and optimizer state stored split over data, all-gathered once per step, their "
+             "gradients reduce-scattered over data"})
 
 
 SP = Options(sequence_parallel=True)
@@ -139,7 +182,11 @@ TEST_CASES = [Case("tiny", "data:2,expert:2,tensor:2", _TINY8),
               # recomputed, with Muon on the F-split experts
               Case("mixtral-test", "data:2,expert:2,tensor:2", dict(n_kv_heads=4, capacity_factor=1.0),
                    SP),
-              Case("deepseek-test", "expert:4,tensor:2", dict(remat="block", optimizer="muon"), SP)]
+              Case("deepseek-test", "expert:4,tensor:2", dict(remat="block", optimizer="muon"), SP),
+              # zero1: Megatron's distributed optimizer, without and with sequence parallelism
+              Case("tiny", "data:2,expert:2,tensor:2", _TINY8, Options(zero1=True)),
+              Case("deepseek-test", "data:2,expert:2,tensor:2", dict(optimizer="muon"),
+                   Options(sequence_parallel=True, zero1=True))]
 COST_CASES = TEST_CASES
 BAD_INPUT = [
     BadInput(dict(n_heads=8, n_kv_heads=2), "expert:2,tensor:4", Options(),
@@ -151,13 +198,21 @@ BAD_INPUT = [
     BadInput(dict(n_heads=8, n_kv_heads=4, seq_len=30), "expert:2,tensor:4", SP,
              "seq_len=30 is not divisible by mesh axis tensor=4"),
     BadInput({}, "data:2,expert:4", SP, "ep_x_tp option sequence_parallel=true needs a tensor "
-             "axis of size > 1 (without one it is the same program)")]
+             "axis of size > 1 (without one it is the same program)"),
+    BadInput({}, "expert:4,tensor:2", Options(zero1=True), "ep_x_tp option zero1=true needs a "
+             "data axis of size > 1 (without one there is nothing to split the optimizer state "
+             "over)")]
 
 
 def check(cfg, mesh, opts):
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, BATCH)
   mesh_lib.require_head_split(cfg, mesh, TENSOR, expert_ff=True)
+  if opts.zero1:
+    if mesh_lib.axis_size(mesh, DATA) == 1:
+      raise ConfigError("ep_x_tp option zero1=true needs a data axis of size > 1 (without one "
+                        "there is nothing to split the optimizer state over)")
+    fsdp.check(cfg, mesh, DATA)
   if opts.sequence_parallel:
     if mesh_lib.axis_size(mesh, TENSOR) == 1:
       raise ConfigError("ep_x_tp option sequence_parallel=true needs a tensor axis of size > 1 "
@@ -167,14 +222,48 @@ def check(cfg, mesh, opts):
 
 def contract_variant(opts):
   """Which HLO contract block of the docstring this layout compiles to."""
-  return "sequence_parallel" if opts.sequence_parallel else None
+  names = [n for n, on in (("sequence_parallel", opts.sequence_parallel), ("zero1", opts.zero1))
+           if on]
+  return ", ".join(names) or None
 
 
-def param_specs(cfg, mesh):
-  """layout/tensor.py's table (as tp.py), with the routed experts' E dim over expert."""
-  return model.param_specs(cfg, {**tensor.table(TENSOR),
-                                 "expert_in": P(EXPERT, None, TENSOR),    # [E@x, D, F@t] column
-                                 "expert_out": P(EXPERT, TENSOR, None)})  # [E@x, F@t, D] row
+def param_specs(cfg, mesh, opts=None):
+  """layout/tensor.py's table (as tp.py), with the routed experts' E dim over expert; zero1:
+  every matrix but the router also split over data on D."""
+  table = {**tensor.table(TENSOR),
+           "expert_in": P(EXPERT, None, TENSOR),                 # [E@x, D, F@t] column
+           "expert_out": P(EXPERT, TENSOR, None)}                # [E@x, F@t, D] row
+  if opts is not None and opts.zero1:
+    table = fsdp.over(table, DATA, ZERO1_ROLES)                  # [E@x, D@d, F@t], [D@d, H@t, Dh]
+  return model.param_specs(cfg, table)
+
+
+def _zero1(cfg, opts, use, replicated=()):
+  """(Layout.params, Layout.use, the MoE leaves gathered) under zero1: the matrices gathered over
+  data once per step (layout/fsdp.gather_once), their gradients summed over the axes their
+  tokens split them over (experts: data; `replicated`: every axis; the rest (data, expert)),
+  then used as gathered; the other weights through `use`. Without zero1: as stored."""
+  if not opts.zero1:
+    return None, use, ()
+  gathered = lambda role, w: w if role in ZERO1_ROLES else use(role, w)
+  return (fsdp.gather_once(cfg, DATA, functools.partial(_zero1_grad_axes, replicated=replicated)),
+          gathered, EXPERT_LEAVES)
+
+
+def _zero1_grad_axes(role, replicated=()):
+  """The axes a zero1 matrix's gradient sums over: its tokens' (the experts: data, the rest of
+  their tokens having been exchanged to them over expert; `replicated`: every axis)."""
+  return (DATA,) if role in model.EXPERTS else TOKENS if role in replicated else BATCH
+
+
+def _zero1_gathered(opts, replicated=()) -> dict | None:
+  """weight_terms' `gathered` under zero1 (once per step): each matrix gathered over data to its
+  stored spec without data, its gradient over _zero1_grad_axes."""
+  if not opts.zero1:
+    return None
+  used = lambda role: lambda spec: (sharding.without_axis(spec, DATA),
+                                    _zero1_grad_axes(role, replicated))
+  return {role: used(role) for role in ZERO1_ROLES}
 
 
 def batch_spec(cfg, mesh):
@@ -183,7 +272,7 @@ def batch_spec(cfg, mesh):
 
 def layout(cfg, mesh, opts):
   if opts.sequence_parallel:
-    return _sequence_parallel_layout(cfg, mesh)
+    return _sequence_parallel_layout(cfg, mesh, opts)
   x_spec = P(BATCH, None, None)                           # [B, S, D] @ ((d, x),), rep. over t
   # normed h as attention and the MLP read it: typed reduced over t (tp.py's gather_in)
   h_spec = P(BATCH, None, None, reduced=frozenset({TENSOR}))
@@ -203,31 +292,35 @@ def layout(cfg, mesh, opts):
           lambda v: jax.lax.psum(sharding.to_varying(v, TOKENS) * first, TOKENS), stats)
       return y.astype(x.dtype), stats
     # experts [E@x, D, F@t] / [E@x, F@t, D] as stored (bf16: cast, typed reduced over data)
-    p, specs = moe_stored(p, cfg, (DATA,))
+    p, specs = moe_stored(p, cfg, (DATA,), moe_gathered)
     return jax.shard_map(body, in_specs=(specs, h_spec, P(BATCH, None)),
                          out_specs=(x_spec, P()))(p, x, positions)   # y [B, S, D] @ ((d, x),)
   gather_in = lambda h: sharding.gather_weight(h, x_spec, (TENSOR,))  # [B, S, D] -> h_spec
-  return model.Layout(x=x_spec, use=stored_use(cfg, BATCH), moe=moe_fn, gather_in=gather_in)
+  params, use, moe_gathered = _zero1(cfg, opts, stored_use(cfg, BATCH))
+  return model.Layout(x=x_spec, use=use, moe=moe_fn, gather_in=gather_in,
+                      **({"params": params} if params else {}))
 
 
-def _sequence_parallel_layout(cfg, mesh):
+def _sequence_parallel_layout(cfg, mesh, opts):
   """Megatron's sequence parallelism (docstring): the residual [B, S@t, D]; AG-RS over tensor
   around attention and the dense / shared SwiGLUs; the MoE on each rank's own tokens."""
   # AG of the normed h [B, S@t, D] -> [B, S, D] before the tensor-parallel blocks, RS of their
   # row-parallel outputs back; replicated matrices' grads summed over (d, x, t) in one op
   gather_in, scatter_out, use = tensor.sequence_parallel(
       cfg, X_SP, P(BATCH, None, None), TENSOR, TOKENS, BATCH, REPLICATED_MATRICES)
+  params, use, moe_gathered = _zero1(cfg, opts, use, REPLICATED_MATRICES)
 
   gather_seq = context.sequence_gatherer(TENSOR) if cfg.capacity_factor > 0 else None
 
   def moe_fn(p, h, positions):                            # h [B, S@t, D] normed, the residual
-    p, _ = moe_stored(p, cfg, (DATA,))                    # experts [E@x, D, F@t] as stored
+    p, _ = moe_stored(p, cfg, (DATA,), moe_gathered)      # experts [E@x, D, F@t]
     pos = jax.reshard(positions, P(BATCH, TENSOR))        # [B, S@t]: a local slice
     return ep.moe_ep(p, h, pos, cfg, ep_axes=(EXPERT,), gather_sequence=gather_seq,
                      transport=_tensor_exchange)          # y [B, S@t, D]
 
   return model.Layout(x=X_SP, use=use, moe=moe_fn, gather_in=gather_in, scatter_out=scatter_out,
-                      row_out=ROW_SP, moe_in_residual=True)
+                      row_out=ROW_SP, moe_in_residual=True,
+                      **({"params": params} if params else {}))
 
 
 def _tensor_experts(p, recv, counts, c, cfg):
@@ -270,16 +363,17 @@ def cost(cfg, mesh, opts):
   tp.py's activation all-reduces over tensor; ep.py's exchange over expert; router statistics."""
   b_loc = cfg.batch // mesh_lib.axis_size(mesh, *BATCH)
   if opts.sequence_parallel:
-    return _sequence_parallel_cost(cfg, mesh, b_loc)
-  return (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), BATCH,
-                                grads={"router": TOKENS})
-          + cost_lib.muon_terms(cfg, mesh, param_specs(cfg, mesh), (TENSOR,))
+    return _sequence_parallel_cost(cfg, mesh, b_loc, opts)
+  specs = param_specs(cfg, mesh, opts)
+  return (cost_lib.weight_terms(cfg, mesh, specs, BATCH, _zero1_gathered(opts),
+                                grads={"router": TOKENS}, once=True)
+          + cost_lib.muon_terms(cfg, mesh, specs, (TENSOR, DATA))
           + cost_lib.stats_terms(cfg, mesh, TOKENS)
           + cost_lib.tensor_terms(cfg, mesh, TENSOR, b_loc)
           + ep.exchange_terms(cfg, mesh, "a2a", b_loc, b_loc * cfg.seq_len))
 
 
-def _sequence_parallel_cost(cfg, mesh, b_loc):
+def _sequence_parallel_cost(cfg, mesh, b_loc, opts):
   """cost() under sequence parallelism: the AG-RS over tensor around the tensor-parallel blocks
   (ep_tp's folded schedule, over tensor), ep's exchange of T/t tokens, the received rows'
   AG-RS over tensor; replicated matrices and the router summed over every axis, the norm
@@ -293,9 +387,10 @@ def _sequence_parallel_cost(cfg, mesh, b_loc):
   c = dispatch.send_rows(cfg, b_loc, cfg.seq_len // t, n_ep)
   rows = n_ep * c * cfg.d_model * cost_lib.act_bytes(cfg)   # one received [EP, C, D]
   term = functools.partial(cost_lib.term, mesh)
-  specs = param_specs(cfg, mesh)
-  return (cost_lib.weight_terms(cfg, mesh, specs, BATCH, grads=grads)
-          + cost_lib.muon_terms(cfg, mesh, specs, (TENSOR,))
+  specs = param_specs(cfg, mesh, opts)
+  return (cost_lib.weight_terms(cfg, mesh, specs, BATCH, _zero1_gathered(opts, REPLICATED_MATRICES),
+                                grads=grads, once=True)
+          + cost_lib.muon_terms(cfg, mesh, specs, (TENSOR, DATA))
           + cost_lib.stats_terms(cfg, mesh, TOKENS, (TENSOR,))
           + cost_lib.sequence_parallel_terms(cfg, mesh, TENSOR, tok, mlp)
           + ep.exchange_terms(cfg, mesh, "a2a", b_loc, tok // t)

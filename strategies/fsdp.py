@@ -78,7 +78,7 @@ def check(cfg, mesh, opts):
   fsdp.check(cfg, mesh, mesh_lib.FSDP)
 
 
-def param_specs(cfg, mesh):
+def param_specs(cfg, mesh, opts=None):
   # role -> spec: every matrix on its D dim over fsdp (embed [V, D@f], attn wq [D@f, H, Dh], attn
   # wo [H, Dh, D@f], experts [E, D@f, F] / [E, F, D@f], ...); norms and router bias replicated
   return model.param_specs(cfg, fsdp.table(mesh_lib.FSDP))

@@ -352,7 +352,7 @@ def check(cfg, mesh, opts):
   mesh_lib.require_microbatches(cfg, mesh, batch_spec(cfg, mesh))  # B % (M x data x expert)
 
 
-def param_specs(cfg, mesh):
+def param_specs(cfg, mesh, opts=None):
   # role -> spec of one layer: every non-expert matrix on its D dim over data (wq [D@data, H, Dh],
   # ...), embed and unembed over (stage, data), the routed experts' E over expert; norms and
   # the router bias replicated. The MoE layers' stacked L over stage; the dense prefix's

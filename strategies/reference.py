@@ -26,7 +26,7 @@ def check(cfg, mesh, opts):
   del cfg, mesh, opts
 
 
-def param_specs(cfg, mesh):
+def param_specs(cfg, mesh, opts=None):
   del cfg, mesh
   return None
 

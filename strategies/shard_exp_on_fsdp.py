@@ -119,7 +119,7 @@ def check(cfg, mesh, opts):
   fsdp.check(cfg, mesh, TOKENS)
 
 
-def param_specs(cfg, mesh):
+def param_specs(cfg, mesh, opts=None):
   # D over (fsdp, expert) for every matrix but the experts, stored whole on their E dim
   return model.param_specs(cfg, {**fsdp.table(TOKENS), "expert_in": STORED,
                                  "expert_out": STORED})

@@ -92,7 +92,7 @@ def check(cfg, mesh, opts):
   mesh_lib.require_head_split(cfg, mesh, TENSOR, expert_ff=True)
 
 
-def param_specs(cfg, mesh):
+def param_specs(cfg, mesh, opts=None):
   # embed, norms, router, MLA's down-projections wq_a / wkv_a: replicated
   return model.param_specs(cfg, tensor.table(TENSOR))          # heads, F over tensor
 
