@@ -86,6 +86,11 @@ class Layout:
   params: Callable = _identity
 
   @property
+  def gathers_once(self) -> bool:
+    """Whether `params` gathers the weights once per step (ZeRO-1), rather than per use."""
+    return self.params is not _identity
+
+  @property
   def row(self):
     """out_sharding of the row-parallel projections (attn wo, shared wo)."""
     return self.x if self.row_out is None else self.row_out

@@ -48,6 +48,11 @@ Per candidate, per device:
                                size with a float32 sum under 1f1b (its table sums explicitly,
                                `_run_table`) and a compute-dtype one under gpipe and
                                interleaved (autodiff of the time loop sums the copy's cotangents)
+             step_weights      zero1 (ep_x_tp): the weights gathered once per step, at the
+                               compute dtype, live through the step with their gradient; held
+                               at 2.75 bytes per gathered byte, set from five compiled
+                               Mixtral-8x7B steps on 64 devices (2.61 .. 2.98): XLA:CPU's
+                               all-gather runs in float32 (2) beside the bf16 copy (1)
              grads             the float32 gradients of the parameters the device stores (their
                                param_bytes): the optimizer reads them beside the state, which
                                the donated step overwrites in place
@@ -72,7 +77,8 @@ Per candidate, per device:
            TEMP_COEF: saved_block held at 1 (the calibration models have 4-5 layers, too few for
            the fit to see it) and pp_weights at 1 (both buffers are live through the loop; the
            small models' stages are too small for the fit to see them: fitted, it came out at
-           0.69 and DeepSeek-V3's 1f1b rows at 0.84 and 0.88); the rest fitted by non-negative
+           0.69 and DeepSeek-V3's 1f1b rows at 0.84 and 0.88), step_weights at 2.75 (above); the
+           rest fitted by non-negative
            least squares on relative error to XLA:CPU's temp bytes of 33 compiled steps on 8
            devices and 23 full-scale candidates (`python -m planning.calibrate
            --with=planning/full_scale.json`). The 33: --gmm=scan, bf16, small models shaped like
@@ -133,7 +139,7 @@ OPTION_GRID = {"cp": {"kv_exchange": ("allgather", "ring")},
                "pp": {"schedule": ("gpipe", "1f1b")},
                "ep_as_cp": {"kv_exchange": ("allgather", "ring")},
                "ep_tp": {"exchange": ("ring", "folded")},
-               "ep_x_tp": {"sequence_parallel": (False, True)},
+               "ep_x_tp": {"sequence_parallel": (False, True), "zero1": (False, True)},
                "shard_exp_on_fsdp": {"mode": ("gather", "ep")}}
 # Option sets beyond OPTION_GRID's product: pp's interleaved schedules with 2 chunks per stage
 # (gpipe's order, and Megatron's interleaved 1F1B)
@@ -147,7 +153,7 @@ TEMP_COEF = {"logits": 0.789, "gathered": 1.261, "gathered_head": 1.386, "attn_c
              "saved_none_res": 35.479, "saved_none_routed": 4.192, "saved_none_rows_f": 0.716,
              "saved_none_gathered": 0.441, "work_rows_d": 5.297, "work_rows_f": 1.429,
              "work_rows_tokens": 3.155, "grads": 1.100, "grad_accum": 1.241, "saved_block": 1.000,
-             "pp_weights": 1.000}
+             "pp_weights": 1.000, "step_weights": 2.750}
 
 
 @dataclasses.dataclass
@@ -294,6 +300,9 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   f_loc = cfg.d_ff / math.prod(shape[a] for a in f_axes)
   gathers = [x for x in terms if x.kind == "all-gather" and x.phase == "fwd"
              and x.what.endswith("gathered")]
+  # weights gathered once per step (ep_x_tp's zero1) are live through it: `step_weights`
+  once = sum(x.bytes for x in gathers) if lay.gathers_once else 0.0
+  gathers = [] if lay.gathers_once else gathers
   head = [x.bytes for x in gathers if x.what.split()[0] in HEAD_LEAVES]
   gathered = (sum(x.bytes for x in gathers) - sum(head)) / cfg.n_layers
   res = t * cfg.d_model * 4
@@ -319,7 +328,8 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
           "saved_none_gathered": held * gathered * none, "work_rows_d": rows * cfg.d_model * 4,
           "work_rows_f": rows * f_loc * 4,
           "work_rows_tokens": rows * t_pass,
-          "pp_weights": _pp_weight_bytes(name, cfg, mesh, opts), "grads": param_bytes}
+          "pp_weights": _pp_weight_bytes(name, cfg, mesh, opts), "step_weights": once,
+          "grads": param_bytes}
 
 
 def _accumulates(name: str, cfg) -> bool:
