@@ -1,5 +1,6 @@
 """FSDP pieces shared by the strategies that shard weights on their model dim D: the role ->
-PartitionSpec table, the gather-before-use `Layout.use`, and the all-experts-local MoE.
+PartitionSpec table, the gather-before-use `Layout.use`, the all-experts-local MoE, and ZeRO-1's
+storage (`over`) and once-per-step gather (`gather_once`, ep_x_tp's zero1).
 
 FSDP dim per weight (the model dim D; MLA's up-projections have none: their rank). Replicated: the router bias (the step updates
 it with global counts) and the norm scales [D] (tiny; JAX rejects an elementwise product of a

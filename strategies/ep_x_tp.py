@@ -115,9 +115,12 @@ is stored split over data on D, with its float32 master and optimizer state (1/|
 per device). Once per step, before the forward, each is cast to the compute dtype and
 all-gathered over data (Layout.params, layout/fsdp.gather_once); the gathered copy lives through
 the step, and its gradient is reduce-scattered over data once, after the backward, then
-all-reduced over the rest of its token axes at 1/|data| of the size. The wire bytes are those of
-the all-reduce over data they replace (a reduce-scatter plus an all-gather); --remat never
-re-issues the gathers. Gradient accumulation gathers and scatters once per microbatch.
+all-reduced over the rest of its token axes at 1/|data| of the size. In float32 the wire bytes
+are those of the all-reduce over data they replace (a reduce-scatter plus an all-gather); under
+--dtype=bfloat16 the gather moves bf16, the scatter float32. --remat never re-issues the
+gathers; gradient accumulation gathers and scatters once per microbatch. Pick it when the
+replicated optimizer state does not fit: each matrix value stores 12/|data| bytes in place of
+12 (its float32 master and AdamW's two moments), for a 2-byte bf16 copy live through the step.
 
 Pick it when the experts need EP but attention or each expert is too wide for one device, with
 t inside a node (its activation all-reduces are on the critical path) and EP across what is
@@ -127,6 +130,7 @@ setups"): both are meshes of this file.
 
   python run.py --strategy=ep_x_tp --mesh=data:2,expert:2,tensor:2 --devices=8 --steps=3 --hlo_stats
   python run.py --strategy=ep_x_tp --mesh=expert:4,tensor:2 --opt=sequence_parallel=true --hlo_stats
+  python run.py --strategy=ep_x_tp --mesh=data:4,expert:2 --opt=zero1=true --hlo_stats
 """
 import dataclasses
 import functools

@@ -1,9 +1,15 @@
 """ep_x_tp beyond the shared table (tests/test_strategies.py): tp's activation all-reduces over
 tensor (one per MoE, after the combine, not one per routed copy) beside ep's all-to-alls over
-expert, whose buffers are the [EP, C, D] of the tokens each tensor rank routes."""
+expert, whose buffers are the [EP, C, D] of the tokens each tensor rank routes; zero1's storage
+and its once-per-step gathers."""
+import jax
+from jax.sharding import PartitionSpec as P
+
 from layout import dispatch
-from measure import hlo
+from measure import cost, hlo
+from modeling import model
 from modeling.config import get_config
+from parallel.sharding import spec_shards
 import strategies
 from tests import parity
 
@@ -67,3 +73,38 @@ def test_sequence_parallel_bf16_microbatches():
   parity.check_bf16(NAME, cfg, "expert:4,tensor:2", opts=ep_x_tp.SP)
   parity.assert_contract(NAME, parity.bf16_config(cfg), "expert:4,tensor:2", ep_x_tp.SP)
   parity.assert_cost_model(NAME, parity.bf16_config(cfg), "expert:4,tensor:2", ep_x_tp.SP)
+
+
+def test_zero1_stores_the_matrices_over_data_and_gathers_them_once_per_step():
+  """zero1 (Megatron's distributed optimizer) on the table's tiny mesh: the step's arguments
+  (float32 params and AdamW state) are smaller by exactly what measure.cost.param_memory says,
+  every matrix but the router now split over data; each such leaf is all-gathered over data
+  once per step (the [L] stacks whole, not per layer) and its gradient reduce-scattered once;
+  no weight gradient is all-reduced over data at its full size any more."""
+  ep_x_tp = strategies.get(NAME)
+  zero1 = ep_x_tp.Options(zero1=True)
+  case = next(c for c in ep_x_tp.TEST_CASES if c.opts == zero1)
+  cfg = case.config()
+  assert (cfg, case.mesh) == (TINY8, MESH)                         # beside the first row's compile
+  jobs = {z: parity.job(NAME, cfg, MESH, ep_x_tp.Options(zero1=z)) for z in (False, True)}
+  mesh = jobs[True].mesh
+  shapes = model.init_params_shapes(cfg)
+  mem = {z: cost.param_memory(shapes, ep_x_tp.param_specs(cfg, mesh, ep_x_tp.Options(zero1=z)),
+                              mesh, cfg.optimizer) for z in (False, True)}
+  stored = {z: m["param_bytes"] + m["opt_bytes"] for z, m in mem.items()}
+  args = {z: j.compiled.memory_analysis().argument_size_in_bytes for z, j in jobs.items()}
+  assert stored[True] < 0.6 * stored[False], stored                  # data:2 halves the matrices
+  assert args[False] - args[True] == stored[False] - stored[True], (args, stored)
+  leaves = [l for l in model.param_leaves(cfg) if l.role in ep_x_tp.ZERO1_ROLES]
+  ops = hlo.collective_ops(jobs[True].hlo)
+  on_data = lambda kind: [op for op in ops if op.kind == kind and hlo.op_axes(op, mesh) == {"data"}]
+  assert sum(op.count for op in on_data("all-gather")) == len(leaves), on_data("all-gather")
+  assert sum(op.count for op in on_data("reduce-scatter")) == len(leaves), on_data("reduce-scatter")
+  # the all-reduces over axes with data lose exactly those matrices' float32 gradients
+  specs = jax.tree.leaves(ep_x_tp.param_specs(cfg, mesh), is_leaf=lambda x: isinstance(x, P))
+  grads = sum(cost.nbytes(l.shape) / spec_shards(spec, mesh)
+              for l, spec in zip(model.param_leaves(cfg), specs) if l.role in ep_x_tp.ZERO1_ROLES)
+  over_data = {z: sum(op.bytes * op.count for op in hlo.collective_ops(j.hlo)
+                      if op.kind == "all-reduce" and "data" in hlo.op_axes(op, mesh))
+               for z, j in jobs.items()}
+  assert over_data[False] - over_data[True] == grads, (over_data, grads)
