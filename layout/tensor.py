@@ -9,9 +9,11 @@ Embed, unembed, norms, router and bias are left out, i.e. replicated.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from layout.precision import cast_stored, precision
+from parallel import sharding
 from parallel.sharding import gather_weight, reduce_scatter
 
 
@@ -50,3 +52,16 @@ def sequence_parallel(cfg, residual: P, gathered: P, axis: str, token_axes, grad
     return cast_stored(w, role, cfg, grad_axes)            # float32: w as stored
 
   return gather_in, scatter_out, use
+
+
+def finish_moe(y, stats, axis: str, token_axes):
+  """Inside a MoE shard_map where every `axis` rank routed the same tokens and ran its F slice of
+  the experts (tp, ep_x_tp): ONE psum over `axis` of the combined y [.., D] ("moe_psum_tensor"),
+  not of the K routed copies; the router statistics counted once, by `axis` rank 0, and summed
+  over token_axes, so the aux-loss gradient reaches the router through rank 0 only and is
+  summed over `axis` with the rest of the router's gradient."""
+  with jax.named_scope("moe_psum_tensor"):
+    y = jax.lax.psum(y, axis)
+  first = (jax.lax.axis_index(axis) == 0).astype(jnp.float32)
+  return y, jax.tree.map(
+      lambda v: jax.lax.psum(sharding.to_varying(v, token_axes) * first, token_axes), stats)

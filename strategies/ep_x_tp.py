@@ -136,7 +136,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from layout import context, dispatch, fsdp, mesh as mesh_lib, tensor
@@ -288,12 +287,8 @@ def layout(cfg, mesh, opts):
       # route, all-to-all over x, the e local experts on F_t, all-to-all back, combine
       y, stats = ep.moe_body(p, xv, pos, cfg=cfg, ep_axes=(EXPERT,), ep=n_ep, token_axes=(),
                              transport=ep.a2a_exchange)   # y [b, S, D] {U_t}
-      with jax.named_scope("moe_psum_tensor"):
-        y = jax.lax.psum(y, TENSOR)                       # the one reduction per MoE
-      # every t rank routed the same tokens: t rank 0 counts them, summed over (d, x, t)
-      first = (jax.lax.axis_index(TENSOR) == 0).astype(jnp.float32)
-      stats = jax.tree.map(
-          lambda v: jax.lax.psum(sharding.to_varying(v, TOKENS) * first, TOKENS), stats)
+      # one psum over t; the stats counted by t rank 0, summed over (d, x, t)
+      y, stats = tensor.finish_moe(y, stats, TENSOR, TOKENS)   # y [b, S, D]
       return y.astype(x.dtype), stats
     # experts [E@x, D, F@t] / [E@x, F@t, D] as stored (bf16: cast, typed reduced over data)
     p, specs = moe_stored(p, cfg, (DATA,), moe_gathered)

@@ -52,7 +52,6 @@ rather than with the parameters.
   python run.py --strategy=tp --mesh=data:4,tensor:2 --devices=8 --steps=3 --hlo_stats
 """
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from layout import mesh as mesh_lib, tensor
@@ -118,13 +117,8 @@ def layout(cfg, mesh, opts):
       xs, gs, order = moe.permute(xv, r.experts, keep, cfg.n_experts)  # [T*K, D]
       ys = moe.swiglu_experts(xs, gs, p, cfg.gmm_backend)          # [T*K, D] {U_t}: F_t slice only
       y = moe.unpermute(ys, order, r.weights)                       # [T, D] {U_t}
-      with jax.named_scope("moe_psum_tensor"):
-        y = jax.lax.psum(y, TENSOR)                                      # the one reduction per MoE
-      # every t rank routed the same tokens: count them once (t rank 0), sum over (d, t); the
-      # aux-loss gradient then reaches the router through rank 0 only, and is summed over t
-      first = (jax.lax.axis_index(TENSOR) == 0).astype(jnp.float32)
-      stats = jax.tree.map(lambda v: jax.lax.psum(sharding.to_varying(v, TOKENS) * first, TOKENS),
-                           stats)
+      # one psum over t; the stats counted by t rank 0, summed over (d, t)
+      y, stats = tensor.finish_moe(y, stats, TENSOR, TOKENS)       # [T, D]
       return y.reshape(b, s, d).astype(x.dtype), stats
     # experts [E, D, F@t] / [E, F@t, D] as stored (bf16: cast, typed reduced over data)
     p, specs = moe_stored(p, cfg, (DATA,))
