@@ -3,6 +3,7 @@
   HLO contract (...):
     all-gather over (data, fsdp): why
     reduce-scatter over fsdp: why
+    all-gather over tensor [muon]: why (only when the step's optimizer is the one named)
   HLO contract, <variant>:
     ...
 
@@ -14,7 +15,8 @@ from __future__ import annotations
 import re
 
 _CONTRACT = re.compile(r"^\s*(all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute"
-                       r"|ragged-all-to-all)\s+over\s+\(?([\w, ]+?)\)?\s*:", re.M)
+                       r"|ragged-all-to-all)\s+over\s+\(?([\w, ]+?)\)?\s*(?:\[(\w+)\])?\s*:",
+                       re.M)
 
 
 def _name(header: str) -> str | None:
@@ -23,18 +25,23 @@ def _name(header: str) -> str | None:
   return m.group(1) if m else None
 
 
-def declared_collectives(doc: str, mesh, variant: str | None = None) -> set:
+def declared_collectives(doc: str, mesh, variant: str | None = None,
+                         optimizer: str | None = None) -> set:
   """{(kind, frozenset(axes))} from a docstring's 'HLO contract' block
   ('  all-gather over (data, fsdp): why'), size-1 axes dropped (no data moves over them).
   A docstring may hold several blocks, one per variant: 'HLO contract' alone is the default,
-  'HLO contract, <variant>:' another (the strategy's contract_variant(opts) names it)."""
+  'HLO contract, <variant>:' another (the strategy's contract_variant(opts) names it). A line
+  whose axes are followed by '[<optimizer>]' holds only for steps of that optimizer (Muon's
+  gathers of split matrices: 'all-gather over tensor [muon]:')."""
   blocks = re.split(r"^HLO contract", doc, flags=re.M)[1:]
   header = lambda b: b.split("\n", 1)[0]
   pick = [b for b in blocks if (variant is None and not header(b).startswith(","))
           or (variant is not None and _name(header(b)) == variant)]
   assert len(pick) == 1, (variant, [header(b) for b in blocks])
   out = set()
-  for kind, axes in _CONTRACT.findall(pick[0]):
+  for kind, axes, only in _CONTRACT.findall(pick[0]):
+    if only and only != optimizer:
+      continue
     live = frozenset(a.strip() for a in axes.split(",") if mesh.shape.get(a.strip(), 1) > 1)
     if live:
       out.add((kind, live))

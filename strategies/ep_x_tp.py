@@ -54,6 +54,8 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
   all-reduce over (data, expert): non-expert weight gradients
   all-reduce over data: expert weight gradients
   all-reduce over (data, expert, tensor): router grads, router statistics, loss sums, grad norm
+  all-gather over tensor [muon]: the tensor-split matrices' float32 directions, whole for
+    Newton-Schulz, once per step
 
 HLO contract, sequence_parallel:
   all-gather over tensor: the normed h (MLA: its latents) before attention, h before the shared
@@ -81,6 +83,8 @@ HLO contract, zero1:
   all-reduce over expert: the non-expert matrices' gradient shards (after the reduce-scatter)
   all-reduce over (data, expert): norm-scale grads [D]
   all-reduce over (data, expert, tensor): router grads, router statistics, loss sums, grad norm
+  all-gather over tensor [muon]: the tensor-split matrices' float32 directions, whole for
+    Newton-Schulz, once per step
 
 HLO contract, sequence_parallel, zero1:
   all-gather over data: every matrix but the router, once per step before the forward, in the
@@ -179,7 +183,7 @@ class Options:
 SP = Options(sequence_parallel=True)
 _TINY8 = dict(n_heads=8, n_kv_heads=4)
 TEST_CASES = [Case("tiny", "data:2,expert:2,tensor:2", _TINY8),
-              Case("deepseek-test", "expert:4,tensor:2"),
+              Case("deepseek-test", "expert:4,tensor:2", dict(optimizer="muon")),
               # sequence parallelism: Mixtral-style under the capacity rule (whole sequences
               # gathered); DeepSeek's MLA, dense layer, shared expert and sequence-wise loss,
               # recomputed, with Muon on the F-split experts

@@ -36,13 +36,15 @@ Collectives per layer (t = tensor, d = data; x bytes = B_d*S*D*4, all on the cri
                against D = 7,168), so that all-reduce is of them; the down-projections'
                backward runs on the complete sum, and their weight grads need no sum over t
             6. all-reduce over d of every weight gradient (XLA combines them)
-No all-gather, no all-to-all: no weight ever moves over tensor.
+No all-gather, no all-to-all: no weight ever moves over tensor (but Muon's directions, below).
 
 HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_tp.py enforces both ways,
 and the cost model's (kind, axes) set must equal it):
   all-reduce over tensor: activations and their gradients (above)
   all-reduce over data: weight gradients
   all-reduce over (data, tensor): router grads, router statistics, loss sums, grad norm
+  all-gather over tensor [muon]: the tensor-split matrices' float32 directions, whole for
+    Newton-Schulz, once per step (--optimizer=muon only)
 
 Pick it for large d_ff / many heads within a fast interconnect (NVLink / one ICI ring): it cuts
 weight and optimizer memory by t without gathering them, at the price of 2-3 activation
@@ -72,7 +74,7 @@ GROW_AXIS = TENSOR                    # at scale the model, not the preset, caps
 Options = NoOptions
 _TINY8 = dict(n_heads=8, n_kv_heads=4)   # 8 / 4 heads: the same model on tensor:2 and tensor:4
 TEST_CASES = [Case("tiny", "tensor:2,data:4", _TINY8), Case("tiny", "data:2,tensor:4", _TINY8),
-              Case("deepseek-test", "tensor:2,data:4")]
+              Case("deepseek-test", "tensor:2,data:4", dict(optimizer="muon"))]
 COST_CASES = TEST_CASES
 LAYOUTS = ("tiny", ("tensor:2,data:4", "data:2,tensor:4"), _TINY8)
 BAD_INPUT = [
@@ -140,8 +142,9 @@ def cost(cfg, mesh, opts):
   """Per-device collective bytes per step (measure/cost.py; the docstring's schedule): weights
   used as stored, their grads over data (the router's over (data, tensor): every tensor rank
   routes, rank 0 counts); the activation all-reduces over tensor; router statistics."""
-  terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), (DATA,),
-                                 grads={"router": TOKENS})
+  specs = param_specs(cfg, mesh)
+  terms = (cost_lib.weight_terms(cfg, mesh, specs, (DATA,), grads={"router": TOKENS})
+           + cost_lib.muon_terms(cfg, mesh, specs, (TENSOR,))
            + cost_lib.stats_terms(cfg, mesh, TOKENS))
   return terms + cost_lib.tensor_terms(cfg, mesh, TENSOR,
                                        cfg.batch // mesh_lib.axis_size(mesh, DATA))
