@@ -7,9 +7,12 @@ What the planner assumes beyond these figures (its own assumptions, not sourced)
     a group that crosses a node boundary runs at the InfiniBand bandwidth per GPU (one 400 Gb/s
     NIC per GPU; no hierarchical algorithm, no NVLink share of a cross-node all-to-all);
   - no overlap of communication with compute and no per-collective latency.
-No TPU profile: the planner's link model is "node of G devices, one fast and one slow link
-class", and a TPU slice's ICI is a 2D / 3D torus whose per-axis bandwidth depends on the slice's
-shape; a profile would need that topology, which this module does not model.
+TPU (tpu-v5p): the two link classes are a slice's ICI and the data-center network between
+slices; the "node" is the largest single slice. A slice's ICI is a 3D torus: a chip has six
+links, and a collective runs at what the links of the torus dimensions its group spans carry.
+The profile states one dimension's (two of the six links), for every group inside the slice: a
+group laid over two or three dimensions would run up to 2x or 3x faster, and one that is not a
+whole ring of its dimension slower. Which mesh axis maps to which dimension is not modelled.
 """
 from __future__ import annotations
 
@@ -46,6 +49,15 @@ PROFILES = {
     "h800": Cluster("h800", 989.4 * TFLOPS, 80 * GB, 8, 200 * GB, 50 * GB,
                     "H800 SXM: 989 TFLOP/s bf16 dense, 80 GB, NVLink 400 GB/s bidir; "
                     "DeepSeek-V3 report: 8 GPUs/node, IB 50 GB/s per GPU"),
+    # Cloud TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TFLOP/s bf16 per chip; 95 GiB HBM2e
+    # ("95 GB" in an earlier revision of the page: 95e9 B here, the smaller); bidirectional ICI
+    # 1,200 GB/s per chip over a 3D torus (six links: 100 GB/s per link and direction), one
+    # dimension's two links 200 GB/s per direction; DCN 50 Gb/s per chip (6.25 GB/s) between
+    # slices; the largest single slice 6,144 chips (16x16x24), a pod 8,960.
+    "tpu-v5p": Cluster("tpu-v5p", 459 * TFLOPS, 95 * GB, 6144, 200 * GB, 6.25 * GB,
+                       "Cloud TPU v5p: 459 TFLOP/s bf16, 95 GB HBM, ICI 1,200 GB/s bidir per chip "
+                       "(3D torus; one dimension's 2 links, 200 GB/s per direction, assumed); "
+                       "DCN 50 Gb/s per chip; slices up to 6,144 chips"),
 }
 
 

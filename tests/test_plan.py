@@ -179,6 +179,20 @@ def test_ranking_order_and_exact_params():
     if c.strategy == "ep":
       assert c.comm_s >= min(by_layout[(c.sizes, c.remat, c.capacity_factor)]) * (1 - 1e-9)
 
+def test_a_tpu_slice_is_one_node_of_ici_and_slices_meet_over_dcn():
+  """tpu-v5p: up to 6,144 chips are one slice, so every layout has one placement, all its axes
+  on ICI; on two slices (12,288 chips) no placement holds every axis: one crosses the DCN."""
+  tpu = clusters.get("tpu-v5p")
+  assert (tpu.node_size, tpu.intra_bw, tpu.inter_bw) == (6144, 200e9, 6.25e9)
+  cfg = get_config("mixtral-8x7b", dtype="bfloat16")
+  ranked = [c for c in plan.enumerate_candidates(cfg, 64, tpu, tpu.hbm_bytes, names=("ep",))
+            if not c.error]
+  assert ranked and all(set(c.inner) == {a for a, n in c.sizes if n > 1} for c in ranked)
+  sizes = {"data": 2, "fsdp": 8, "expert": 768}                      # 12,288 chips: 2 slices
+  assert ("expert", "fsdp") in plan.placements(sizes, tpu.node_size)
+  assert all(len(p) < 3 for p in plan.placements(sizes, tpu.node_size))
+
+
 def test_ranks_a_thousand_real_candidates_quickly():
   """The speed the README claims, loosely (a shared 2-core host): Mixtral-8x7B on 64 devices
   enumerates over a thousand candidates in well under a minute, without a device mesh."""
