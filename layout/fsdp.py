@@ -38,8 +38,8 @@ def over(specs: dict, axis: str, roles) -> dict:
   from `specs` is otherwise replicated."""
   out = dict(specs)
   for role in roles:
-    d = model.D_DIM[role]
-    entries = list(specs.get(role, P())) + [None] * (d + 1 - len(specs.get(role, P())))
+    d, entries = model.D_DIM[role], list(specs.get(role, P()))
+    entries += [None] * (d + 1 - len(entries))
     entries[d] = (*entry_axes(entries[d]), axis) if entries[d] is not None else axis
     out[role] = P(*entries)
   return out

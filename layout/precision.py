@@ -43,9 +43,10 @@ def stored_use(cfg, grad_axes):
 
 def moe_stored(p, cfg, grad_axes, gathered=()):
   """A layer's "moe" params used as stored inside a shard_map (dp, tp, ep_tp): each leaf through
-  cast_stored -> (params, their in_specs; reduced over grad_axes in bf16). Leaves named in
-  `gathered` pass as they come (already cast and typed reduced: layout/fsdp.gather_once)."""
-  p = {k: v if k in gathered else cast_stored(v, model.MOE_ROLES[k], cfg, grad_axes)
+  cast_stored -> (params, their in_specs; reduced over grad_axes in bf16). Leaves whose role is
+  in `gathered` pass as they come (already cast and typed reduced: layout/fsdp.gather_once)."""
+  roles = {k: model.MOE_ROLES[k] for k in p}
+  p = {k: v if roles[k] in gathered else cast_stored(v, roles[k], cfg, grad_axes)
        for k, v in p.items()}
   return p, {k: jax.typeof(v).sharding.spec for k, v in p.items()}
 

@@ -265,7 +265,7 @@ def muon_terms(cfg, mesh, specs, axes) -> list[Term]:
     entries = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))
     moves = [m for m in (tuple(a for a in entry_axes(entries[d]) if a in axes)
                          for d in sorted(matrix)) if m]                   # per matrix dim
-    size = nbytes(leaf.shape) / math.prod(mesh.shape[a] for e in entries for a in entry_axes(e))
+    size = nbytes(leaf.shape) / spec_shards(spec, mesh)                 # the stored shard
     for m in reversed(moves):           # one all-gather per split dim, the minor first
       size *= math.prod(mesh.shape[a] for a in m)
       out += term(mesh, "all-gather", "opt", f"{leaf.role} whole for Newton-Schulz", size, m)

@@ -148,7 +148,7 @@ OPTION_EXTRA = {"pp": ({"schedule": "interleaved", "virtual_stages": 2},
 # The leaves outside the layer stack: their gathers are live whole, not one layer's at a time
 HEAD_LEAVES = ("embed", "unembed")
 # Fitted by planning/calibrate.py (bytes of temp per byte of feature), saved_block and pp_weights
-# held at 1; see the module docstring.
+# held at 1, step_weights at 2.75; see the module docstring.
 TEMP_COEF = {"logits": 0.789, "gathered": 1.261, "gathered_head": 1.386, "attn_chunk": 0.892,
              "saved_none_res": 35.479, "saved_none_routed": 4.192, "saved_none_rows_f": 0.716,
              "saved_none_gathered": 0.441, "work_rows_d": 5.297, "work_rows_f": 1.429,

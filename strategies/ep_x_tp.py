@@ -122,7 +122,8 @@ the step, and its gradient is reduce-scattered over data once, after the backwar
 all-reduced over the rest of its token axes at 1/|data| of the size. In float32 the wire bytes
 are those of the all-reduce over data they replace (a reduce-scatter plus an all-gather); under
 --dtype=bfloat16 the gather moves bf16, the scatter float32. --remat never re-issues the
-gathers; gradient accumulation gathers and scatters once per microbatch. Pick it when the
+gathers; gradient accumulation gathers and scatters once per microbatch (and gathers again in
+pass 1's forwards, under the batch-wise aux loss). Pick it when the
 replicated optimizer state does not fit: each matrix value stores 12/|data| bytes in place of
 12 (its float32 master and AdamW's two moments), for a 2-byte bf16 copy live through the step.
 
@@ -166,7 +167,6 @@ REPLICATED_MATRICES = ("embed", "unembed", "attn_q_a", "attn_kv_a")
 # zero1: the matrices stored split over data on D (the router, its bias and the norms stay
 # replicated: a [D, E] and vectors)
 ZERO1_ROLES = tuple(r for r in model.D_DIM if r != "router")
-EXPERT_LEAVES = ("wi_0", "wi_1", "wo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,15 +246,16 @@ def param_specs(cfg, mesh, opts=None):
 
 
 def _zero1(cfg, opts, use, replicated=()):
-  """(Layout.params, Layout.use, the MoE leaves gathered) under zero1: the matrices gathered over
-  data once per step (layout/fsdp.gather_once), their gradients summed over the axes their
-  tokens split them over (experts: data; `replicated`: every axis; the rest (data, expert)),
-  then used as gathered; the other weights through `use`. Without zero1: as stored."""
+  """(model.Layout's params hook as keyword arguments, Layout.use, the roles gathered) under
+  zero1: the matrices gathered over data once per step (layout/fsdp.gather_once), their
+  gradients summed over the axes their tokens split them over (experts: data; `replicated`:
+  every axis; the rest (data, expert)), then used as gathered; the other weights through `use`.
+  Without zero1: ({}, use, ()), every weight as stored."""
   if not opts.zero1:
-    return None, use, ()
+    return {}, use, ()
   gathered = lambda role, w: w if role in ZERO1_ROLES else use(role, w)
-  return (fsdp.gather_once(cfg, DATA, functools.partial(_zero1_grad_axes, replicated=replicated)),
-          gathered, EXPERT_LEAVES)
+  grad_axes = functools.partial(_zero1_grad_axes, replicated=replicated)
+  return {"params": fsdp.gather_once(cfg, DATA, grad_axes)}, gathered, ZERO1_ROLES
 
 
 def _zero1_grad_axes(role, replicated=()):
@@ -299,9 +300,8 @@ def layout(cfg, mesh, opts):
     return jax.shard_map(body, in_specs=(specs, h_spec, P(BATCH, None)),
                          out_specs=(x_spec, P()))(p, x, positions)   # y [B, S, D] @ ((d, x),)
   gather_in = lambda h: sharding.gather_weight(h, x_spec, (TENSOR,))  # [B, S, D] -> h_spec
-  params, use, moe_gathered = _zero1(cfg, opts, stored_use(cfg, BATCH))
-  return model.Layout(x=x_spec, use=use, moe=moe_fn, gather_in=gather_in,
-                      **({"params": params} if params else {}))
+  zero1, use, moe_gathered = _zero1(cfg, opts, stored_use(cfg, BATCH))
+  return model.Layout(x=x_spec, use=use, moe=moe_fn, gather_in=gather_in, **zero1)
 
 
 def _sequence_parallel_layout(cfg, mesh, opts):
@@ -311,7 +311,7 @@ def _sequence_parallel_layout(cfg, mesh, opts):
   # row-parallel outputs back; replicated matrices' grads summed over (d, x, t) in one op
   gather_in, scatter_out, use = tensor.sequence_parallel(
       cfg, X_SP, P(BATCH, None, None), TENSOR, TOKENS, BATCH, REPLICATED_MATRICES)
-  params, use, moe_gathered = _zero1(cfg, opts, use, REPLICATED_MATRICES)
+  zero1, use, moe_gathered = _zero1(cfg, opts, use, REPLICATED_MATRICES)
 
   gather_seq = context.sequence_gatherer(TENSOR) if cfg.capacity_factor > 0 else None
 
@@ -322,8 +322,7 @@ def _sequence_parallel_layout(cfg, mesh, opts):
                      transport=_tensor_exchange)          # y [B, S@t, D]
 
   return model.Layout(x=X_SP, use=use, moe=moe_fn, gather_in=gather_in, scatter_out=scatter_out,
-                      row_out=ROW_SP, moe_in_residual=True,
-                      **({"params": params} if params else {}))
+                      row_out=ROW_SP, moe_in_residual=True, **zero1)
 
 
 def _tensor_experts(p, recv, counts, c, cfg):
