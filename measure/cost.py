@@ -29,7 +29,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from measure import hlo
-from parallel.sharding import entry_axes, spec_axes, spec_shards
+from parallel.sharding import dim_axes, entry_axes, spec_axes, spec_shards
 
 F32 = 4
 
@@ -79,28 +79,67 @@ def step_terms(strategy, cfg, mesh, opts=None) -> list[Term]:
   of B/M sequences, so the step is M times the cost of a B/M-sequence step, weight gathers and
   gradient reductions included (each microbatch's gradient is summed over the devices before
   the carry adds it), except the once-per-step "opt" terms. The batch-wise aux loss adds pass
-  1: a forward of every microbatch for the step's counts, M more of its forward terms."""
+  1: a forward of every microbatch for the step's counts, M more of its forward terms but the
+  head's, and its statistics change (`accumulated`)."""
   opts = strategy.Options() if opts is None else opts
   m = cfg.microbatches
   if m <= 1 or strategy.layout(cfg, mesh, opts).loss is not None:
     terms = strategy.cost(cfg, mesh, opts)
     return terms + recomputed(terms, cfg)
   return accumulated(strategy.cost(cfg.replace(batch=cfg.batch // m, microbatches=1), mesh, opts),
-                     cfg)
+                     cfg, mesh, strategy.layout(cfg, mesh, opts))
 
 
-def accumulated(per_mb, cfg) -> list[Term]:
+def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
   """step_terms of gradient accumulation from the cost of one microbatch's step (B/M sequences,
   without remat's copies): M of its forward and backward terms with their recompute, pass 1's
-  forwards under the batch-wise aux loss, and its once-per-step "opt" terms."""
+  forwards under the batch-wise aux loss, and its once-per-step "opt" terms. mesh, lay: the
+  step's mesh and the strategy's model.Layout.
+  Under the batch-wise loss (runtime.train.accumulated_grads):
+    pass 1 wants the router counts alone: XLA removes the head (its weights' gathers, HEAD_ROLES)
+      and the other statistics, so its forwards all-reduce the counts [L, E] (COUNTS);
+    pass 2 takes the step's counts as given, so its own are dead: per MoE layer it all-reduces
+      P [E] and z, and once per forward the dropped count (ACCUMULATED) over the token axes,
+      and the CE sum over the residual's sequence axes, then its batch axes (`ce_terms`);
+    a layout that gathers its weights once per step (lay.gathers_once, ZeRO-1): pass 1, which
+      takes no gradient, gathers them once for all of its forwards."""
   m = cfg.microbatches
   times = lambda ts, k, note: [dataclasses.replace(t, bytes=t.bytes * k, what=t.what + note)
                                for t in ts]
   step = [t for t in per_mb if t.phase != "opt"]
-  out = times(step + recomputed(step, cfg), m, f", x{m} microbatches")
-  if counts_pass(cfg):
-    out += times([t for t in step if t.phase == "fwd"], m, ", counts pass")
-  return out + [t for t in per_mb if t.phase == "opt"]
+  opt = [t for t in per_mb if t.phase == "opt"]
+  if not counts_pass(cfg):
+    return times(step + recomputed(step, cfg), m, f", x{m} microbatches") + opt
+  stats = lambda ts, which: [dataclasses.replace(t, bytes=stats_bytes(cfg, which))
+                             if t.what == STATS else t for t in ts]
+  two = stats(step, ACCUMULATED)
+  two += [t for s in two if s.what == STATS for t in ce_terms(mesh, lay, s.axes)]
+  one = stats([t for t in step if t.phase == "fwd" and not (
+      is_weight_gather(t) and t.what.split()[0] in HEAD_ROLES)], COUNTS)
+  once = [t for t in one if lay.gathers_once and is_weight_gather(t)]
+  return (times(two + recomputed(two, cfg), m, f", x{m} microbatches")
+          + times([t for t in one if t not in once], m, ", counts pass")
+          + times(once, 1, ", counts pass") + opt)
+
+
+def ce_terms(mesh, lay, token_axes) -> list[Term]:
+  """Gradient accumulation's pass 2 (`accumulated`): its CE sum, one float32, all-reduced over
+  the axes splitting the residual's sequence dim, then over those splitting its batch dim (the
+  axes of token_axes that the residual [B, S, D] is split over: lay.x; all of them where the
+  layout leaves x unstated)."""
+  split = lambda d: tuple(a for a in dim_axes(lay.x, d) if a in token_axes) if lay.x is not None \
+      else (() if d else tuple(token_axes))
+  return [t for axes in (split(1), split(0)) if axes
+          for t in term(mesh, "all-reduce", "fwd", "CE sum", F32, axes)]
+
+
+# The head: what a forward runs after the layers, dead where only the router counts are wanted
+HEAD_ROLES = ("final_norm", "unembed")
+
+
+def is_weight_gather(t: Term) -> bool:
+  """A forward all-gather of a weight before its use (weight_terms' "<role> gathered")."""
+  return t.kind == "all-gather" and t.phase == "fwd" and t.what.endswith("gathered")
 
 
 def counts_pass(cfg) -> bool:
@@ -385,18 +424,32 @@ def _size(mesh, axes) -> int:
   return math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
 
 
+STATS = "router stats + loss sums"
+STEP, ACCUMULATED, COUNTS = "step", "accumulated", "counts"     # which forward's (stats_bytes)
+
+
 def stats_values(cfg) -> int:
   """Router statistics per MoE layer: counts [E], z, dropped, and the batch-wise loss's prob sums
   [E] or the sequence-wise loss's sum (routing.sequence_aux_sum)."""
   return cfg.n_experts + 2 + (1 if cfg.aux_loss_kind == "sequence" else cfg.n_experts)
 
 
+def stats_bytes(cfg, which: str = STEP) -> int:
+  """Bytes of one forward's STATS all-reduce. STEP: stats_values per MoE layer plus the CE sum;
+  under gradient accumulation with the batch-wise loss (`accumulated`), ACCUMULATED: pass 2's
+  forwards, the step's counts given (P [E] and z per layer, and the dropped count; its CE sum
+  is reduced apart: ce_terms);
+  COUNTS: pass 1's, the counts [E] per layer alone."""
+  layers = cfg.n_moe_layers
+  return {STEP: layers * stats_values(cfg) + 1, ACCUMULATED: layers * (cfg.n_experts + 1) + 1,
+          COUNTS: layers * cfg.n_experts}[which] * F32
+
+
 def stats_terms(cfg, mesh, token_axes, seq_axes=()) -> list[Term]:
   """Router statistics and the loss sums, all-reduced over the token axes (global statistics:
   the aux loss is layout-independent); with the sequence-wise loss and a sequence split over
   seq_axes, first each sequence's counts and prob sums [b, E] over seq_axes."""
-  out = term(mesh, "all-reduce", "fwd", "router stats + loss sums",
-             (cfg.n_moe_layers * stats_values(cfg) + 1) * F32, token_axes)
+  out = term(mesh, "all-reduce", "fwd", STATS, stats_bytes(cfg), token_axes)
   if cfg.aux_loss_kind == "sequence" and seq_axes:
     b = cfg.batch // _size(mesh, tuple(a for a in _tuple(token_axes) if a not in seq_axes))
     one = cfg.n_moe_layers * b * cfg.n_experts * F32

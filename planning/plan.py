@@ -50,12 +50,15 @@ Per candidate, per device:
                                interleaved (autodiff of the time loop sums the copy's cotangents)
              step_weights      zero1 (ep_x_tp): the weights gathered once per step, at the
                                compute dtype, live through the step with their gradient; held
-                               at 2.75 bytes per gathered byte, set from five compiled
-                               Mixtral-8x7B steps on 64 devices (2.61 .. 2.98): XLA:CPU's
-                               all-gather runs in float32 (2) beside the bf16 copy (1)
+                               at 3 bytes per gathered bf16 byte, as the buffer assignment of
+                               its compiled steps holds them: XLA:CPU's all-gather runs in
+                               float32 and its output lives through the step (2), beside the
+                               bf16 gradient of the gathered copy (1)
              grads             the float32 gradients of the parameters the device stores (their
                                param_bytes): the optimizer reads them beside the state, which
-                               the donated step overwrites in place
+                               the donated step overwrites in place; under zero1 those of the
+                               leaves it gathers once come out of the reduce-scatter as the
+                               gathered buffers die, and count in step_weights' place
              grad_accum        gradient accumulation (M > 1 outside pp): the float32 gradient
                                carry beside each microbatch's gradients, the stored parameters'
                                size; the other terms are one microbatch's (B/M sequences)
@@ -77,7 +80,7 @@ Per candidate, per device:
            TEMP_COEF: saved_block held at 1 (the calibration models have 4-5 layers, too few for
            the fit to see it) and pp_weights at 1 (both buffers are live through the loop; the
            small models' stages are too small for the fit to see them: fitted, it came out at
-           0.69 and DeepSeek-V3's 1f1b rows at 0.84 and 0.88), step_weights at 2.75 (above); the
+           0.69 and DeepSeek-V3's 1f1b rows at 0.84 and 0.88), step_weights at 3 (above); the
            rest fitted by non-negative
            least squares on relative error to XLA:CPU's temp bytes of 33 compiled steps on 8
            devices and 23 full-scale candidates (`python -m planning.calibrate
@@ -148,12 +151,12 @@ OPTION_EXTRA = {"pp": ({"schedule": "interleaved", "virtual_stages": 2},
 # The leaves outside the layer stack: their gathers are live whole, not one layer's at a time
 HEAD_LEAVES = ("embed", "unembed")
 # Fitted by planning/calibrate.py (bytes of temp per byte of feature), saved_block and pp_weights
-# held at 1, step_weights at 2.75; see the module docstring.
+# held at 1, step_weights at 3; see the module docstring.
 TEMP_COEF = {"logits": 0.789, "gathered": 1.261, "gathered_head": 1.386, "attn_chunk": 0.892,
              "saved_none_res": 35.479, "saved_none_routed": 4.192, "saved_none_rows_f": 0.716,
              "saved_none_gathered": 0.441, "work_rows_d": 5.297, "work_rows_f": 1.429,
              "work_rows_tokens": 3.155, "grads": 1.100, "grad_accum": 1.241, "saved_block": 1.000,
-             "pp_weights": 1.000, "step_weights": 2.750}
+             "pp_weights": 1.000, "step_weights": 3.000}
 
 
 @dataclasses.dataclass
@@ -298,10 +301,14 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   v_loc = cfg.vocab / _dim_shards(specs["unembed"], 1, mesh)
   f_axes = dim_axes(specs["layers"]["moe"]["wi_0"], 3)           # the axes splitting F
   f_loc = cfg.d_ff / math.prod(shape[a] for a in f_axes)
-  gathers = [x for x in terms if x.kind == "all-gather" and x.phase == "fwd"
-             and x.what.endswith("gathered")]
-  # weights gathered once per step (ep_x_tp's zero1) are live through it: `step_weights`
+  gathers = [x for x in terms if cost.is_weight_gather(x)]
+  # weights gathered once per step (ep_x_tp's zero1) are live through it: `step_weights`; their
+  # float32 gradients at the stored size come out of the reduce-scatter after the backward, as
+  # the gathered buffers die, so `grads` counts only the other leaves' (a term's bytes are its
+  # output's: the stored gradient)
   once = sum(x.bytes for x in gathers) if lay.gathers_once else 0.0
+  scattered = sum(x.bytes for x in terms if x.kind == "reduce-scatter"
+                  and x.what.endswith("grads")) if lay.gathers_once else 0.0
   gathers = [] if lay.gathers_once else gathers
   head = [x.bytes for x in gathers if x.what.split()[0] in HEAD_LEAVES]
   gathered = (sum(x.bytes for x in gathers) - sum(head)) / cfg.n_layers
@@ -329,7 +336,7 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
           "work_rows_f": rows * f_loc * 4,
           "work_rows_tokens": rows * t_pass,
           "pp_weights": _pp_weight_bytes(name, cfg, mesh, opts), "step_weights": once,
-          "grads": param_bytes}
+          "grads": param_bytes - scattered}
 
 
 def _accumulates(name: str, cfg) -> bool:
@@ -566,10 +573,11 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                                                     mesh, cfg.optimizer)
             o_mem = mems[o_cfg, opts]
             raw = strat.cost(per_microbatch(name, base), mesh, opts)
+            lay = strat.layout(base, mesh, opts) if _accumulates(name, base) else None
             for remat in remats:
               c_cfg = base.replace(remat=remat)
               # measure.cost.step_terms on the terms already computed
-              terms = (cost.accumulated(raw, c_cfg) if _accumulates(name, c_cfg)
+              terms = (cost.accumulated(raw, c_cfg, mesh, lay) if _accumulates(name, c_cfg)
                        else raw + cost.recomputed(raw, c_cfg))
               temp = predict_temp(step_features(name, c_cfg, mesh, raw, opts,
                                                 o_mem["param_bytes"]))

@@ -76,17 +76,19 @@ def accumulated_grads(params, batch, cfg, lay: model.Layout):
   n_tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
   per_sequence = cfg.aux_loss_kind == "sequence"
 
-  def count(c, mb):
-    return c + model.forward(params, mb, cfg, lay)[1]["counts"], None
   # pass 1 unrolled (forward only, nothing kept for a backward: it costs compile time, not
   # memory): as a second lax.scan beside pass 2's, the executable reloaded from the persistent
-  # compilation cache crashes XLA:CPU (jax 0.12: rendezvous "id < num_threads" check failure)
+  # compilation cache crashes XLA:CPU (jax 0.12: rendezvous "id < num_threads" check failure).
+  # It takes no gradient, so a layout that gathers the weights once per step (ZeRO-1) gathers
+  # them once for all of its forwards.
   zero_counts = jnp.zeros((cfg.n_layer_slots, cfg.n_experts), jnp.float32)
   counts = None
   if not per_sequence:
+    fwd_params, fwd_lay = lay.gathered(params)
     counts = zero_counts
     for i in range(cfg.microbatches):
-      counts = count(counts, jax.tree.map(lambda a: a[i], mbs))[0]
+      mb = jax.tree.map(lambda a: a[i], mbs)
+      counts = counts + model.forward(fwd_params, mb, cfg, fwd_lay)[1]["counts"]
     counts = jax.lax.stop_gradient(counts)                                  # [L_moe, E], global
 
   def grad_one(carry, mb):

@@ -122,8 +122,8 @@ the step, and its gradient is reduce-scattered over data once, after the backwar
 all-reduced over the rest of its token axes at 1/|data| of the size. In float32 the wire bytes
 are those of the all-reduce over data they replace (a reduce-scatter plus an all-gather); under
 --dtype=bfloat16 the gather moves bf16, the scatter float32. --remat never re-issues the
-gathers; gradient accumulation gathers and scatters once per microbatch (and gathers again in
-pass 1's forwards, under the batch-wise aux loss). Pick it when the
+gathers; gradient accumulation gathers and scatters once per microbatch, and gathers once
+more for all of pass 1's forwards under the batch-wise aux loss. Pick it when the
 replicated optimizer state does not fit: each matrix value stores 12/|data| bytes in place of
 12 (its float32 master and AdamW's two moments), for a 2-byte bf16 copy live through the step.
 
