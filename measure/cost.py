@@ -94,32 +94,36 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
   """step_terms of gradient accumulation from the cost of one microbatch's step (B/M sequences,
   without remat's copies): M of its forward and backward terms with their recompute, pass 1's
   forwards under the batch-wise aux loss, and its once-per-step "opt" terms. mesh, lay: the
-  step's mesh and the strategy's model.Layout.
-  Under the batch-wise loss (runtime.train.accumulated_grads):
+  step's mesh and the strategy's model.Layout (runtime.train.accumulated_grads).
+  Under the batch-wise loss:
     pass 1 wants the router counts alone: XLA removes the head (its weights' gathers, HEAD_ROLES)
       and the other statistics, so its forwards all-reduce the counts [L, E] (COUNTS);
     pass 2 takes the step's counts as given, so its own are dead: per MoE layer it all-reduces
       P [E] and z, and once per forward the dropped count (ACCUMULATED) over the token axes,
-      and the CE sum over the residual's sequence axes, then its batch axes (`ce_terms`);
-    a layout that gathers its weights once per step (lay.gathers_once, ZeRO-1): pass 1, which
-      takes no gradient, gathers them once for all of its forwards."""
+      and the CE sum over the residual's sequence axes, then its batch axes (`ce_terms`).
+  A layout that gathers its weights once per step (lay.gathers_once, ZeRO-1) gathers them once
+  for both passes and reduce-scatters (and all-reduces) their summed gradients once."""
   m = cfg.microbatches
   times = lambda ts, k, note: [dataclasses.replace(t, bytes=t.bytes * k, what=t.what + note)
                                for t in ts]
   step = [t for t in per_mb if t.phase != "opt"]
   opt = [t for t in per_mb if t.phase == "opt"]
-  if not counts_pass(cfg):
-    return times(step + recomputed(step, cfg), m, f", x{m} microbatches") + opt
-  stats = lambda ts, which: [dataclasses.replace(t, bytes=stats_bytes(cfg, which))
-                             if t.what == STATS else t for t in ts]
-  two = stats(step, ACCUMULATED)
-  two += [t for s in two if s.what == STATS for t in ce_terms(mesh, lay, s.axes)]
-  one = stats([t for t in step if t.phase == "fwd" and not (
-      is_weight_gather(t) and t.what.split()[0] in HEAD_ROLES)], COUNTS)
-  once = [t for t in one if lay.gathers_once and is_weight_gather(t)]
-  return (times(two + recomputed(two, cfg), m, f", x{m} microbatches")
-          + times([t for t in one if t not in once], m, ", counts pass")
-          + times(once, 1, ", counts pass") + opt)
+  once = []
+  if lay.gathers_once:
+    roles = {t.what.split()[0] for t in step if is_weight_gather(t)}
+    once = [t for t in step if is_weight_gather(t) or (t.phase == "bwd" and t.what.endswith(
+        " grads") and t.what.split()[0] in roles)]
+    step = [t for t in step if t not in once]
+  one = []
+  if counts_pass(cfg):
+    stats = lambda ts, which: [dataclasses.replace(t, bytes=stats_bytes(cfg, which))
+                               if t.what == STATS else t for t in ts]
+    one = stats([t for t in step if t.phase == "fwd" and not (
+        is_weight_gather(t) and t.what.split()[0] in HEAD_ROLES)], COUNTS)
+    step = stats(step, ACCUMULATED)
+    step += [t for s in step if s.what == STATS for t in ce_terms(mesh, lay, s.axes)]
+  return (times(step + recomputed(step, cfg), m, f", x{m} microbatches")
+          + times(one, m, ", counts pass") + times(once, 1, ", once per step") + opt)
 
 
 def ce_terms(mesh, lay, token_axes) -> list[Term]:

@@ -90,10 +90,10 @@ class Layout:
     """Whether `params` gathers the weights once per step (ZeRO-1), rather than per use."""
     return self.params is not _identity
 
-  def gathered(self, params) -> tuple[Any, "Layout"]:
-    """-> (params as the step uses them, a Layout whose forward takes them as given): `params`
-    applied once, for forwards that share it (gradient accumulation's counts pass)."""
-    return self.params(params), dataclasses.replace(self, params=_identity)
+  def given(self) -> "Layout":
+    """This Layout with its forward taking the parameters as given: already `params`' output
+    (gradient accumulation gathers once for every microbatch: runtime.train)."""
+    return dataclasses.replace(self, params=_identity)
 
   @property
   def row(self):

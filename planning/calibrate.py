@@ -99,11 +99,9 @@ def measure(case) -> tuple[dict, float, float]:
 # says; the calibration models have 4-5 layers, too few for the fit to see it (it set it to 0).
 # pp's weights: its stage's copy and gradient sum are both live through the time loop; fitted,
 # the small models' stages put it at 0.69, and DeepSeek-V3's 1f1b rows came out 12-16% under.
-# zero1's weights gathered once per step (ep_x_tp), which no calibration row has: 3 bytes per
-# gathered bf16 byte, as the buffer assignment of its compiled steps holds them (README,
-# "Planner"): XLA:CPU's all-gather runs in float32 (its bf16 collectives do) and its output
-# lives through the step (2), beside the gathered copy's bf16 gradient (1).
-FIXED = {"saved_block": 1.0, "pp_weights": 1.0, "step_weights": 3.0}
+# zero1's weights gathered once per step (ep_x_tp), which no calibration row has: the feature
+# is the bytes its compiled steps' buffer assignments hold for them (planning/plan.py).
+FIXED = {"saved_block": 1.0, "pp_weights": 1.0, "step_weights": 1.0}
 
 
 def fit(rows) -> dict:

@@ -48,12 +48,14 @@ Per candidate, per device:
                                size with a float32 sum under 1f1b (its table sums explicitly,
                                `_run_table`) and a compute-dtype one under gpipe and
                                interleaved (autodiff of the time loop sums the copy's cotangents)
-             step_weights      zero1 (ep_x_tp): the weights gathered once per step, at the
-                               compute dtype, live through the step with their gradient; held
-                               at 3 bytes per gathered bf16 byte, as the buffer assignment of
+             step_weights      zero1 (ep_x_tp): the weights gathered once per step and what
+                               lives beside them through the step, as the buffer assignment of
                                its compiled steps holds them: XLA:CPU's all-gather runs in
-                               float32 and its output lives through the step (2), beside the
-                               bf16 gradient of the gathered copy (1)
+                               float32 and its output lives through the step (2 bytes per
+                               gathered bf16 byte), beside the gathered copy's gradient in the
+                               compute dtype (1), or under gradient accumulation its float32
+                               sum (2; each microbatch's gradient is added to it as the
+                               backward makes it); held at 1
              grads             the float32 gradients of the parameters the device stores (their
                                param_bytes): the optimizer reads them beside the state, which
                                the donated step overwrites in place; under zero1 those of the
@@ -61,7 +63,8 @@ Per candidate, per device:
                                gathered buffers die, and count in step_weights' place
              grad_accum        gradient accumulation (M > 1 outside pp): the float32 gradient
                                carry beside each microbatch's gradients, the stored parameters'
-                               size; the other terms are one microbatch's (B/M sequences)
+                               size (but zero1's gathered leaves': step_weights); the other
+                               terms are one microbatch's (B/M sequences)
            T = tokens per device in the residual stream (pp: logits, attn_chunk and
            work_rows_tokens count one pass's, T/M, the microbatch it runs at a time; gpipe's
            and interleaved's logits the step's T, which autodiff of the head's map keeps);
@@ -80,7 +83,7 @@ Per candidate, per device:
            TEMP_COEF: saved_block held at 1 (the calibration models have 4-5 layers, too few for
            the fit to see it) and pp_weights at 1 (both buffers are live through the loop; the
            small models' stages are too small for the fit to see them: fitted, it came out at
-           0.69 and DeepSeek-V3's 1f1b rows at 0.84 and 0.88), step_weights at 3 (above); the
+           0.69 and DeepSeek-V3's 1f1b rows at 0.84 and 0.88), step_weights at 1 (above); the
            rest fitted by non-negative
            least squares on relative error to XLA:CPU's temp bytes of 33 compiled steps on 8
            devices and 23 full-scale candidates (`python -m planning.calibrate
@@ -151,12 +154,12 @@ OPTION_EXTRA = {"pp": ({"schedule": "interleaved", "virtual_stages": 2},
 # The leaves outside the layer stack: their gathers are live whole, not one layer's at a time
 HEAD_LEAVES = ("embed", "unembed")
 # Fitted by planning/calibrate.py (bytes of temp per byte of feature), saved_block and pp_weights
-# held at 1, step_weights at 3; see the module docstring.
+# and step_weights held at 1; see the module docstring.
 TEMP_COEF = {"logits": 0.789, "gathered": 1.261, "gathered_head": 1.386, "attn_chunk": 0.892,
              "saved_none_res": 35.479, "saved_none_routed": 4.192, "saved_none_rows_f": 0.716,
              "saved_none_gathered": 0.441, "work_rows_d": 5.297, "work_rows_f": 1.429,
              "work_rows_tokens": 3.155, "grads": 1.100, "grad_accum": 1.241, "saved_block": 1.000,
-             "pp_weights": 1.000, "step_weights": 3.000}
+             "pp_weights": 1.000, "step_weights": 1.000}
 
 
 @dataclasses.dataclass
@@ -279,10 +282,12 @@ def _dense_flops_share(cfg) -> float:
   return cfg.first_k_dense_replace / cfg.n_layers
 
 
-def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0.0) -> dict:
+def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0.0,
+                  accumulates: bool = False) -> dict:
   """The features of the temp model (module docstring), in bytes per device. terms: the
   strategy's cost terms (without remat's copies); opts: its Options (None = the defaults);
-  param_bytes: the parameters a device stores (measure.cost.param_memory's param_bytes)."""
+  param_bytes: the parameters a device stores (measure.cost.param_memory's param_bytes);
+  accumulates: the step runs gradient accumulation, cfg its microbatch (`grad_accum`)."""
   strat = strategies.get(name)
   shape = dict(mesh.shape)
   lay = strat.layout(cfg, mesh, strat.Options() if opts is None else opts)
@@ -335,8 +340,10 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
           "saved_none_gathered": held * gathered * none, "work_rows_d": rows * cfg.d_model * 4,
           "work_rows_f": rows * f_loc * 4,
           "work_rows_tokens": rows * t_pass,
-          "pp_weights": _pp_weight_bytes(name, cfg, mesh, opts), "step_weights": once,
-          "grads": param_bytes - scattered}
+          "pp_weights": _pp_weight_bytes(name, cfg, mesh, opts),
+          "step_weights": once * 4 / cost.act_bytes(cfg) + (once * 4 / cost.act_bytes(cfg)
+                                                            if accumulates else once),
+          "grads": param_bytes - scattered, "grad_accum": (param_bytes - scattered) * accumulates}
 
 
 def _accumulates(name: str, cfg) -> bool:
@@ -355,9 +362,8 @@ def step_features(name: str, cfg, mesh, raw, opts=None, param_bytes: float = 0.0
   """temp_features of a candidate from raw, the strategy's cost of per_microbatch(name, cfg):
   an accumulating step holds one microbatch's working set, plus its float32 gradient carry
   (`grad_accum`, the stored parameters' size: runtime.train.accumulated_grads)."""
-  f = temp_features(name, per_microbatch(name, cfg), mesh, raw, opts, param_bytes)
-  f["grad_accum"] = param_bytes * _accumulates(name, cfg)
-  return f
+  return temp_features(name, per_microbatch(name, cfg), mesh, raw, opts, param_bytes,
+                       _accumulates(name, cfg))
 
 
 def _pp_weight_bytes(name: str, cfg, mesh, opts) -> float:

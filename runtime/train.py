@@ -71,38 +71,57 @@ def accumulated_grads(params, batch, cfg, lay: model.Layout):
   pass 2: value_and_grad per microbatch with those counts as the aux loss's f, every loss term a
           microbatch sum over the step's tokens; losses and grads summed in the scan carry.
   The sequence-wise loss (aux_loss_kind "sequence") is complete within each microbatch: no pass
-  1, and the step's counts (the bias update's load) are summed in pass 2's carry."""
+  1, and the step's counts (the bias update's load) are summed in pass 2's carry.
+  A layout that gathers its weights once per step (lay.gathers_once, ZeRO-1) gathers them once
+  for both passes, as Megatron's distributed optimizer does: pass 2 takes each microbatch's
+  gradients at the gathered copy, sums them in float32 at its size (Megatron's main_grad
+  buffer), and the gather's backward reduce-scatters the sum once, after the last microbatch."""
   mbs = microbatches(batch, cfg.microbatches)                               # [M, B/M, S]
   n_tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
   per_sequence = cfg.aux_loss_kind == "sequence"
+  used, pull = params, None
+  if lay.gathers_once:
+    used, pull = jax.vjp(lay.params, params)        # [.., D, ..] typed reduced over grad axes
+    lay = lay.given()
 
   # pass 1 unrolled (forward only, nothing kept for a backward: it costs compile time, not
   # memory): as a second lax.scan beside pass 2's, the executable reloaded from the persistent
-  # compilation cache crashes XLA:CPU (jax 0.12: rendezvous "id < num_threads" check failure).
-  # It takes no gradient, so a layout that gathers the weights once per step (ZeRO-1) gathers
-  # them once for all of its forwards.
+  # compilation cache crashes XLA:CPU (jax 0.12: rendezvous "id < num_threads" check failure)
   zero_counts = jnp.zeros((cfg.n_layer_slots, cfg.n_experts), jnp.float32)
   counts = None
   if not per_sequence:
-    fwd_params, fwd_lay = lay.gathered(params)
     counts = zero_counts
     for i in range(cfg.microbatches):
       mb = jax.tree.map(lambda a: a[i], mbs)
-      counts = counts + model.forward(fwd_params, mb, cfg, fwd_lay)[1]["counts"]
+      counts = counts + model.forward(used, mb, cfg, lay)[1]["counts"]
     counts = jax.lax.stop_gradient(counts)                                  # [L_moe, E], global
 
   def grad_one(carry, mb):
-    (_, m), g = jax.value_and_grad(model.loss_fn, has_aux=True)(params, mb, cfg, lay,
+    (_, m), g = jax.value_and_grad(model.loss_fn, has_aux=True)(used, mb, cfg, lay,
                                                                 counts, n_tokens)
     if not per_sequence:
       m = {k: v for k, v in m.items() if k != "counts"}
+    g = jax.tree.map(lambda a: a.astype(jnp.float32), g)
     return jax.tree.map(jnp.add, carry, (m, g)), None
   zero_m = {k: jnp.zeros((), jnp.float32)
             for k in ("loss", "ce_loss", "aux_loss", "z_loss", "dropped")}
   if per_sequence:
     zero_m["counts"] = zero_counts
-  (m, grads), _ = jax.lax.scan(grad_one, (zero_m, jax.tree.map(jnp.zeros_like, params)), mbs)
+  (m, grads), _ = jax.lax.scan(grad_one, (zero_m, jax.tree.map(_zero_grad, used)), mbs)
+  if pull is not None:      # the gathered copies' sums -> their reduce-scatter, once
+    grads = pull(jax.tree.map(lambda g, u: g.astype(u.dtype), grads, used))[0]
   return {**m, "counts": m["counts"] if per_sequence else counts}, grads
+
+
+def _zero_grad(u):
+  """float32 zeros typed as the gradient at u: unreduced over the axes u is typed reduced over
+  (a weight gathered for use: parallel.sharding.gather_weight), else as u."""
+  spec = jax.typeof(u).sharding.spec
+  if not spec.reduced:
+    return jnp.zeros_like(u, jnp.float32)
+  return jnp.zeros(u.shape, jnp.float32,
+                   out_sharding=jax.sharding.PartitionSpec(*spec.partitions,
+                                                            unreduced=spec.reduced))
 
 
 def make_train_step(cfg, lay: model.Layout, opt: optim.Optimizer, with_grads: bool = False):

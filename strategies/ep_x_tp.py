@@ -122,10 +122,13 @@ the step, and its gradient is reduce-scattered over data once, after the backwar
 all-reduced over the rest of its token axes at 1/|data| of the size. In float32 the wire bytes
 are those of the all-reduce over data they replace (a reduce-scatter plus an all-gather); under
 --dtype=bfloat16 the gather moves bf16, the scatter float32. --remat never re-issues the
-gathers; gradient accumulation gathers and scatters once per microbatch, and gathers once
-more for all of pass 1's forwards under the batch-wise aux loss. Pick it when the
-replicated optimizer state does not fit: each matrix value stores 12/|data| bytes in place of
-12 (its float32 master and AdamW's two moments), for a 2-byte bf16 copy live through the step.
+gathers. Gradient accumulation keeps them once per step, as Megatron does: both passes use
+one gathered copy, each microbatch's gradient is added into a float32 sum at the copy's size
+(Megatron's main_grad buffer), and that sum is reduce-scattered once, after the last
+(runtime.train.accumulated_grads). Pick it when the replicated optimizer state does not fit:
+each matrix value stores 12/|data| bytes in place of 12 (its float32 master and AdamW's two
+moments), for a 2-byte bf16 copy live through the step, and under accumulation 4 more for the
+float32 sum.
 
 Pick it when the experts need EP but attention or each expert is too wide for one device, with
 t inside a node (its activation all-reduces are on the critical path) and EP across what is

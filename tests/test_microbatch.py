@@ -16,25 +16,32 @@ from runtime import train
 import strategies
 from tests import parity
 
-# (strategy, model, overrides, mesh): B % (M x batch axes) == 0 in each; ep's (tiny, M = 2,
-# data:2,expert:4) and fsdp's (deepseek-test, M = 2, data:2,fsdp:4) rows are in their
-# TEST_CASES (tests/test_strategies.py), sharing the table's compiles
-CASES = [("ep_as_cp", "deepseek-test", dict(microbatches=4), "expert:8"),
-         ("ep_tp", "tiny", dict(n_kv_heads=4, microbatches=4), "data:2,expert:4")]
+# (strategy, model, overrides, mesh, options): B % (M x batch axes) == 0 in each; ep's (tiny,
+# M = 2, data:2,expert:4) and fsdp's (deepseek-test, M = 2, data:2,fsdp:4) rows are in their
+# TEST_CASES (tests/test_strategies.py), sharing the table's compiles. ep_x_tp's zero1 gathers
+# once for both passes and sums the gathered copies' gradients in float32 (runtime.train).
+CASES = [("ep_as_cp", "deepseek-test", dict(microbatches=4), "expert:8", {}),
+         ("ep_tp", "tiny", dict(n_kv_heads=4, microbatches=4), "data:2,expert:4", {}),
+         ("ep_x_tp", "tiny", dict(n_heads=8, n_kv_heads=4, microbatches=2),
+          "data:2,expert:2,tensor:2", {"zero1": True})]
 
 
-@pytest.mark.parametrize("name,model_name,over,mesh", CASES, ids=[c[0] for c in CASES])
-def test_parity(name, model_name, over, mesh):
-  parity.check(name, get_config(model_name, **over), mesh, steps=2)
+def _opts(name, opts):
+  return strategies.get(name).Options(**opts)
 
 
-@pytest.mark.parametrize("name,model_name,over,mesh", CASES, ids=[c[0] for c in CASES])
-def test_cost_model_counts_every_microbatch(name, model_name, over, mesh):
+@pytest.mark.parametrize("name,model_name,over,mesh,opts", CASES, ids=[c[0] for c in CASES])
+def test_parity(name, model_name, over, mesh, opts):
+  parity.check(name, get_config(model_name, **over), mesh, steps=2, opts=_opts(name, opts))
+
+
+@pytest.mark.parametrize("name,model_name,over,mesh,opts", CASES, ids=[c[0] for c in CASES])
+def test_cost_model_counts_every_microbatch(name, model_name, over, mesh, opts):
   """The cost model per (kind, axes) within 10%, test_parity's compile: each microbatch's
-  gradients are reduced over the devices (M x the weight traffic, measure/cost.step_terms), and
-  ep_tp's batch-wise loss adds pass 1's forward. A cost model that priced one pass of the whole
-  batch is off by M on every gradient reduction (ratio 4 here)."""
-  parity.assert_cost_model(name, get_config(model_name, **over), mesh)
+  gradients are reduced over the devices (M x the weight traffic, measure/cost.step_terms), but
+  zero1's, once per step; the batch-wise loss (tiny's) adds pass 1's forward. A cost model that
+  priced one pass of the whole batch is off by M on every gradient reduction (ratio 4 here)."""
+  parity.assert_cost_model(name, get_config(model_name, **over), mesh, _opts(name, opts))
 
 
 def test_local_aux_loss_differs():
@@ -56,9 +63,9 @@ def test_local_aux_loss_differs():
   assert abs(local - whole) > 1e-4 * abs(whole), (local, whole)
 
 
-# Compile only, the batch-wise loss at M = 2 (tiny): cp (the head's weights stored over fsdp,
-# the sequence split over context) and ep_x_tp's zero1 (weights gathered once per step, tokens
-# replicated over tensor)
+# Compile only, the batch-wise loss at M = 2 (tiny, bf16 as the planner's): cp (the head's
+# weights stored over fsdp, the sequence split over context) and ep_x_tp's zero1 (weights
+# gathered once per step, tokens replicated over tensor)
 BATCHWISE_COST_CASES = [("cp", "fsdp:2,context:4", {}),
                         ("ep_x_tp", "data:2,expert:2,tensor:2", {"zero1": True})]
 
@@ -71,16 +78,18 @@ def test_batchwise_passes_cost_the_hlos_bytes(name, mesh_spec, opts):
   forwards all-reduce the router counts alone and run no head (XLA removes the unembedding's
   gather and the loss sums: pricing them put cp's all-gather over fsdp at 1.02 x the HLO's and
   its statistics' all-reduce at 2.1 x); pass 2 reduces P and z per layer and its CE sum over the
-  sequence's axes, then the batch's; zero1 gathers once for all of pass 1 (gathering per
-  microbatch, the program held M + 1 gathered copies)."""
+  sequence's axes, then the batch's. zero1 gathers once for both passes and reduce-scatters the
+  summed gradients once (gathering per microbatch, its all-gathers over data came to 2.9 x these
+  at M = 2 and its reduce-scatters to 2 x)."""
   strat = strategies.get(name)
   opts = strat.Options(**opts)
   cfg = get_config("tiny", microbatches=2, dtype="bfloat16")
   mesh = mesh_lib.for_strategy(strat, mesh_spec)
   job = train.build(strat, cfg, mesh, opts, compile_only=True)
   got = hlo.collective_stats_by_axes(job.hlo, mesh)
-  table = cost.versus(cost.step_terms(strat, cfg, mesh, opts), got, by="axes")
+  terms = cost.step_terms(strat, cfg, mesh, opts)
+  table = cost.versus(terms, got, by="axes")
   bad = {k: v for k, v in table.items() if not 0.99 <= v["ratio"] <= 1.01}
   assert not bad, bad
-  assert any(t.what.endswith("gathered, counts pass") for t in cost.step_terms(strat, cfg, mesh,
-                                                                                 opts))
+  assert any(t.what.endswith(", counts pass") for t in terms)
+  assert any(t.what.endswith(", once per step") for t in terms) == getattr(opts, "zero1", False)

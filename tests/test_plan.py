@@ -202,10 +202,13 @@ def test_ranks_a_thousand_real_candidates_quickly():
   assert len(ranked) >= 1000 and time.perf_counter() - t < 30
 
 
-# Predicted memory against XLA's, params + optimizer + temp of the donated step, on the three
+# Predicted memory against XLA's, params + optimizer + temp of the donated step, on the four
 # compiled candidates below: held out (D, heads, F and vocab differ from planning/calibrate.py's
 # models), at the calibration's depth and length (4 layers, S = 1024), where they come out at
-# 0.974, 0.991 and 0.990 (the last accumulating, M = 2) on jax 0.12.0.1 and 0.11.2 alike.
+# 0.974, 0.991 and 0.990 (the third accumulating, M = 2) on jax 0.12.0.1 and 0.11.2 alike, and
+# ep_x_tp's zero1 with accumulation at 0.970 (jax 0.12.0.1; its temp term is set from buffer
+# assignments, not fitted). zero1 without accumulation is over-predicted on this small shape
+# (README, "Planner").
 # XLA's temp has a part the model does not scale down, so the issue's 10% holds at this scale,
 # not on shallower and shorter models.
 MEMORY_RTOL = 0.10
@@ -216,12 +219,17 @@ SMALL = dict(d_model=512, n_heads=8, n_kv_heads=8, head_dim=64, d_ff=1024, n_lay
 @pytest.fixture(scope="module")
 def compiled():
   """The planner's two best distinct layouts of ep and fsdp for a small Mixtral-shaped model on
-  the 8 test devices, and its best with gradient accumulation, compiled (compile only)."""
+  the 8 test devices, its best with gradient accumulation, and its best of ep_x_tp's zero1 with
+  gradient accumulation (one gather and one reduce-scatter per step for both passes), compiled
+  (compile only)."""
   cfg = get_config("mixtral-8x7b", **SMALL)
-  ranked = plan.rank(plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("ep", "fsdp"),
-                                               remats=("block",), capacity_factors=(0.0,)))
+  enum = lambda names: plan.rank(plan.enumerate_candidates(cfg, 8, H100, 80e9, names=names,
+                                                           remats=("block",),
+                                                           capacity_factors=(0.0,)))
+  ranked = enum(("ep", "fsdp"))
   accum = next(c for c in ranked if c.microbatches > 1)
-  return [check.compile_candidate(c, cfg) for c in check.distinct(ranked, 2) + [accum]]
+  zero1 = next(c for c in enum(("ep_x_tp",)) if c.opts.zero1 and c.microbatches > 1)
+  return [check.compile_candidate(c, cfg) for c in check.distinct(ranked, 2) + [accum, zero1]]
 
 
 def test_accumulation_is_enumerated_and_priced_as_the_cost_model():
