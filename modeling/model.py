@@ -353,6 +353,15 @@ def attention(p, x, positions, cfg: Config, lay: Layout):
   return (mla if cfg.mla else gqa)(p, x, positions, cfg, lay)
 
 
+def _split_heads(w, pattern: str, g_axis: int, kv: int):
+  """A weight's heads H viewed as [KV, G] (einops `pattern`); G = 1 (multi-head attention) as
+  a new axis at g_axis: jax 0.11.2's reshape sharding rule rejects a split that leaves a
+  singleton on a weight typed reduced and split over tensor (ep_x_tp's zero1 copy)."""
+  if w.shape[g_axis - 1] == kv:
+    return jnp.expand_dims(w, g_axis)
+  return einops.rearrange(w, pattern, k=kv)
+
+
 def gqa(p, x, positions, cfg: Config, lay: Layout):
   """Causal GQA attention. x [B, S, D] -> [B, S, D]; q, k and v all read the gathered x."""
   x = lay.gather_in(x)
@@ -361,8 +370,8 @@ def gqa(p, x, positions, cfg: Config, lay: Layout):
   kv, dh = cfg.n_kv_heads, cfg.head_dim
   # H = KV x G viewed on the weights, never on activations: a reshape of [B, S, H, Dh] would
   # drop the batch dim's sharding when B is 1 per shard (jax >= 0.11)
-  wq = einops.rearrange(wq, "d (k g) h -> d k g h", k=kv)                     # [D, KV, G, Dh]
-  wo = einops.rearrange(wo, "(k g) h d -> k g h d", k=kv)                     # [KV, G, Dh, D]
+  wq = _split_heads(wq, "d (k g) h -> d k g h", 2, kv)                        # [D, KV, G, Dh]
+  wo = _split_heads(wo, "(k g) h d -> k g h d", 1, kv)                        # [KV, G, Dh, D]
   q = rope(jnp.einsum("bsd,dkgh->bskgh", x, wq), positions, cfg.rope_theta)    # [B, S, KV, G, Dh]
   k = rope(jnp.einsum("bsd,dkh->bskh", x, wk), positions, cfg.rope_theta)      # [B, S, KV, Dh]
   v = jnp.einsum("bsd,dkh->bskh", x, wv)                                       # [B, S, KV, Dh]
