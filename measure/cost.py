@@ -114,16 +114,16 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
     once = [t for t in step if is_weight_gather(t) or (t.phase == "bwd" and t.what.endswith(
         " grads") and t.what.split()[0] in roles)]
     step = [t for t in step if t not in once]
-  one = []
+  pass1 = []
   if counts_pass(cfg):
     stats = lambda ts, which: [dataclasses.replace(t, bytes=stats_bytes(cfg, which))
                                if t.what == STATS else t for t in ts]
-    one = stats([t for t in step if t.phase == "fwd" and not (
+    pass1 = stats([t for t in step if t.phase == "fwd" and not (
         is_weight_gather(t) and t.what.split()[0] in HEAD_ROLES)], COUNTS)
-    step = stats(step, ACCUMULATED)
+    step = stats(step, ACCUMULATED)                                         # pass 2's
     step += [t for s in step if s.what == STATS for t in ce_terms(mesh, lay, s.axes)]
   return (times(step + recomputed(step, cfg), m, f", x{m} microbatches")
-          + times(one, m, ", counts pass") + times(once, 1, ", once per step") + opt)
+          + times(pass1, m, ", counts pass") + times(once, 1, ", once per step") + opt)
 
 
 def ce_terms(mesh, lay, token_axes) -> list[Term]:
@@ -442,8 +442,7 @@ def stats_bytes(cfg, which: str = STEP) -> int:
   """Bytes of one forward's STATS all-reduce. STEP: stats_values per MoE layer plus the CE sum;
   under gradient accumulation with the batch-wise loss (`accumulated`), ACCUMULATED: pass 2's
   forwards, the step's counts given (P [E] and z per layer, and the dropped count; its CE sum
-  is reduced apart: ce_terms);
-  COUNTS: pass 1's, the counts [E] per layer alone."""
+  is reduced apart: ce_terms); COUNTS: pass 1's, the counts [E] per layer alone."""
   layers = cfg.n_moe_layers
   return {STEP: layers * stats_values(cfg) + 1, ACCUMULATED: layers * (cfg.n_experts + 1) + 1,
           COUNTS: layers * cfg.n_experts}[which] * F32
