@@ -102,7 +102,9 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
       P [E] and z, and once per forward the dropped count (ACCUMULATED) over the token axes,
       and the CE sum over the residual's sequence axes, then its batch axes (`ce_terms`).
   A layout that gathers its weights once per step (lay.gathers_once, ZeRO-1) gathers them once
-  for both passes and reduce-scatters (and all-reduces) their summed gradients once."""
+  for both passes and reduce-scatters (and all-reduces) their summed gradients once. In float32
+  (no cast before a gather) XLA hoists the gathers of the leaves outside the layer stack
+  (OUTSIDE_ROLES) out of the microbatch loop and shares them with pass 1: once per step."""
   m = cfg.microbatches
   times = lambda ts, k, note: [dataclasses.replace(t, bytes=t.bytes * k, what=t.what + note)
                                for t in ts]
@@ -113,7 +115,9 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
     roles = {t.what.split()[0] for t in step if is_weight_gather(t)}
     once = [t for t in step if is_weight_gather(t) or (t.phase == "bwd" and t.what.endswith(
         " grads") and t.what.split()[0] in roles)]
-    step = [t for t in step if t not in once]
+  elif not cfg.mixed:
+    once = [t for t in step if is_weight_gather(t) and t.what.split()[0] in OUTSIDE_ROLES]
+  step = [t for t in step if t not in once]
   pass1 = []
   if counts_pass(cfg):
     stats = lambda ts, which: [dataclasses.replace(t, bytes=stats_bytes(cfg, which))
@@ -139,6 +143,8 @@ def ce_terms(mesh, lay, token_axes) -> list[Term]:
 
 # The head: what a forward runs after the layers, dead where only the router counts are wanted
 HEAD_ROLES = ("final_norm", "unembed")
+# The leaves outside the layer stack, gathered whole once per forward
+OUTSIDE_ROLES = ("embed", "unembed")
 
 
 def is_weight_gather(t: Term) -> bool:
