@@ -112,18 +112,18 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
   opt = [t for t in per_mb if t.phase == "opt"]
   once = []
   if lay.gathers_once:
-    roles = {t.what.split()[0] for t in step if is_weight_gather(t)}
+    roles = {weight_role(t) for t in step if is_weight_gather(t)}
     once = [t for t in step if is_weight_gather(t) or (t.phase == "bwd" and t.what.endswith(
-        " grads") and t.what.split()[0] in roles)]
+        " grads") and weight_role(t) in roles)]
   elif not cfg.mixed:
-    once = [t for t in step if is_weight_gather(t) and t.what.split()[0] in OUTSIDE_ROLES]
+    once = [t for t in step if is_weight_gather(t) and weight_role(t) in OUTSIDE_ROLES]
   step = [t for t in step if t not in once]
   pass1 = []
   if counts_pass(cfg):
     stats = lambda ts, which: [dataclasses.replace(t, bytes=stats_bytes(cfg, which))
                                if t.what == STATS else t for t in ts]
     pass1 = stats([t for t in step if t.phase == "fwd" and not (
-        is_weight_gather(t) and t.what.split()[0] in HEAD_ROLES)], COUNTS)
+        is_weight_gather(t) and weight_role(t) in HEAD_ROLES)], COUNTS)
     step = stats(step, ACCUMULATED)                                         # pass 2's
     step += [t for s in step if s.what == STATS for t in ce_terms(mesh, lay, s.axes)]
   return (times(step + recomputed(step, cfg), m, f", x{m} microbatches")
@@ -133,10 +133,11 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
 def ce_terms(mesh, lay, token_axes) -> list[Term]:
   """Gradient accumulation's pass 2 (`accumulated`): its CE sum, one float32, all-reduced over
   the axes splitting the residual's sequence dim, then over those splitting its batch dim (the
-  axes of token_axes that the residual [B, S, D] is split over: lay.x; all of them where the
-  layout leaves x unstated)."""
-  split = lambda d: tuple(a for a in dim_axes(lay.x, d) if a in token_axes) if lay.x is not None \
-      else (() if d else tuple(token_axes))
+  axes of token_axes that the residual [B, S, D] is split over: lay.x; all of them at once where
+  the layout leaves x unstated)."""
+  if lay.x is None:
+    return term(mesh, "all-reduce", "fwd", "CE sum", F32, token_axes)
+  split = lambda d: tuple(a for a in dim_axes(lay.x, d) if a in token_axes)
   return [t for axes in (split(1), split(0)) if axes
           for t in term(mesh, "all-reduce", "fwd", "CE sum", F32, axes)]
 
@@ -150,6 +151,11 @@ OUTSIDE_ROLES = ("embed", "unembed")
 def is_weight_gather(t: Term) -> bool:
   """A forward all-gather of a weight before its use (weight_terms' "<role> gathered")."""
   return t.kind == "all-gather" and t.phase == "fwd" and t.what.endswith("gathered")
+
+
+def weight_role(t: Term) -> str:
+  """The role a weight_terms term moves ("<role> gathered", "<role> grads")."""
+  return t.what.split()[0]
 
 
 def counts_pass(cfg) -> bool:

@@ -151,8 +151,6 @@ OPTION_GRID = {"cp": {"kv_exchange": ("allgather", "ring")},
 # (gpipe's order, and Megatron's interleaved 1F1B)
 OPTION_EXTRA = {"pp": ({"schedule": "interleaved", "virtual_stages": 2},
                        {"schedule": "1f1b", "virtual_stages": 2})}
-# The leaves outside the layer stack: their gathers are live whole, not one layer's at a time
-HEAD_LEAVES = ("embed", "unembed")
 # Fitted by planning/calibrate.py (bytes of temp per byte of feature), saved_block and pp_weights
 # and step_weights held at 1; see the module docstring.
 TEMP_COEF = {"logits": 0.789, "gathered": 1.261, "gathered_head": 1.386, "attn_chunk": 0.892,
@@ -314,8 +312,10 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   once = sum(x.bytes for x in gathers) if lay.gathers_once else 0.0
   scattered = sum(x.bytes for x in terms if x.kind == "reduce-scatter"
                   and x.what.endswith("grads")) if lay.gathers_once else 0.0
+  wide = once * 4 / cost.act_bytes(cfg)          # the gathered copies at float32's size
   gathers = [] if lay.gathers_once else gathers
-  head = [x.bytes for x in gathers if x.what.split()[0] in HEAD_LEAVES]
+  # the leaves outside the layer stack: their gathers are live whole, not one layer's at a time
+  head = [x.bytes for x in gathers if cost.weight_role(x) in cost.OUTSIDE_ROLES]
   gathered = (sum(x.bytes for x in gathers) - sum(head)) / cfg.n_layers
   res = t * cfg.d_model * 4
   # experts whose F is split over an axis that also splits the residual's tokens run on that
@@ -341,8 +341,7 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
           "work_rows_f": rows * f_loc * 4,
           "work_rows_tokens": rows * t_pass,
           "pp_weights": _pp_weight_bytes(name, cfg, mesh, opts),
-          "step_weights": once * 4 / cost.act_bytes(cfg) + (once * 4 / cost.act_bytes(cfg)
-                                                            if accumulates else once),
+          "step_weights": wide + (wide if accumulates else once),
           "grads": param_bytes - scattered, "grad_accum": (param_bytes - scattered) * accumulates}
 
 

@@ -206,7 +206,7 @@ def test_ranks_a_thousand_real_candidates_quickly():
 # compiled candidates below: held out (D, heads, F and vocab differ from planning/calibrate.py's
 # models), at the calibration's depth and length (4 layers, S = 1024), where they come out at
 # 0.974, 0.991 and 0.990 (the third accumulating, M = 2) on jax 0.12.0.1 and 0.11.2 alike, and
-# ep_x_tp's zero1 with accumulation at 0.970 (jax 0.12.0.1; its temp term is set from buffer
+# ep_x_tp's zero1 with accumulation at 0.970 on both (its temp term is set from buffer
 # assignments, not fitted). zero1 without accumulation is over-predicted on this small shape
 # (README, "Planner").
 # XLA's temp has a part the model does not scale down, so the 10% holds at this scale,
