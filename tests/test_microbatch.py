@@ -19,10 +19,11 @@ from tests import parity
 # (strategy, model, overrides, mesh, options): B % (M x batch axes) == 0 in each; ep's (tiny,
 # M = 2, data:2,expert:4) and fsdp's (deepseek-test, M = 2, data:2,fsdp:4) rows are in their
 # TEST_CASES (tests/test_strategies.py), sharing the table's compiles. ep_x_tp's zero1 gathers
-# once for both passes and sums the gathered copies' gradients in float32 (runtime.train).
+# once for both passes and sums the gathered copies' gradients in float32 (runtime.train); it
+# trains with Muon, whose Newton-Schulz reads the reduce-scattered sums.
 CASES = [("ep_as_cp", "deepseek-test", dict(microbatches=4), "expert:8", {}),
          ("ep_tp", "tiny", dict(n_kv_heads=4, microbatches=4), "data:2,expert:4", {}),
-         ("ep_x_tp", "tiny", dict(n_heads=8, n_kv_heads=4, microbatches=2),
+         ("ep_x_tp", "tiny", dict(n_heads=8, n_kv_heads=4, microbatches=2, optimizer="muon"),
           "data:2,expert:2,tensor:2", {"zero1": True})]
 
 
