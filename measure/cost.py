@@ -23,6 +23,7 @@ One-line formulas (per device per step, f32 = 4 B, L layers, n = the axis size):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -43,6 +44,7 @@ class Term:
   axes: tuple      # the mesh axes its groups span (size-1 axes dropped)
   group: int       # devices in one group: the product of those axes' sizes
   remat: tuple = ()  # the --remat policies whose backward issues it again (`step_terms`)
+  params: str = ""   # a weight term's parameter group (weight_terms: "dense_layers", ...)
 
   @property
   def wire_bytes(self) -> float:
@@ -50,14 +52,16 @@ class Term:
     return self.bytes * hlo.wire_factor(self.kind, self.group)
 
 
-def term(mesh, kind: str, phase: str, what: str, nbytes: float, axes, remat=()) -> list[Term]:
+def term(mesh, kind: str, phase: str, what: str, nbytes: float, axes, remat=(),
+         params: str = "") -> list[Term]:
   """[Term] over mesh `axes` (a name or a tuple), or [] when they hold one device (nothing
   moves, and XLA emits nothing). remat: RECOMPUTED / BLOCK_ONLY for a forward collective inside
   the layer that --remat's recompute issues again."""
   axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.shape[a] > 1)
   if not axes or not nbytes:
     return []
-  return [Term(kind, phase, what, nbytes, axes, math.prod(mesh.shape[a] for a in axes), remat)]
+  return [Term(kind, phase, what, nbytes, axes, math.prod(mesh.shape[a] for a in axes), remat,
+               params)]
 
 
 # --remat recomputes each layer's forward inside the backward, collectives included, except what
@@ -82,12 +86,31 @@ def step_terms(strategy, cfg, mesh, opts=None) -> list[Term]:
   1: a forward of every microbatch for the step's counts, M more of its forward terms but the
   head's, and its statistics change (`accumulated`)."""
   opts = strategy.Options() if opts is None else opts
-  m = cfg.microbatches
-  if m <= 1 or strategy.layout(cfg, mesh, opts).loss is not None:
-    terms = strategy.cost(cfg, mesh, opts)
-    return terms + recomputed(terms, cfg)
-  return accumulated(strategy.cost(cfg.replace(batch=cfg.batch // m, microbatches=1), mesh, opts),
-                     cfg, mesh, strategy.layout(cfg, mesh, opts))
+  lay = strategy.layout(cfg, mesh, opts)
+  return finish(strategy.cost(microbatch(cfg, lay), mesh, opts), cfg, mesh, lay)
+
+
+def microbatch(cfg, lay):
+  """The config whose strategy.cost `finish` reads: one microbatch's (B/M sequences) where the
+  step accumulates gradients, else the step's."""
+  if cfg.microbatches <= 1 or lay.loss is not None:
+    return cfg
+  return cfg.replace(batch=cfg.batch // cfg.microbatches, microbatches=1)
+
+
+def finish(raw, cfg, mesh, lay) -> list[Term]:
+  """step_terms from raw, the strategy's cost of microbatch(cfg, lay): the CE sum's own
+  reductions (`with_ce`), gradient accumulation (`accumulated`) or remat's copies."""
+  if cfg.microbatches > 1 and lay.loss is None:
+    return accumulated(raw, cfg, mesh, lay)
+  terms = with_ce(raw, mesh, lay)
+  return terms + recomputed(terms, cfg)
+
+
+def with_ce(terms, mesh, lay) -> list[Term]:
+  """terms with the CE sum of each forward's statistics (STATS) reduced as XLA reduces the mean
+  of the [B, S] losses: over the residual's sequence axes, then its batch axes (`ce_terms`)."""
+  return terms + [t for s in terms if s.what == STATS for t in ce_terms(mesh, lay, s.axes)]
 
 
 def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
@@ -99,12 +122,15 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
     pass 1 wants the router counts alone: XLA removes the head (its weights' gathers, HEAD_ROLES)
       and the other statistics, so its forwards all-reduce the counts [L, E] (COUNTS);
     pass 2 takes the step's counts as given, so its own are dead: per MoE layer it all-reduces
-      P [E] and z, and once per forward the dropped count (ACCUMULATED) over the token axes,
-      and the CE sum over the residual's sequence axes, then its batch axes (`ce_terms`).
+      P [E] and z (ACCUMULATED) and the dropped counts over the token axes, and the CE sum over
+      the residual's sequence axes, then its batch axes (`ce_terms`).
+
   A layout that gathers its weights once per step (lay.gathers_once, ZeRO-1) gathers them once
   for both passes and reduce-scatters (and all-reduces) their summed gradients once. In float32
   (no cast before a gather) XLA hoists the gathers of the leaves outside the layer stack
-  (OUTSIDE_ROLES) out of the microbatch loop and shares them with pass 1: once per step."""
+  (OUTSIDE_ROLES) out of the microbatch loop and shares them with pass 1, those of a one-layer
+  dense prefix (its scan of one step is no loop), and the dropped counts' constant all-reduce
+  (HOISTED): once per step."""
   m = cfg.microbatches
   times = lambda ts, k, note: [dataclasses.replace(t, bytes=t.bytes * k, what=t.what + note)
                                for t in ts]
@@ -116,25 +142,26 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
     once = [t for t in step if is_weight_gather(t) or (t.phase == "bwd" and t.what.endswith(
         " grads") and weight_role(t) in roles)]
   elif not cfg.mixed:
-    once = [t for t in step if is_weight_gather(t) and weight_role(t) in OUTSIDE_ROLES]
+    once = [t for t in step if (is_weight_gather(t) and (weight_role(t) in OUTSIDE_ROLES or (
+        t.params == "dense_layers" and cfg.first_k_dense_replace == 1))) or t.what == HOISTED]
   step = [t for t in step if t not in once]
   pass1 = []
   if counts_pass(cfg):
     stats = lambda ts, which: [dataclasses.replace(t, bytes=stats_bytes(cfg, which))
                                if t.what == STATS else t for t in ts]
-    pass1 = stats([t for t in step if t.phase == "fwd" and not (
-        is_weight_gather(t) and weight_role(t) in HEAD_ROLES)], COUNTS)
+    pass1 = stats([t for t in step if t.phase == "fwd" and t.what not in (DROPPED, HOISTED)
+                   and not (is_weight_gather(t) and weight_role(t) in HEAD_ROLES)], COUNTS)
     step = stats(step, ACCUMULATED)                                         # pass 2's
-    step += [t for s in step if s.what == STATS for t in ce_terms(mesh, lay, s.axes)]
+  step = with_ce(step, mesh, lay)
   return (times(step + recomputed(step, cfg), m, f", x{m} microbatches")
           + times(pass1, m, ", counts pass") + times(once, 1, ", once per step") + opt)
 
 
 def ce_terms(mesh, lay, token_axes) -> list[Term]:
-  """Gradient accumulation's pass 2 (`accumulated`): its CE sum, one float32, all-reduced over
-  the axes splitting the residual's sequence dim, then over those splitting its batch dim (the
-  axes of token_axes that the residual [B, S, D] is split over: lay.x; all of them at once where
-  the layout leaves x unstated)."""
+  """A forward's CE sum (`with_ce`), one float32: the mean of the [B, S] losses, laid out as the
+  residual [B, S, D] (lay.x), all-reduced over the axes of token_axes splitting its sequence
+  dim, then over those splitting its batch dim (all of token_axes at once where the layout
+  leaves x unstated)."""
   if lay.x is None:
     return term(mesh, "all-reduce", "fwd", "CE sum", F32, token_axes)
   split = lambda d: tuple(a for a in dim_axes(lay.x, d) if a in token_axes)
@@ -264,10 +291,12 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None,
   The router bias gets no gradient (stop_gradient), hence no traffic."""
   from modeling import model
   gathered, grads = gathered or {}, grads or {}
-  leaves = model.param_leaves(cfg)
+  leaves = jax.tree_util.tree_flatten_with_path(
+      model.init_params_shapes(cfg), is_leaf=lambda l: isinstance(l, model.ShapeLeaf))[0]
   flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   out = []
-  for leaf, spec in zip(leaves, flat_specs):
+  for (path, leaf), spec in zip(leaves, flat_specs):
+    place = functools.partial(term, params=path[0].key)   # its group: "dense_layers", "layers", ..
     if leaf.role == "bias":
       continue
     w_size, g_size = weight_bytes(cfg, leaf.role)
@@ -280,18 +309,18 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None,
       shards = spec_shards(spec, mesh)
       for m in reversed(moves):
         shards //= math.prod(mesh.shape[a] for a in m)
-        out += term(mesh, "all-gather", "fwd", f"{leaf.role} gathered", full / shards, m,
+        out += place(mesh, "all-gather", "fwd", f"{leaf.role} gathered", full / shards, m,
                     RECOMPUTED if leaf.role in model.LAYER_ROLES and not once else ())
       for m in moves:
         shards *= math.prod(mesh.shape[a] for a in m)
-        out += term(mesh, "reduce-scatter", "bwd", f"{leaf.role} grads", grad / shards, m)
+        out += place(mesh, "reduce-scatter", "bwd", f"{leaf.role} grads", grad / shards, m)
       moved = {a for m in moves for a in m}
       groups = (tuple(a for a in g if a not in moved),)
     else:
       g = grads.get(leaf.role, grad_axes)
       groups = g if g and not isinstance(g[0], str) else (tuple(g),)
     for group in groups:
-      out += term(mesh, "all-reduce", "bwd", f"{leaf.role} grads",
+      out += place(mesh, "all-reduce", "bwd", f"{leaf.role} grads",
                   local, tuple(a for a in group if a not in stored))
   return out + term(mesh, "all-reduce", "opt", "grad norm", F32, tuple(mesh.axis_names))
 
@@ -440,31 +469,38 @@ def _size(mesh, axes) -> int:
   return math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
 
 
-STATS = "router stats + loss sums"
+STATS = "router stats"
+DROPPED, HOISTED = "dropped counts", "dropped count, constant 0 (hoisted)"      # stats_terms
 STEP, ACCUMULATED, COUNTS = "step", "accumulated", "counts"     # which forward's (stats_bytes)
 
 
 def stats_values(cfg) -> int:
-  """Router statistics per MoE layer: counts [E], z, dropped, and the batch-wise loss's prob sums
-  [E] or the sequence-wise loss's sum (routing.sequence_aux_sum)."""
-  return cfg.n_experts + 2 + (1 if cfg.aux_loss_kind == "sequence" else cfg.n_experts)
+  """Router statistics per MoE layer, the dropped count aside (DROPPED): counts [E], z, and the
+  batch-wise loss's prob sums [E] or the sequence-wise loss's sum (routing.sequence_aux_sum)."""
+  return cfg.n_experts + 1 + (1 if cfg.aux_loss_kind == "sequence" else cfg.n_experts)
 
 
 def stats_bytes(cfg, which: str = STEP) -> int:
-  """Bytes of one forward's STATS all-reduce. STEP: stats_values per MoE layer plus the CE sum;
-  under gradient accumulation with the batch-wise loss (`accumulated`), ACCUMULATED: pass 2's
-  forwards, the step's counts given (P [E] and z per layer, and the dropped count; its CE sum
-  is reduced apart: ce_terms); COUNTS: pass 1's, the counts [E] per layer alone."""
+  """Bytes of one forward's STATS all-reduce, its dropped counts (DROPPED) and CE sum
+  (ce_terms) aside. STEP: stats_values per MoE layer; under gradient accumulation with the
+  batch-wise loss (`accumulated`), ACCUMULATED: pass 2's forwards, the step's counts given (P [E]
+  and z per layer); COUNTS: pass 1's, the counts [E] per layer alone."""
   layers = cfg.n_moe_layers
-  return {STEP: layers * stats_values(cfg) + 1, ACCUMULATED: layers * (cfg.n_experts + 1) + 1,
+  return {STEP: layers * stats_values(cfg), ACCUMULATED: layers * (cfg.n_experts + 1),
           COUNTS: layers * cfg.n_experts}[which] * F32
 
 
-def stats_terms(cfg, mesh, token_axes, seq_axes=()) -> list[Term]:
-  """Router statistics and the loss sums, all-reduced over the token axes (global statistics:
-  the aux loss is layout-independent); with the sequence-wise loss and a sequence split over
-  seq_axes, first each sequence's counts and prob sums [b, E] over seq_axes."""
-  out = term(mesh, "all-reduce", "fwd", STATS, stats_bytes(cfg), token_axes)
+def stats_terms(cfg, mesh, token_axes, seq_axes=(), drops: bool | None = None) -> list[Term]:
+  """Router statistics and the dropped counts, all-reduced over the token axes (global
+  statistics: the aux loss is layout-independent; the CE sum is step_terms', `with_ce`); with
+  the sequence-wise loss and a sequence split over seq_axes, first each sequence's counts and
+  prob sums [b, E] over seq_axes. drops: whether a token can be dropped (default: under the
+  capacity rule, capacity_factor > 0): each MoE layer's dropped count; else each is the
+  constant 0, and XLA hoists its all-reduce out of the layer scan: one (HOISTED)."""
+  drops = cfg.capacity_factor > 0 if drops is None else drops
+  out = (term(mesh, "all-reduce", "fwd", STATS, stats_bytes(cfg), token_axes)
+         + term(mesh, "all-reduce", "fwd", DROPPED if drops else HOISTED,
+                (cfg.n_moe_layers if drops else 1) * F32, token_axes))
   if cfg.aux_loss_kind == "sequence" and seq_axes:
     b = cfg.batch // _size(mesh, tuple(a for a in _tuple(token_axes) if a not in seq_axes))
     one = cfg.n_moe_layers * b * cfg.n_experts * F32
@@ -472,5 +508,9 @@ def stats_terms(cfg, mesh, token_axes, seq_axes=()) -> list[Term]:
     # again; the prob sums enter linearly and are not re-summed
     out += (term(mesh, "all-reduce", "fwd", "per-sequence counts [b, E]", one, seq_axes,
                  RECOMPUTED)
-            + term(mesh, "all-reduce", "fwd", "per-sequence prob sums [b, E]", one, seq_axes))
+            + term(mesh, "all-reduce", "fwd", "per-sequence prob sums [b, E]", one, seq_axes)
+            # the sum is cast varying over seq_axes for the psum over all token axes: the
+            # cast's transpose sums each layer's cotangent over them
+            + term(mesh, "all-reduce", "bwd", "sequence sums' cotangents",
+                   cfg.n_moe_layers * F32, seq_axes))
   return out

@@ -578,12 +578,10 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                                                     mesh, cfg.optimizer)
             o_mem = mems[o_cfg, opts]
             raw = strat.cost(per_microbatch(name, base), mesh, opts)
-            lay = strat.layout(base, mesh, opts) if _accumulates(name, base) else None
+            lay = strat.layout(base, mesh, opts)
             for remat in remats:
               c_cfg = base.replace(remat=remat)
-              # measure.cost.step_terms on the terms already computed
-              terms = (cost.accumulated(raw, c_cfg, mesh, lay) if _accumulates(name, c_cfg)
-                       else raw + cost.recomputed(raw, c_cfg))
+              terms = cost.finish(raw, c_cfg, mesh, lay)     # measure.cost.step_terms on raw
               temp = predict_temp(step_features(name, c_cfg, mesh, raw, opts,
                                                 o_mem["param_bytes"]))
               for inner in placements(shape, cluster.node_size):

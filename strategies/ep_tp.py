@@ -336,7 +336,9 @@ def cost(cfg, mesh, opts):
   weights = cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), TOKENS,
                                   grads=dict.fromkeys(model.NORMS, ((EXPERT,), (DATA,))))
   term = functools.partial(cost_lib.term, mesh)
-  terms = (weights + cost_lib.stats_terms(cfg, mesh, TOKENS, (EXPERT,))
+  # the ring's compaction counts what its buffer would drop (nothing under the worst-case
+  # bound, but a count XLA cannot fold): a dropped count per MoE layer
+  terms = (weights + cost_lib.stats_terms(cfg, mesh, TOKENS, (EXPERT,), drops=not folded or None)
            + cost_lib.sequence_parallel_terms(cfg, mesh, EXPERT, t, mlp)
            + term("all-gather", "fwd", "routing ids + weights (ring's MoE layers)",
                   0 if folded else n_moe * ids + route, EXPERT, cost_lib.RECOMPUTED)

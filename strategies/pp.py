@@ -1122,7 +1122,10 @@ def cost(cfg, mesh, opts):
   buf = ep_size * c * cfg.d_model * cost_lib.act_bytes(cfg)       # [EP, C, D]
   runs = steps * local_layers                                       # moe_body calls per pass
   term = functools.partial(cost_lib.term, mesh)
-  stats = cost_lib.stats_values(cfg) * cost_lib.F32
+  # each run's statistics and dropped count; dropless, the count is the constant 0, and under
+  # autodiff's time loop (gpipe, interleaved) XLA hoists its all-reduce out: one per step
+  hoist = cfg.capacity_factor == 0 and opts.schedule != "1f1b"
+  stats = (cost_lib.stats_values(cfg) + (not hoist)) * cost_lib.F32
   # the non-expert matrices gathered whole once per step (outside any remat'd layer): a stacked
   # leaf keeps its L dim as stored (the MoE stack's over stage: gathered over data; the dense
   # prefix's whole: over (stage, data)), embed and unembed over (stage, data)
@@ -1139,6 +1142,7 @@ def cost(cfg, mesh, opts):
                 runs * (2 * buf + cfg.n_experts * 4), EXPERT, cost_lib.RECOMPUTED)
          + term("all-to-all", "bwd", "their transposes", runs * 2 * buf, EXPERT)
          + term("all-reduce", "fwd", "router stats per microbatch", runs * stats, TOKENS)
+         + term("all-reduce", "fwd", cost_lib.HOISTED, hoist * cost_lib.F32, TOKENS)
          + term("all-reduce", "fwd", "aux / z / dropped sums", 3 * cost_lib.F32, STAGE)
          + term("all-reduce", "fwd", "CE sum", cost_lib.F32, AXES))
   if counts_pre_pass(cfg, opts):               # the GPipe forward time loop, once more
