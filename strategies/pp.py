@@ -1145,6 +1145,11 @@ def cost(cfg, mesh, opts):
          + term("all-reduce", "fwd", cost_lib.HOISTED, hoist * cost_lib.F32, TOKENS)
          + term("all-reduce", "fwd", "aux / z / dropped sums", 3 * cost_lib.F32, STAGE)
          + term("all-reduce", "fwd", "CE sum", cost_lib.F32, AXES))
+  if cfg.bias_update_rate and opts.schedule != "gpipe" and not counts_pre_pass(cfg, opts):
+    # the bias update reads the step's counts: summed over the token axes once (the pre-pass
+    # sums them where it runs; under gpipe XLA reuses each pass's sums), measured
+    out += term("all-reduce", "fwd", "the step's counts [L/P, E] for the bias update",
+                cfg.n_layer_slots // p * cfg.n_experts * cost_lib.F32, TOKENS)
   if counts_pre_pass(cfg, opts):               # the GPipe forward time loop, once more
     out += (term("collective-permute", "fwd", "counts pre-pass: activations (v = 1, unrolled: "
                  "its last tick's send, read by no stage, compiled away)",

@@ -178,9 +178,11 @@ def check(name: str, cfg, mesh_spec: str, steps: int = 3, opts=None, *, init=Non
   return got
 
 
-def assert_cost_model(name: str, cfg, mesh_spec: str, opts=None, tol: float = 0.1) -> dict:
+def assert_cost_model(name: str, cfg, mesh_spec: str, opts=None, tol: float = 0.01) -> dict:
   """The strategy's analytic cost (measure/cost.py) matches the compiled HLO per (collective kind,
-  mesh axes), both ways: every key either side has, within `tol` of the compiled bytes.
+  mesh axes), both ways: every key either side has, within `tol` of the compiled bytes (1%, the
+  planner's promise: measured, every row of the table, bf16 and remat tests is exact but six,
+  within 0.5%, and bf16 ring attention's, COST_TOL).
   Returns {(kind, axes): {predicted, measured, ratio}}."""
   j = job(name, cfg, mesh_spec, opts)
   got = hlo.collective_stats_by_axes(j.hlo, j.mesh)
