@@ -38,7 +38,7 @@ def test_parity(name, model_name, over, mesh, opts):
 
 @pytest.mark.parametrize("name,model_name,over,mesh,opts", CASES, ids=[c[0] for c in CASES])
 def test_cost_model_counts_every_microbatch(name, model_name, over, mesh, opts):
-  """The cost model per (kind, axes) within 10%, test_parity's compile: each microbatch's
+  """The cost model per (kind, axes) within 1%, test_parity's compile: each microbatch's
   gradients are reduced over the devices (M x the weight traffic, measure/cost.step_terms), but
   zero1's, once per step; the batch-wise loss (tiny's) adds pass 1's forward. A cost model that
   priced one pass of the whole batch is off by M on every gradient reduction (ratio 4 here)."""

@@ -34,7 +34,7 @@ def test_remat_lowers_temp_bytes():
 
 
 # Every strategy's cost model counts the collectives its recompute issues again
-# (measure/cost.py step_terms): per (kind, axes), both ways, within 10% (measured: within 1%).
+# (measure/cost.py step_terms): per (kind, axes), both ways, within 1%.
 # every registered strategy on its comparison mesh, and tp under a dots_* policy too
 REMAT_MESHES = [(n, strategies.get(n).COMPARE_MESH, "block") for n in strategies.NAMES
                 if n != "reference"] + [("tp", "data:4,tensor:2", "dots_saveable")]

@@ -5,7 +5,7 @@ and BAD_INPUT rows (declared in strategies/NAME.py, see strategies/__init__.py) 
             the single-device reference, 3 steps (tests/parity.py)
   contract  the compiled step's (kind, mesh axes) set = the docstring's "HLO contract" block =
             the cost model's terms
-  cost      the cost model's bytes per (kind, mesh axes) within 10% of the compiled HLO, both ways
+  cost      the cost model's bytes per (kind, mesh axes) within 1% of the compiled HLO, both ways
   layouts   two meshes of one strategy: the same losses; a rerun is bit-identical
   bad input one-line ConfigError from check(), exactly the declared message
 What is specific to one strategy stays in tests/test_NAME.py.
