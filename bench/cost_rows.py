@@ -47,6 +47,6 @@ if __name__ == "__main__":
     within += all(0.99 <= v["ratio"] <= 1.01 for v in table.values())
     print(("exact " if not off else "      ") + label, flush=True)
     for (kind, axes), v in sorted(off.items(), key=lambda kv: kv[0][0]):
-      print(f"        {kind} over {','.join(sorted(axes))}: {v['measured'] - v['predicted']:+,.0f} B"
-            f" ({v['ratio']:.4f})")
+      more = v["measured"] - v["predicted"]
+      print(f"        {kind} over {','.join(sorted(axes))}: {more:+,.0f} B ({v['ratio']:.4f})")
   print(f"{n_rows} rows: {exact} exact, {within} within 1%")

@@ -41,10 +41,10 @@ and the cost model's (kind, axes) set must equal it):
   all-gather over fsdp: weight matrices before use
   reduce-scatter over fsdp: weight-matrix gradients
   reduce-scatter over context: dK, dV (MLA: d(latent))
-  all-reduce over context: norm-scale grad partials
+  all-reduce over context: norm-scale grad partials, the CE sum (over the sequence first)
   all-reduce over (data, context): the 1/f weight-gradient shards after the scatter
-  all-reduce over (data, fsdp): norm-scale grads
-  all-reduce over (data, fsdp, context): router statistics, loss sums, grad norm
+  all-reduce over (data, fsdp): norm-scale grads, the CE sum
+  all-reduce over (data, fsdp, context): router statistics, grad norm
 
 HLO contract, kv_exchange=ring (K/V, MLA: the latent, travel instead of being gathered):
   collective-permute over context: the K/V blocks (MLA: latent) and their positions, n - 1 sends
@@ -52,10 +52,10 @@ HLO contract, kv_exchange=ring (K/V, MLA: the latent, travel instead of being ga
   all-gather over context: expert ids + positions (capacity_factor > 0; every ring case sets it)
   all-gather over fsdp: weight matrices before use
   reduce-scatter over fsdp: weight-matrix gradients
-  all-reduce over context: norm-scale grad partials
+  all-reduce over context: norm-scale grad partials, the CE sum (over the sequence first)
   all-reduce over (data, context): the 1/f weight-gradient shards after the scatter
-  all-reduce over (data, fsdp): norm-scale grads
-  all-reduce over (data, fsdp, context): router statistics, loss sums, grad norm
+  all-reduce over (data, fsdp): norm-scale grads, the CE sum
+  all-reduce over (data, fsdp, context): router statistics, grad norm
 
 K/V exchange (--opt=kv_exchange=allgather|ring; modeling/ring_attention.py draws the ring).
 n = |context|, kv = one device's K/V block (MLA: latent) of a layer, in the compute dtype:

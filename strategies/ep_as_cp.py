@@ -44,11 +44,12 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
   all-gather over expert: K, V, kv_pos (fwd); expert ids + positions (capacity_factor > 0)
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
   reduce-scatter over expert: dK/dV
-  all-reduce over expert: norm-scale grads, summed over the sequence axis first (XLA's split)
+  all-reduce over expert: norm-scale grads and the CE sum, summed over the sequence axis first
+    (XLA's split)
   all-reduce over (data, fsdp): then over the batch axes
   all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
   all-reduce over data: expert grad shards
-  all-reduce over (data, fsdp, expert): router stats, loss sums, grad norm
+  all-reduce over (data, fsdp, expert): router stats, grad norm
 HLO contract, kv_exchange=ring (cp.py's ring, on expert; without the capacity rule, as tested
 in bf16: with capacity_factor > 0 the expert ids + positions add an all-gather over expert):
   collective-permute over expert: the K/V blocks (MLA: latent) and their positions around the
@@ -56,11 +57,12 @@ in bf16: with capacity_factor > 0 the expert ids + positions add an all-gather o
   all-gather over fsdp: weight matrices and experts (fwd)
   reduce-scatter over fsdp: their gradients
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
-  all-reduce over expert: norm-scale grads, summed over the sequence axis first (XLA's split)
+  all-reduce over expert: norm-scale grads and the CE sum, summed over the sequence axis first
+    (XLA's split)
   all-reduce over (data, fsdp): then over the batch axes
   all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
   all-reduce over data: expert grad shards
-  all-reduce over (data, fsdp, expert): router stats, loss sums, grad norm
+  all-reduce over (data, fsdp, expert): router stats, grad norm
 K/V exchange: --opt=kv_exchange=allgather|ring, the bytes and when each wins as in cp.py.
 
   python run.py --strategy=ep_as_cp --mesh=fsdp:2,expert:2,data:2 --steps=3

@@ -85,11 +85,12 @@ HLO contract, exchange=folded:
     [b, S, K] and positions [b, S] (int32, the capacity rule's whole sequences)
   reduce-scatter over expert: attn wo, shared / dense FFN outputs, cotangents of gathered h
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
-  all-reduce over expert: norm-scale grads [D] (first half of XLA's split); the sequence-wise
-    loss's [b, E]
-  all-reduce over data: expert-sharded weight grads, norm-scale grads [D] (second half)
+  all-reduce over expert: norm-scale grads [D] and the CE sum (first half of XLA's split); the
+    sequence-wise loss's [b, E]
+  all-reduce over data: expert-sharded weight grads, norm-scale grads [D] and the CE sum (second
+    half)
   all-reduce over (data, expert): embed / unembed / MLA down-projection / router grads, router
-    stats, loss sums, grad norm
+    stats, grad norm
 
 Folded exchange (--opt=exchange=folded). Attention (and the shared expert) stay tensor-parallel
 as above; the routed MoE never gathers: model.block hands it the normed h in the residual layout

@@ -51,9 +51,9 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
 (kind, axes) set equals it; tests/test_strategies.py holds both to the program):
   all-reduce over tensor: activations and their gradients (above)
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
-  all-reduce over (data, expert): non-expert weight gradients
+  all-reduce over (data, expert): non-expert weight gradients, the CE sum
   all-reduce over data: expert weight gradients
-  all-reduce over (data, expert, tensor): router grads, router statistics, loss sums, grad norm
+  all-reduce over (data, expert, tensor): router grads, router statistics, grad norm
   all-gather over tensor [muon]: the tensor-split matrices' float32 directions, whole for
     Newton-Schulz, once per step
 
@@ -66,13 +66,13 @@ HLO contract, sequence_parallel:
   reduce-scatter over tensor: attn wo, shared / dense FFN outputs, the experts' outputs
     [t*EP, C, D], cotangents of the gathers
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
-  all-reduce over tensor: norm-scale grads [D] (first half of XLA's split); the sequence-wise
-    loss's [b, E]
+  all-reduce over tensor: norm-scale grads [D] and the CE sum (first half of XLA's split); the
+    sequence-wise loss's [b, E]
   all-reduce over (data, expert): attention / shared / dense weight grads, norm-scale grads [D]
-    (second half)
+    and the CE sum (second half)
   all-reduce over data: expert weight gradients
   all-reduce over (data, expert, tensor): embed / unembed / MLA down-projection / router grads,
-    router statistics, loss sums, grad norm
+    router statistics, grad norm
 
 HLO contract, zero1:
   all-gather over data: every matrix but the router, once per step before the forward, in the
@@ -81,8 +81,8 @@ HLO contract, zero1:
   all-reduce over tensor: activations and their gradients (above)
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
   all-reduce over expert: the non-expert matrices' gradient shards (after the reduce-scatter)
-  all-reduce over (data, expert): norm-scale grads [D]
-  all-reduce over (data, expert, tensor): router grads, router statistics, loss sums, grad norm
+  all-reduce over (data, expert): norm-scale grads [D], the CE sum
+  all-reduce over (data, expert, tensor): router grads, router statistics, grad norm
   all-gather over tensor [muon]: the tensor-split matrices' float32 directions, whole for
     Newton-Schulz, once per step
 
@@ -93,12 +93,12 @@ HLO contract, sequence_parallel, zero1:
   all-gather over tensor: as sequence_parallel's (above)
   reduce-scatter over tensor: as sequence_parallel's
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
-  all-reduce over tensor: norm-scale grads [D] (first half of XLA's split); the sequence-wise
-    loss's [b, E]
+  all-reduce over tensor: norm-scale grads [D] and the CE sum (first half of XLA's split); the
+    sequence-wise loss's [b, E]
   all-reduce over expert: attention / shared / dense gradient shards (after the reduce-scatter)
   all-reduce over (expert, tensor): embed / unembed / MLA down-projection gradient shards
-  all-reduce over (data, expert): norm-scale grads [D] (second half)
-  all-reduce over (data, expert, tensor): router grads, router statistics, loss sums, grad norm
+  all-reduce over (data, expert): norm-scale grads [D] and the CE sum (second half)
+  all-reduce over (data, expert, tensor): router grads, router statistics, grad norm
 
 Sequence parallelism (--opt=sequence_parallel=true, Megatron's --sequence-parallel, which it
 requires for MoE with TP > 1): the residual is [B@(d,x), S@t, D], so the norms, the router and

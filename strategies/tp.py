@@ -41,8 +41,8 @@ No all-gather, no all-to-all: no weight ever moves over tensor (but Muon's direc
 HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_tp.py enforces both ways,
 and the cost model's (kind, axes) set must equal it):
   all-reduce over tensor: activations and their gradients (above)
-  all-reduce over data: weight gradients
-  all-reduce over (data, tensor): router grads, router statistics, loss sums, grad norm
+  all-reduce over data: weight gradients, the CE sum
+  all-reduce over (data, tensor): router grads, router statistics, grad norm
   all-gather over tensor [muon]: the tensor-split matrices' float32 directions, whole for
     Newton-Schulz, once per step (--optimizer=muon only)
 
