@@ -12,7 +12,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tests.conftest  # noqa: E402,F401  (8 devices, the tests' codegen flag and compile cache)
-from measure import cost, hlo  # noqa: E402
 from modeling.config import get_config  # noqa: E402
 import strategies  # noqa: E402
 from tests import parity, test_precision, test_remat  # noqa: E402
@@ -37,10 +36,7 @@ if __name__ == "__main__":
   for label, name, cfg, mesh, opts in rows():
     if pick not in label:
       continue
-    j = parity.job(name, cfg, mesh, opts)
-    got = hlo.collective_stats_by_axes(j.hlo, j.mesh)
-    table = cost.versus(cost.step_terms(strategies.get(name), j.cfg, j.mesh, j.opts), got,
-                        by="axes")
+    table = parity.cost_table(name, cfg, mesh, opts)
     off = {k: v for k, v in table.items() if v["predicted"] != v["measured"]}
     n_rows += 1
     exact += not off

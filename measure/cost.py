@@ -90,10 +90,16 @@ def step_terms(strategy, cfg, mesh, opts=None) -> list[Term]:
   return finish(strategy.cost(microbatch(cfg, lay), mesh, opts), cfg, mesh, lay)
 
 
+def accumulates(cfg, lay) -> bool:
+  """The step accumulates gradients over cfg.microbatches forwards of the layout's model (a
+  layout that runs the whole loss, pp's, runs its own microbatches)."""
+  return cfg.microbatches > 1 and lay.loss is None
+
+
 def microbatch(cfg, lay):
   """The config whose strategy.cost `finish` reads: one microbatch's (B/M sequences) where the
   step accumulates gradients, else the step's."""
-  if cfg.microbatches <= 1 or lay.loss is not None:
+  if not accumulates(cfg, lay):
     return cfg
   return cfg.replace(batch=cfg.batch // cfg.microbatches, microbatches=1)
 
@@ -101,7 +107,7 @@ def microbatch(cfg, lay):
 def finish(raw, cfg, mesh, lay) -> list[Term]:
   """step_terms from raw, the strategy's cost of microbatch(cfg, lay): the CE sum's own
   reductions (`with_ce`), gradient accumulation (`accumulated`) or remat's copies."""
-  if cfg.microbatches > 1 and lay.loss is None:
+  if accumulates(cfg, lay):
     return accumulated(raw, cfg, mesh, lay)
   terms = with_ce(raw, mesh, lay)
   return terms + recomputed(terms, cfg)
