@@ -398,8 +398,7 @@ def cp_terms(cfg, mesh, cp_axis: str, batch_axes, ring: bool = False) -> list[Te
   the capacity rule the sequence's expert ids per MoE layer and its positions once (CSE'd
   across layers). ring (kv_exchange=ring, modeling/ring_attention.py): instead, per layer the
   blocks sent n - 1 times forward and again backward with their float32 gradient sums, which
-  take one more send home; the blocks' positions travel too (n - 1 sends, the same values in
-  every layer and both passes: CSE'd to one chain per step)."""
+  take one more send home; the positions are all-gathered once, as kv_pos."""
   b = cfg.batch // _size(mesh, _tuple(batch_axes))
   kv = b * cfg.seq_len * kv_values(cfg) * act_bytes(cfg)                  # K and V of a layer
   cp = _size(mesh, (cp_axis,))
@@ -408,15 +407,13 @@ def cp_terms(cfg, mesh, cp_axis: str, batch_axes, ring: bool = False) -> list[Te
     block, d_block = kv / cp, b * cfg.seq_len // cp * kv_values(cfg) * F32
     out = (term(mesh, "collective-permute", "fwd", f"{what} blocks around the ring",
                 cfg.n_layers * (cp - 1) * block, cp_axis, RECOMPUTED)
-           + term(mesh, "collective-permute", "fwd", "block positions",
-                  (cp - 1) * b * cfg.seq_len // cp * 4, cp_axis)
            + term(mesh, "collective-permute", "bwd", f"{what} blocks + float32 d({what})",
                   cfg.n_layers * ((cp - 1) * block + cp * d_block), cp_axis))
   else:
     out = (term(mesh, "all-gather", "fwd", what, cfg.n_layers * kv, cp_axis, RECOMPUTED)
-           + term(mesh, "all-gather", "fwd", "kv_pos", b * cfg.seq_len * 4, cp_axis)
            + term(mesh, "reduce-scatter", "bwd", f"d({what})", cfg.n_layers * kv / cp, cp_axis))
-  return out + capacity_gather_terms(cfg, mesh, cp_axis, b * cfg.seq_len)
+  return (out + term(mesh, "all-gather", "fwd", "kv_pos", b * cfg.seq_len * 4, cp_axis)
+          + capacity_gather_terms(cfg, mesh, cp_axis, b * cfg.seq_len))
 
 
 def capacity_gather_terms(cfg, mesh, axis: str, tokens: int) -> list[Term]:

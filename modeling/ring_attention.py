@@ -17,8 +17,12 @@ all-gather path does once for the whole sequence):
   each d(kv) home. dq stays where its queries are; expand's weight gradient is each device's
   partial sum over its own queries, handed back unreduced (the weight gather's backward sums it).
 
-Bytes per layer and device (kv = one block of `kv`, pos = its positions, int32):
-  forward (n - 1)(kv + pos); backward (n - 1)(kv + pos) + n d(kv) (float32)
+Positions do not travel: the keys' positions [B, S] (int32) are all-gathered over the ring axes
+before it (the same values in every layer: XLA hoists the gather out of the layer scan, once per
+step), and each visit slices its block's owner's out of them.
+
+Bytes per layer and device (kv = one block of `kv`):
+  forward (n - 1) kv; backward (n - 1) kv + n d(kv) (float32)
 against the all-gather's (n - 1) kv forward and (n - 1)/n reduce-scatter of d(kv) backward: the
 ring sends n - 1 equal messages where the gather sends one n times larger, and each device holds
 two blocks (the visiting one and its own) instead of the whole sequence: K/V memory O(S/n), and
@@ -68,7 +72,9 @@ def ring_attend(q, kv, w, expand, q_pos, k_pos, scale, chunk, axes, q_r=None, ba
   r holds chunks r and 2n-1-r of 2n contiguous chunks): each visit then computes only the
   half-blocks the causal mask leaves (the module docstring, "Balanced").
   -> o [B, S@axes, KV, G, Dv] in v's dtype."""
-  return _ring(scale, chunk, tuple(axes), expand, bool(balanced), q, q_r, kv, w, q_pos, k_pos)
+  batch = (tuple(_spec(k_pos)) + (None,))[0]
+  k_all = jax.reshard(k_pos, P(batch, None))          # [B, S] @ (batch, None): all-gathered once
+  return _ring(scale, chunk, tuple(axes), expand, bool(balanced), q, q_r, kv, w, q_pos, k_all)
 
 
 def _spec(x) -> P:
@@ -95,6 +101,12 @@ def _send(tree, axes, n):
   return jax.lax.ppermute(tree, axes, [(j, (j + 1) % n) for j in range(n)])
 
 
+def _owned(k_all, rank, i, n, s):
+  """The positions [b, s] of the block a device holds at visit i: its owner's (rank - i mod n)
+  slice of the whole sequence's k_all [b, S]."""
+  return jax.lax.dynamic_slice_in_dim(k_all, ((rank - i) % n) * s, s, axis=1)
+
+
 def _halves(tree):
   """Each [b, s, ..] array of tree -> (its first s/2 tokens, its last s/2) (None stays None)."""
   first = jax.tree.map(lambda x: x[:, :x.shape[1] // 2], tree)
@@ -107,10 +119,10 @@ def _join(first, last):
   return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), first, last)
 
 
-def _forward(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_pos):
+def _forward(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_all):
   n = _ring_size(q, axes)
 
-  def body(q, q_r, kv, w, q_pos, k_pos):              # per device: [b, s, ..] blocks
+  def body(q, q_r, kv, w, q_pos, k_all):      # per device: [b, s, ..] blocks; k_all [b, S]
     def fold(carry, q, q_r, q_pos, kv, k_pos):
       k, v, k_r = expand(kv, w)                                               # [b, t, KV, D.]
       return attention_lib._fold(carry, scale, min(chunk, k.shape[1]), q, k, v, q_pos, k_pos,
@@ -120,6 +132,7 @@ def _forward(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_pos):
     v_type = jax.eval_shape(expand, kv, w)[1]                                 # [b, s, KV, Dv]
     carry = attention_lib._init(q, v_type.shape[-1])
     for i in range(n):
+      k_pos = _owned(k_all, rank, i, n, q.shape[1])                           # [b, s]
       if i == 0 or not balanced:                     # own block (or every block): all of it
         carry = fold(carry, q, q_r, q_pos, kv, k_pos)
       else:
@@ -132,24 +145,24 @@ def _forward(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_pos):
           return _join(c0, fold(c1, q1, q_r1, q_pos1, kv, k_pos))
         carry = jax.lax.cond((rank - i) % n < rank, early, late, carry)
       if i < n - 1:
-        kv, k_pos = _send((kv, k_pos), axes, n)       # collective-permute over axes
+        kv = _send(kv, axes, n)                       # collective-permute over axes
     return attention_lib._finish(carry, v_type.dtype)  # o [b, s, KV, G, Dv], lse [b, s, KV, G]
 
   q_spec = _spec(q)
-  args = _plain((q, q_r, kv, w, q_pos, k_pos))
+  args = _plain((q, q_r, kv, w, q_pos, k_all))
   o_spec, lse_spec = P(*q_spec), P(*tuple(q_spec)[:4])
   return jax.shard_map(body, in_specs=_specs(args), out_specs=(o_spec, lse_spec),
                        check_vma=False)(*args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _ring(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_pos):
-  return _forward(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_pos)[0]
+def _ring(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_all):
+  return _forward(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_all)[0]
 
 
-def _ring_fwd(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_pos):
-  o, lse = _forward(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_pos)
-  return o, (q, q_r, kv, w, q_pos, k_pos, o, lse)
+def _ring_fwd(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_all):
+  o, lse = _forward(scale, chunk, axes, expand, balanced, q, q_r, kv, w, q_pos, k_all)
+  return o, (q, q_r, kv, w, q_pos, k_all, o, lse)
 
 
 def _query_axes(q) -> frozenset:
@@ -160,7 +173,7 @@ def _query_axes(q) -> frozenset:
 
 
 def _ring_bwd(scale, chunk, axes, expand, balanced, res, do):
-  q, q_r, kv, w, q_pos, k_pos, o, lse = res
+  q, q_r, kv, w, q_pos, k_all, o, lse = res
   n = _ring_size(q, axes)
   partial = _query_axes(q)
   w_reduced = [frozenset(jax.typeof(x).sharding.spec.reduced) for x in jax.tree.leaves(w)]
@@ -169,11 +182,11 @@ def _ring_bwd(scale, chunk, axes, expand, balanced, res, do):
       raise ValueError(f"ring_attend: a weight is reduced over {sorted(red - partial)}, which its "
                        "gradient is not a partial sum over")
 
-  def body(q, q_r, kv, w, q_pos, k_pos, o, lse, do):
+  def body(q, q_r, kv, w, q_pos, k_all, o, lse, do):
     # the blocks are sent again rather than kept from the forward: the barrier stops XLA from
     # merging these sends with the forward's (CSE, where both land in one computation), which
     # would keep all n visitors alive from the forward to the backward
-    kv = jax.lax.optimization_barrier(kv)    # (the positions' sends may merge: tiny, the same)
+    kv = jax.lax.optimization_barrier(kv)
     d = attention_lib._row_dot(do, o)                                         # [b, s, KV, G]
     dq, dq_r = attention_lib._zeros_f32(q), attention_lib._zeros_f32(q_r)
     dkv = jax.tree.map(lambda x: jnp.zeros_like(x, dtype=F32), kv)
@@ -193,6 +206,7 @@ def _ring_bwd(scale, chunk, axes, expand, balanced, res, do):
       return (dq, dq_r), f32(dkv_i), f32(dw_i)
 
     for i in range(n):
+      k_pos = _owned(k_all, rank, i, n, q.shape[1])                           # [b, s]
       rows = (q, q_r, q_pos, lse, d, do, dq, dq_r)
       if i == 0 or not balanced:
         (dq, dq_r), dkv_i, dw_i = grads(rows, kv, k_pos)
@@ -209,7 +223,7 @@ def _ring_bwd(scale, chunk, axes, expand, balanced, res, do):
       dkv = jax.tree.map(lambda a, b: a + b, dkv, dkv_i)
       dw = jax.tree.map(lambda a, b: a + b, dw, dw_i)
       if i < n - 1:
-        kv, k_pos, dkv = _send((kv, k_pos, dkv), axes, n)    # the block and its gradient sum
+        kv, dkv = _send((kv, dkv), axes, n)                  # the block and its gradient sum
     dkv = _send(dkv, axes, n)                                # each d(kv) home
     # the weight gradients: partial over the query axes; summed here over those the weight is
     # not typed reduced over (its gather's backward sums the rest)
@@ -219,7 +233,7 @@ def _ring_bwd(scale, chunk, axes, expand, balanced, res, do):
     return (cast(dq, q), cast(dq_r, q_r), jax.tree.map(cast, dkv, kv),
             [g.astype(x.dtype) for g, x in zip(dw, jax.tree.leaves(w))])
 
-  args = _plain((q, q_r, kv, w, q_pos, k_pos, o, lse, do))
+  args = _plain((q, q_r, kv, w, q_pos, k_all, o, lse, do))
   w_specs = [P(*_spec(x), unreduced=red) for x, red in zip(jax.tree.leaves(w), w_reduced)]
   out_specs = (_spec(q), None if q_r is None else _spec(q_r), _specs(kv), w_specs)
   dq, dq_r, dkv, dw = jax.shard_map(body, in_specs=_specs(args), out_specs=out_specs,

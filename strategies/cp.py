@@ -47,9 +47,10 @@ and the cost model's (kind, axes) set must equal it):
   all-reduce over (data, fsdp, context): router statistics, grad norm
 
 HLO contract, kv_exchange=ring (K/V, MLA: the latent, travel instead of being gathered):
-  collective-permute over context: the K/V blocks (MLA: latent) and their positions, n - 1 sends
-    per layer forward; backward again, with the float32 d(K/V) sums, and one more send home
-  all-gather over context: expert ids + positions (capacity_factor > 0; every ring case sets it)
+  collective-permute over context: the K/V blocks (MLA: latent), n - 1 sends per layer forward;
+    backward again, with the float32 d(K/V) sums, and one more send home
+  all-gather over context: kv_pos once (each visit slices its block's positions from it); expert
+    ids + positions (capacity_factor > 0; every ring case sets it)
   all-gather over fsdp: weight matrices before use
   reduce-scatter over fsdp: weight-matrix gradients
   all-reduce over context: norm-scale grad partials, the CE sum (over the sequence first)

@@ -51,9 +51,10 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
   all-reduce over data: expert grad shards
   all-reduce over (data, fsdp, expert): router stats, grad norm
 HLO contract, kv_exchange=ring (cp.py's ring, on expert; without the capacity rule, as tested
-in bf16: with capacity_factor > 0 the expert ids + positions add an all-gather over expert):
-  collective-permute over expert: the K/V blocks (MLA: latent) and their positions around the
-    ring, n - 1 sends per layer forward; backward again with the float32 d(K/V) sums, +1 home
+in bf16: with capacity_factor > 0 the expert ids + positions join kv_pos's all-gather):
+  collective-permute over expert: the K/V blocks (MLA: latent) around the ring, n - 1 sends per
+    layer forward; backward again with the float32 d(K/V) sums, +1 home
+  all-gather over expert: kv_pos once (each visit slices its block's positions from it)
   all-gather over fsdp: weight matrices and experts (fwd)
   reduce-scatter over fsdp: their gradients
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd

@@ -26,7 +26,7 @@ def test_compare_dp_and_tp_writes_report(tmp_path):
 
 def test_cp_ring_row_beside_its_allgather():
   """A comparison entry with its own options is a row of its own: cp's two K/V exchanges side
-  by side (compile only), the all-gather's bytes in all-gathers, the ring's in
+  by side (compile only), the all-gather's K/V in all-gathers, the ring's in
   collective-permutes, each equal to its own cost model."""
   rows = compare.main(get_config("tiny"), names=["cp", "cp:kv_exchange=ring"], mesh_spec=None,
                       steps=0, report_dir=None, compile_only=True, model_name="tiny")
@@ -35,7 +35,8 @@ def test_cp_ring_row_beside_its_allgather():
   permutes = {n: r["collectives"]["collective-permute"]["count"] for n, r in by.items()}
   gathers = {n: r["collectives"]["all-gather"]["count"] for n, r in by.items()}
   assert permutes["cp"] == 0 and gathers["cp"] > 0
-  assert permutes["cp:kv_exchange=ring"] > 0 and gathers["cp:kv_exchange=ring"] == 0
+  # the ring gathers only the keys' positions, once (int32 [b, S]): its K/V travel in permutes
+  assert permutes["cp:kv_exchange=ring"] > 0 and gathers["cp:kv_exchange=ring"] == 1
   for r in rows:
     pred = sum(r["predicted"].values())
     meas = sum(v["bytes"] for v in r["collectives"].values())
