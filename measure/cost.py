@@ -394,7 +394,8 @@ def attn_gather_values(cfg) -> int:
 
 def cp_terms(cfg, mesh, cp_axis: str, batch_axes, ring: bool = False) -> list[Term]:
   """K and V (MLA: the latent and RoPE key) all-gathered over cp_axis per layer (fwd), their
-  gradients reduce-scattered over it (bwd, model._gather_kv), kv_pos gathered once, and with
+  gradients reduce-scattered over it (bwd, model._gather_kv), kv_pos gathered once per step
+  (model.layer_positions, before the layer scans), and with
   the capacity rule the sequence's expert ids per MoE layer and its positions once (CSE'd
   across layers). ring (kv_exchange=ring, modeling/ring_attention.py): instead, per layer the
   blocks sent n - 1 times forward and again backward with their float32 gradient sums, which

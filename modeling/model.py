@@ -36,8 +36,8 @@ A strategy does not rewrite the model. It hands `forward` a `Layout`:
            residual layout (ep_tp: the reduce-scatter).
          Defaults: identity, identity, row_out = x: the forward of every other strategy is the
          same program as without these hooks.
-  moe_in_residual: moe reads the normed h in the residual layout x, not gather_in's, and returns
-         y in that layout; only the shared expert goes through gather_in / row_out / scatter_out
+  moe_in_residual: moe reads the normed h (and its positions) in the residual layout x, not
+         gather_in's, and returns y in that layout; only the shared expert goes through gather_in / row_out / scatter_out
          (ep_tp's exchange=folded: the MoE exchanges the sequence-parallel tokens itself).
 The reference passes Layout() with moe=the dense oracle and no shardings.
 """
@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import einops
 import jax
@@ -347,10 +347,30 @@ def _mla_expand(lat, w, r: int, nope: int):
   return kv[..., :nope], kv[..., nope:], lat[..., r:]
 
 
-def attention(p, x, positions, cfg: Config, lay: Layout):
+class Positions(NamedTuple):
+  """A batch's positions [B, S] (int32) in each layout a layer reads them: q as the batch (the
+  queries, the MoE's tokens), x as the residual (Layout.x: MLA's token-local RoPE key, the
+  folded MoE), k as the keys (Layout.kv_pos: cp's whole sequence, all-gathered). Made once per
+  step before the layer scans, outside their remat (layer_positions): made inside, XLA hoisted
+  the reshards out of the loop in some programs and not in others (bf16 with remat)."""
+  q: Any
+  x: Any
+  k: Any
+
+
+def layer_positions(positions, lay: Layout) -> Positions:
+  """positions [B, S] in the batch's layout -> Positions (a Positions passes through)."""
+  if isinstance(positions, Positions):
+    return positions
+  x = positions if lay.x is None else jax.reshard(positions, P(*tuple(lay.x)[:2]))  # [B, S]
+  k = positions if lay.kv_pos is None else jax.reshard(positions, lay.kv_pos)       # [B, T]
+  return Positions(positions, x, k)
+
+
+def attention(p, x, pos: Positions, cfg: Config, lay: Layout):
   """Causal self-attention of cfg.attention. x [B, S, D], the normed residual in its own layout
   (Layout.x) -> [B, S, D]; the attention gathers what it reads (lay.gather_in)."""
-  return (mla if cfg.mla else gqa)(p, x, positions, cfg, lay)
+  return (mla if cfg.mla else gqa)(p, x, pos, cfg, lay)
 
 
 def _split_heads(w, pattern: str, g_axis: int, kv: int):
@@ -362,8 +382,9 @@ def _split_heads(w, pattern: str, g_axis: int, kv: int):
   return einops.rearrange(w, pattern, k=kv)
 
 
-def gqa(p, x, positions, cfg: Config, lay: Layout):
+def gqa(p, x, pos: Positions, cfg: Config, lay: Layout):
   """Causal GQA attention. x [B, S, D] -> [B, S, D]; q, k and v all read the gathered x."""
+  positions = pos.q
   x = lay.gather_in(x)
   wq, wk, wv, wo = (use(lay, r, p[n], x.dtype) for n, r in (("wq", "attn_q"), ("wk", "attn_kv"),
                                                            ("wv", "attn_kv"), ("wo", "attn_o")))
@@ -377,15 +398,13 @@ def gqa(p, x, positions, cfg: Config, lay: Layout):
   v = jnp.einsum("bsd,dkh->bskh", x, wv)                                       # [B, S, KV, Dh]
   scale = 1 / np.sqrt(dh)
   if lay.kv_ring:                                             # CP: K/V blocks around the ring
-    o = ring_attention.ring_attend(q, (k, v), (), _kv_as_is, positions, positions, scale,
+    o = ring_attention.ring_attend(q, (k, v), (), _kv_as_is, positions, pos.k, scale,
                                    cfg.attention_chunk, _kv_gather_axes(k, lay.kv),
                                    balanced=True)      # cp's load-balanced order
   else:
-    k_pos = positions
     if lay.kv is not None:                                                     # CP: gather K/V
       k, v = _gather_kv(k, lay.kv), _gather_kv(v, lay.kv)                   # [B, T, KV, Dh]
-      k_pos = jax.reshard(positions, lay.kv_pos)                               # [B, T]
-    o = attention_lib.attend(q, k, v, positions, k_pos, scale, cfg.attention_impl,
+    o = attention_lib.attend(q, k, v, positions, pos.k, scale, cfg.attention_impl,
                              cfg.attention_chunk, ordered=lay.kv is None)     # [B, S, KV, G, Dh]
   return jnp.einsum("bskgh,kghd->bsd", o, wo, out_sharding=lay.row)            # [B, S, D]
 
@@ -393,7 +412,7 @@ def gqa(p, x, positions, cfg: Config, lay: Layout):
 LATENT_NORM_EPS = 1e-6   # MLA's q / kv latent RMSNorms: a constant in DeepSeek's and HF's code
 
 
-def mla(p, x, positions, cfg: Config, lay: Layout):
+def mla(p, x, pos: Positions, cfg: Config, lay: Layout):
   """Causal Multi-head Latent Attention (DeepSeek-V2/V3). x [B, S, D] -> [B, S, D].
 
     q      = x @ wq  or  rms_norm(x @ wq_a) @ wq_b            [B, S, H, nope | rope]
@@ -411,7 +430,7 @@ def mla(p, x, positions, cfg: Config, lay: Layout):
   until the latent's own reduce-scatter."""
   nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
   w = lambda n, role: use(lay, role, p[n], x.dtype)
-  pos_x = positions if lay.x is None else jax.reshard(positions, P(*tuple(lay.x)[:2]))  # as x
+  positions = pos.q
   if cfg.q_lora_rank:
     cq = jnp.einsum("bsd,dr->bsr", x, w("wq_a", "attn_q_a"))                   # [B, S, Rq]
     q_in = rms_norm(cq, lay.use("q_norm", p["q_norm"]), LATENT_NORM_EPS)
@@ -419,7 +438,7 @@ def mla(p, x, positions, cfg: Config, lay: Layout):
     q_in = x                                                                   # [B, S, D]
   ckv = jnp.einsum("bsd,dc->bsc", x, w("wkv_a", "attn_kv_a"))                  # [B, S, Rkv + rope]
   c = rms_norm(ckv[..., :r], lay.use("kv_norm", p["kv_norm"]), LATENT_NORM_EPS)  # [B, S, Rkv]
-  k_r = rope(ckv[..., r:], pos_x, cfg.rope_theta, cfg.rope_interleave)         # [B, S, rope]
+  k_r = rope(ckv[..., r:], pos.x, cfg.rope_theta, cfg.rope_interleave)         # [B, S, rope]
   # one gather of all the heads read: [B, S, Rq|D + Rkv + rope] (tp: typed reduced; ep_tp: + AG)
   lat = lay.gather_in(jnp.concatenate([q_in, c, k_r], axis=-1))
   q_in, lat = lat[..., :q_in.shape[-1]], lat[..., q_in.shape[-1]:]            # lat [B, S, Rkv + rope]
@@ -434,19 +453,17 @@ def mla(p, x, positions, cfg: Config, lay: Layout):
   spec = None if lay.kv is None else P(*tuple(lay.kv)[:2], None)   # the gathered latent's
   if lay.kv_ring:                                      # CP: latent blocks around the ring
     expand = functools.partial(_mla_expand, r=r, nope=nope)
-    o = ring_attention.ring_attend(q_n, lat, (wkv_b,), expand, positions, positions, scale,
+    o = ring_attention.ring_attend(q_n, lat, (wkv_b,), expand, positions, pos.k, scale,
                                    cfg.attention_chunk, _kv_gather_axes(lat, spec),
                                    q_r=q_r, balanced=True)                     # [B, S, H, 1, v]
   else:
-    k_pos = positions
     if lay.kv is None:
       kv = jnp.einsum("btr,rhk->bthk", lat[..., :r], wkv_b)                    # [B, T, H, nope + v]
     else:                                              # CP: gather the latent, not K and V
       gathered = _kv_gather_axes(lat, spec)          # K/V stay partial sums over these
       lat = _gather_kv(lat, spec)                                              # [B, T, Rkv + rope]
       kv = sharding.partial_einsum("btr,rhk->bthk", lat[..., :r], wkv_b, gathered)
-      k_pos = jax.reshard(positions, lay.kv_pos)                               # [B, T]
-    o = attention_lib.attend(q_n, kv[..., :nope], kv[..., nope:], positions, k_pos, scale,
+    o = attention_lib.attend(q_n, kv[..., :nope], kv[..., nope:], positions, pos.k, scale,
                              cfg.attention_impl, cfg.attention_chunk, q_r=q_r,
                              k_r=lat[..., r:], ordered=lay.kv is None)         # [B, S, H, 1, v]
   return jnp.einsum("bshv,hvd->bsd", o[:, :, :, 0], w("wo", "attn_o"),
@@ -462,22 +479,22 @@ def swiglu(p, x, lay: Layout, roles=("shared_in", "shared_out")):
   return jnp.einsum("bsf,fd->bsd", h, wo, out_sharding=lay.row)
 
 
-def block(x, lp, positions, cfg: Config, lay: Layout):
+def block(x, lp, pos: Positions, cfg: Config, lay: Layout):
   """One decoder layer. x [B, S, D], lp: one layer's params -> (x [B, S, D], its router stats);
   a dense layer (lp has "mlp", no "moe") returns no stats."""
   h = rms_norm(x, lay.use("attn_norm", lp["attn_norm"]), cfg.norm_eps)      # residual layout
-  x = x + lay.scatter_out(attention(lp["attn"], h, positions, cfg, lay))
+  x = x + lay.scatter_out(attention(lp["attn"], h, pos, cfg, lay))
   h = rms_norm(x, lay.use("mlp_norm", lp["mlp_norm"]), cfg.norm_eps)      # residual layout
   if "mlp" in lp:                                                   # a leading dense layer
     return x + lay.scatter_out(swiglu(lp["mlp"], lay.gather_in(h), lay,
                                       ("dense_in", "dense_out"))), None
   if lay.moe_in_residual:                      # the MoE in the residual layout, the shared alone
-    y, stats = lay.moe(lp["moe"], h, positions)
+    y, stats = lay.moe(lp["moe"], h, pos.x)
     if "shared" in lp:
       y = y + lay.scatter_out(swiglu(lp["shared"], lay.gather_in(h), lay))
     return x + y, stats
   h = lay.gather_in(h)
-  y, stats = lay.moe(lp["moe"], h, positions)
+  y, stats = lay.moe(lp["moe"], h, pos.q)
   if "shared" in lp:
     y = y + swiglu(lp["shared"], h, lay)
   return x + lay.scatter_out(y), stats
@@ -493,10 +510,12 @@ def remat(body, cfg: Config):
 
 
 def dense_prefix(x, params, positions, cfg: Config, lay: Layout):
-  """The leading dense layers (none unless cfg.first_k_dense_replace): x [B, S, D] -> [B, S, D]."""
+  """The leading dense layers (none unless cfg.first_k_dense_replace): x [B, S, D] -> [B, S, D].
+  positions: [B, S] or their Positions."""
   if "dense_layers" not in params:
     return x
-  body = remat(lambda x, lp: (block(x, lp, positions, cfg, lay)[0], None), cfg)
+  pos = layer_positions(positions, lay)                  # once, outside the scan and its remat
+  body = remat(lambda x, lp: (block(x, lp, pos, cfg, lay)[0], None), cfg)
   return jax.lax.scan(body, x, params["dense_layers"])[0]
 
 
@@ -511,9 +530,11 @@ def moe_stack(x, layers, positions, cfg: Config, lay: Layout, mask=None):
   """x [B, S, D] through a stack of MoE layers (stacked params `layers`, one `block` scanned)
   -> (x, router stats {name: [rows, ...]}). mask [rows] bool (default: slot_mask(cfg), for the
   whole stack): a False row is a padding slot, its block computed and discarded (x passes
-  through unchanged, its stats are zeros, its parameters get zero gradients)."""
+  through unchanged, its stats are zeros, its parameters get zero gradients). positions: [B, S]
+  or their Positions."""
   mask = slot_mask(cfg) if mask is None else mask
-  body = remat(lambda x, lp: block(x, lp, positions, cfg, lay), cfg)
+  pos = layer_positions(positions, lay)                  # once, outside the scan and its remat
+  body = remat(lambda x, lp: block(x, lp, pos, cfg, lay), cfg)
   if mask is None:
     return jax.lax.scan(body, x, layers)
 
@@ -529,7 +550,8 @@ def forward(params, batch, cfg: Config, lay: Layout):
   """-> (logits [B, S, V], router stats {name: [L_moe, ...]}). Each kind of layer is one `block`
   scanned over its stacked params (the dense prefix, then the MoE layers): compile time does not
   grow with depth."""
-  tokens, positions = batch["tokens"], batch["positions"]
+  tokens = batch["tokens"]
+  positions = layer_positions(batch["positions"], lay)     # each layout's, once per step
   params = lay.params(params)
   embed = use(lay, "embed", params["embed"], cfg.dtype)
   x = embed.at[tokens].get(out_sharding=lay.x)                                 # [B, S, D] cfg.dtype

@@ -17,9 +17,10 @@ all-gather path does once for the whole sequence):
   each d(kv) home. dq stays where its queries are; expand's weight gradient is each device's
   partial sum over its own queries, handed back unreduced (the weight gather's backward sums it).
 
-Positions do not travel: the keys' positions [B, S] (int32) are all-gathered over the ring axes
-before it (the same values in every layer: XLA hoists the gather out of the layer scan, once per
-step), and each visit slices its block's owner's out of them.
+Positions do not travel: each device holds the keys' positions [B, S] (int32) of the whole
+sequence, and each visit slices its block's owner's out of them. The model passes them whole
+(modeling.model.layer_positions: all-gathered over the ring axes once per step, before the layer
+scans); ring_attend gathers split ones itself.
 
 Bytes per layer and device (kv = one block of `kv`):
   forward (n - 1) kv; backward (n - 1) kv + n d(kv) (float32)
@@ -64,16 +65,16 @@ F32 = jnp.float32
 
 def ring_attend(q, kv, w, expand, q_pos, k_pos, scale, chunk, axes, q_r=None, balanced=False):
   """Causal attention of q [B, S@axes, KV, G, Dq] (q_pos [B, S@axes]) to the whole sequence,
-  whose blocks kv (a pytree of [B, S@axes, ..] arrays, positions k_pos [B, S@axes]) travel
-  around the ring `axes`. expand(kv, w) -> (k [B, s, KV, Dq], v [B, s, KV, Dv], k_r [B, s, Dr]
+  whose blocks kv (a pytree of [B, S@axes, ..] arrays) travel around the ring `axes`; k_pos
+  [B, S] their positions, whole or split over axes as q_pos (gathered here). expand(kv, w) -> (k [B, s, KV, Dq], v [B, s, KV, Dv], k_r [B, s, Dr]
   or None) makes a block's keys and values from what travels and the weights w (a pytree; ()
   when kv already is (k, v)). q_r [B, S@axes, KV, G, Dr]: MLA's decoupled RoPE query.
-  balanced=True promises q_pos = k_pos in the load-balanced order (layout/context.py: ring rank
+  balanced=True promises the keys' positions are the queries' in the load-balanced order (layout/context.py: ring rank
   r holds chunks r and 2n-1-r of 2n contiguous chunks): each visit then computes only the
   half-blocks the causal mask leaves (the module docstring, "Balanced").
   -> o [B, S@axes, KV, G, Dv] in v's dtype."""
   batch = (tuple(_spec(k_pos)) + (None,))[0]
-  k_all = jax.reshard(k_pos, P(batch, None))          # [B, S] @ (batch, None): all-gathered once
+  k_all = jax.reshard(k_pos, P(batch, None))          # [B, S] @ (batch, None): whole sequences
   return _ring(scale, chunk, tuple(axes), expand, bool(balanced), q, q_r, kv, w, q_pos, k_all)
 
 

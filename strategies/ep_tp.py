@@ -291,7 +291,7 @@ def layout(cfg, mesh, opts):
 
   def moe_folded(p, h, positions):       # h [B, S@expert, D] normed, the residual layout
     p, _ = moe_stored(p, cfg, TOKENS)     # experts [E@expert, D, F] as stored
-    pos = jax.reshard(positions, P(DATA, EXPERT))                  # [B, S@expert]: a local slice
+    pos = jax.reshard(positions, P(DATA, EXPERT))   # [B, S@expert] (model.block's already are)
     return ep.moe_ep(p, h, pos, cfg, ep_axes=(EXPERT,),           # y [B, S@expert, D]
                      gather_sequence=gather_seq)
 
