@@ -37,8 +37,9 @@ A strategy does not rewrite the model. It hands `forward` a `Layout`:
          Defaults: identity, identity, row_out = x: the forward of every other strategy is the
          same program as without these hooks.
   moe_in_residual: moe reads the normed h (and its positions) in the residual layout x, not
-         gather_in's, and returns y in that layout; only the shared expert goes through gather_in / row_out / scatter_out
-         (ep_tp's exchange=folded: the MoE exchanges the sequence-parallel tokens itself).
+         gather_in's, and returns y in that layout; only the shared expert goes through
+         gather_in / row_out / scatter_out (ep_tp's exchange=folded: the MoE exchanges the
+         sequence-parallel tokens itself).
 The reference passes Layout() with moe=the dense oracle and no shardings.
 """
 from __future__ import annotations
@@ -351,8 +352,9 @@ class Positions(NamedTuple):
   """A batch's positions [B, S] (int32) in each layout a layer reads them: q as the batch (the
   queries, the MoE's tokens), x as the residual (Layout.x: MLA's token-local RoPE key, the
   folded MoE), k as the keys (Layout.kv_pos: cp's whole sequence, all-gathered). Made once per
-  step before the layer scans, outside their remat (layer_positions): made inside, XLA hoisted
-  the reshards out of the loop in some programs and not in others (bf16 with remat)."""
+  step before the layer scans, outside their remat (layer_positions), so that no layer reshards
+  them: inside a scanned, rematted block XLA hoists such a reshard out of the loop in some
+  programs and repeats it per layer in others (bf16), which would put its bytes at its whim."""
   q: Any
   x: Any
   k: Any

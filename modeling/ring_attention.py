@@ -66,12 +66,13 @@ F32 = jnp.float32
 def ring_attend(q, kv, w, expand, q_pos, k_pos, scale, chunk, axes, q_r=None, balanced=False):
   """Causal attention of q [B, S@axes, KV, G, Dq] (q_pos [B, S@axes]) to the whole sequence,
   whose blocks kv (a pytree of [B, S@axes, ..] arrays) travel around the ring `axes`; k_pos
-  [B, S] their positions, whole or split over axes as q_pos (gathered here). expand(kv, w) -> (k [B, s, KV, Dq], v [B, s, KV, Dv], k_r [B, s, Dr]
-  or None) makes a block's keys and values from what travels and the weights w (a pytree; ()
-  when kv already is (k, v)). q_r [B, S@axes, KV, G, Dr]: MLA's decoupled RoPE query.
-  balanced=True promises the keys' positions are the queries' in the load-balanced order (layout/context.py: ring rank
-  r holds chunks r and 2n-1-r of 2n contiguous chunks): each visit then computes only the
-  half-blocks the causal mask leaves (the module docstring, "Balanced").
+  [B, S] their positions, whole or split over axes as q_pos (gathered here). expand(kv, w) ->
+  (k [B, s, KV, Dq], v [B, s, KV, Dv], k_r [B, s, Dr] or None) makes a block's keys and values
+  from what travels and the weights w (a pytree; () when kv already is (k, v)).
+  q_r [B, S@axes, KV, G, Dr]: MLA's decoupled RoPE query. balanced=True promises the keys'
+  positions are the queries' in the load-balanced order (layout/context.py: ring rank r holds
+  chunks r and 2n-1-r of 2n contiguous chunks): each visit then computes only the half-blocks
+  the causal mask leaves (the module docstring, "Balanced").
   -> o [B, S@axes, KV, G, Dv] in v's dtype."""
   batch = (tuple(_spec(k_pos)) + (None,))[0]
   k_all = jax.reshard(k_pos, P(batch, None))          # [B, S] @ (batch, None): whole sequences
