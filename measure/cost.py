@@ -297,8 +297,7 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None,
   The router bias gets no gradient (stop_gradient), hence no traffic."""
   from modeling import model
   gathered, grads = gathered or {}, grads or {}
-  leaves = jax.tree_util.tree_flatten_with_path(
-      model.init_params_shapes(cfg), is_leaf=lambda l: isinstance(l, model.ShapeLeaf))[0]
+  leaves = model.param_leaves(cfg, with_paths=True)
   flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   out = []
   for (path, leaf), spec in zip(leaves, flat_specs):

@@ -224,9 +224,12 @@ def layer_params(params: dict, i: int) -> dict:
   return jax.tree.map(lambda a: a[i], params["layers"])
 
 
-def param_leaves(cfg: Config) -> list:
-  """The ShapeLeaf(shape, role) of every parameter, in pytree order."""
-  return jax.tree.leaves(init_params_shapes(cfg), is_leaf=lambda l: isinstance(l, ShapeLeaf))
+def param_leaves(cfg: Config, with_paths: bool = False) -> list:
+  """The ShapeLeaf(shape, role) of every parameter, in pytree order; with_paths: (key path,
+  leaf) pairs, the path's first key naming the leaf's group ("embed", "layers", ...)."""
+  flat = jax.tree_util.tree_flatten_with_path(init_params_shapes(cfg),
+                                              is_leaf=lambda l: isinstance(l, ShapeLeaf))[0]
+  return flat if with_paths else [leaf for _, leaf in flat]
 
 
 def param_counts(cfg: Config) -> tuple[int, int]:

@@ -577,8 +577,8 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
               mems[o_cfg, opts] = cost.param_memory(o_shapes, strat.param_specs(o_cfg, mesh, opts),
                                                     mesh, cfg.optimizer)
             o_mem = mems[o_cfg, opts]
-            raw = strat.cost(per_microbatch(name, base), mesh, opts)
             lay = strat.layout(base, mesh, opts)
+            raw = strat.cost(cost.microbatch(base, lay), mesh, opts)   # what cost.finish reads
             for remat in remats:
               c_cfg = base.replace(remat=remat)
               terms = cost.finish(raw, c_cfg, mesh, lay)     # measure.cost.step_terms on raw
