@@ -38,8 +38,10 @@ Per candidate, per device:
              saved_none_gathered the backward rather than gather again)
              work_rows_d       one MoE layer's expert rows, R x D x 4, and at the expert's
              work_rows_f         hidden width, R x F_local x 4
-             work_rows_tokens  R x T bytes: temp grows by about 4 x R x T bytes whatever D, F
-                               and E (measured); which op holds it is not traced
+             work_res          one pass's residual-width working set, T x D x 4: temp grows
+                               linearly in the tokens a device holds, at fixed D, F and E,
+                               beyond the expert rows' terms (measured: planning/full_scale.json's
+                               batch sweep on 8 devices)
              pp_weights        pp: the weights a stage uses, each a copy in the compute dtype
                                plus its gradient sum, both live through the time loop
                                (strategies/pp.py): those its _use gathers once per step (over
@@ -66,7 +68,7 @@ Per candidate, per device:
                                size (but zero1's gathered leaves': step_weights); the other
                                terms are one microbatch's (B/M sequences)
            T = tokens per device in the residual stream (pp: logits, attn_chunk and
-           work_rows_tokens count one pass's, T/M, the microbatch it runs at a time; gpipe's
+           work_res count one pass's, T/M, the microbatch it runs at a time; gpipe's
            and interleaved's logits the step's T, which autodiff of the head's map keeps);
            R = rows of one MoE layer's expert
            computation on a device (the padded exchange buffer EP x C where tokens move by
@@ -74,8 +76,9 @@ Per candidate, per device:
            activations a device keeps (pp: rows / P x (M + P - 1) / M + the dense prefix under
            gpipe, (rows / P + the prefix) x min(M, P) / M under 1f1b, (vM + P - 1) / vM
            under interleaved).
-           Not terms: the gathered (pre-reduction) gradients and a residual-sized working set
-           each got weight 0 when fitted beside these.
+           Not terms: the gathered (pre-reduction) gradients (weight 0 when fitted beside
+           these), and R x T (rows by tokens: 0.05 beside work_res's 6.2 when both were
+           offered; it grows as T^2 where XLA's temp grows linearly in T).
            XLA's temp is that of the step as a training loop runs it, its params and optimizer
            state donated (runtime/train.py compiles compile-only steps so): without donation XLA
            uses the outputs' buffers as scratch, and its temp leaves out up to a copy of the
@@ -86,22 +89,26 @@ Per candidate, per device:
            0.69 and DeepSeek-V3's 1f1b rows at 0.84 and 0.88), step_weights at 1 (above); the
            rest fitted by non-negative
            least squares on relative error to XLA:CPU's temp bytes of 33 compiled steps on 8
-           devices and 23 full-scale candidates (`python -m planning.calibrate
+           devices and 39 larger candidates (`python -m planning.calibrate
            --with=planning/full_scale.json`). The 33: --gmm=scan, bf16, small models shaped like
            Mixtral-8x7B and DeepSeek-V2-Lite (F at 1, 2 and 3.5 x D, vocabularies of 8,000 to
            64,000), pp under gpipe and 1f1b, gradient accumulation at M = 2, the other options
-           at their defaults. The 23 (planning/full_scale.json, written by bench/plan_memory.py
+           at their defaults. The 39 (planning/full_scale.json, written by bench/plan_memory.py
            --save): Mixtral-8x7B on 64 devices, every strategy's best layout, remat none, pp's
-           schedules, accumulation at batch 512, and DeepSeek-V3's pp layouts on 2,048. Why
-           both: XLA's temp is the live set at its peak, which falls in one phase (the head's
-           gathered tables and logits, or one MoE layer's expert rows, over the saved
-           activations), and a sum of terms fitted where another phase peaks mis-weighs it:
-           fitted on the 33 alone, Mixtral's ep at batch 512 came out at 1.11 and DeepSeek-V3's
-           1f1b at 0.88. On the 33 the fit is within -10% .. +20% of XLA's total (30 within
-           10%); on the 23, 21 within 10%: the misses are pp 1f1b with remat none (0.88), whose
-           S = 4096 activations the small steps do not show, and DeepSeek-V3's gpipe at M = 120
-           (0.74). Held out (README, "Planner"): tests/test_plan.py's small
-           grid and the planner's picks, at 0.946 .. 0.995.
+           schedules, accumulation at batch 512, DeepSeek-V3's pp layouts on 2,048, and a batch
+           sweep (2-layer Mixtral-8x7B on 8 devices, batch 16 to 128, ep, ep_x_tp EP4 x TP2, tp
+           and fsdp: T from 8,192 to 131,072 tokens per device). Why all three: XLA's temp is
+           the live set at its peak, which falls in one phase (the head's gathered tables and
+           logits, or one MoE layer's expert rows, over the saved activations), and a sum of
+           terms fitted where another phase peaks mis-weighs it: fitted on the 33 alone,
+           Mixtral's ep at batch 512 came out at 1.11 and DeepSeek-V3's 1f1b at 0.88; and the
+           small steps' T (2,048 to 8,192) cannot tell a term linear in T from one in R x T
+           (quadratic), which the sweep can. On the 33 the fit is within -14% .. +22% of XLA's
+           total (27 within 10%); on the 39, 35 within 10%: the misses are pp 1f1b with remat
+           none (0.87), whose S = 4096 activations the small steps do not show, DeepSeek-V3's
+           gpipe at M = 120 (0.72), fsdp with remat none (0.897) and a pp gpipe step (1.111).
+           Held out (README, "Planner"): tests/test_plan.py's small grid and the planner's
+           picks, at 0.941 .. 1.007.
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
@@ -152,11 +159,12 @@ OPTION_GRID = {"cp": {"kv_exchange": ("allgather", "ring")},
 OPTION_EXTRA = {"pp": ({"schedule": "interleaved", "virtual_stages": 2},
                        {"schedule": "1f1b", "virtual_stages": 2})}
 # Fitted by planning/calibrate.py (bytes of temp per byte of feature), saved_block and pp_weights
-# and step_weights held at 1; see the module docstring.
-TEMP_COEF = {"logits": 0.789, "gathered": 1.261, "gathered_head": 1.386, "attn_chunk": 0.892,
-             "saved_none_res": 35.479, "saved_none_routed": 4.192, "saved_none_rows_f": 0.716,
-             "saved_none_gathered": 0.441, "work_rows_d": 5.297, "work_rows_f": 1.429,
-             "work_rows_tokens": 3.155, "grads": 1.100, "grad_accum": 1.241, "saved_block": 1.000,
+# and step_weights held at 1; see the module docstring. attn_chunk fits to 0: at the fitted
+# lengths (S up to 4,096) one key chunk's scores are small beside every row's other terms.
+TEMP_COEF = {"logits": 0.736, "gathered": 1.766, "gathered_head": 0.971, "attn_chunk": 0.000,
+             "saved_none_res": 35.272, "saved_none_routed": 4.648, "saved_none_rows_f": 0.368,
+             "saved_none_gathered": 0.446, "work_rows_d": 7.099, "work_rows_f": 2.201,
+             "work_res": 6.638, "grads": 1.020, "grad_accum": 1.178, "saved_block": 1.000,
              "pp_weights": 1.000, "step_weights": 1.000}
 
 
@@ -339,7 +347,7 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
           "saved_none_rows_f": held * rows * f_loc * cost.act_bytes(cfg) * none,
           "saved_none_gathered": held * gathered * none, "work_rows_d": rows * cfg.d_model * 4,
           "work_rows_f": rows * f_loc * 4,
-          "work_rows_tokens": rows * t_pass,
+          "work_res": t_pass * cfg.d_model * 4,
           "pp_weights": _pp_weight_bytes(name, cfg, mesh, opts),
           "step_weights": wide + (wide if accumulates else once),
           "grads": param_bytes - scattered, "grad_accum": (param_bytes - scattered) * accumulates}
