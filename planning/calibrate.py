@@ -146,15 +146,16 @@ def main() -> None:
   del plan
 
 
-def full_scale_rows(path: str) -> list:
+def full_scale_rows(path: str, keep=None) -> list:
   """The rows bench/plan_memory.py --save wrote (a candidate of a model on N devices, XLA's
   temp bytes) -> [(its features, temp, params + optimizer, label)]: the candidate enumerated
-  again (planning.check.find), its features from the planner's current temp_features."""
+  again (planning.check.find), its features from the planner's current temp_features.
+  keep: a predicate on the saved row (a dict); the rows it refuses are not enumerated."""
   import json
   from modeling.config import get_config
   from planning import check, clusters, plan
   with open(path) as f:
-    saved = json.load(f)
+    saved = [r for r in json.load(f) if keep is None or keep(r)]
   out, enumerated = [], {}
   for r in saved:
     cfg = get_config(r["model"], dtype="bfloat16").replace(batch=r["batch"], **r["over"]).validate()

@@ -339,7 +339,8 @@ def cost(cfg, mesh, opts):
   term = functools.partial(cost_lib.term, mesh)
   # the ring's compaction counts what its buffer would drop (nothing under the worst-case
   # bound, but a count XLA cannot fold): a dropped count per MoE layer
-  terms = (weights + cost_lib.stats_terms(cfg, mesh, TOKENS, (EXPERT,), drops=None if folded else True)
+  drops = None if folded else True
+  terms = (weights + cost_lib.stats_terms(cfg, mesh, TOKENS, (EXPERT,), drops=drops)
            + cost_lib.sequence_parallel_terms(cfg, mesh, EXPERT, t, mlp)
            + term("all-gather", "fwd", "routing ids + weights (ring's MoE layers)",
                   0 if folded else n_moe * ids + route, EXPERT, cost_lib.RECOMPUTED)

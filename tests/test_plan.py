@@ -305,7 +305,7 @@ def test_compiled_verdict_passes_over_what_compiles_over_hbm():
   assert none.startswith("verdict after compiling 1: none fits in 74.5G"), none
 
 
-def test_full_scale_rows_name_admitted_candidates(tmp_path):
+def test_full_scale_rows_name_admitted_candidates():
   """planning/full_scale.json, the full-scale rows of the temp model's fit: every row names a
   candidate the planner admits (its Mixtral rows enumerated again, as calibrate.py does), with
   the temp terms of the head's tables and the expert rows at the hidden width."""
@@ -316,10 +316,9 @@ def test_full_scale_rows_name_admitted_candidates(tmp_path):
   with open(path) as f:
     saved = json.load(f)
   assert len(saved) >= 20 and all(check.parse(r["candidate"]) for r in saved)
-  mixtral = [r for r in saved if r["model"] == "mixtral-8x7b" and r["batch"] == 64]
-  small = tmp_path / "rows.json"
-  small.write_text(json.dumps(mixtral))
-  rows = calibrate.full_scale_rows(str(small))
+  is_mixtral = lambda r: r["model"] == "mixtral-8x7b" and r["batch"] == 64
+  mixtral = [r for r in saved if is_mixtral(r)]
+  rows = calibrate.full_scale_rows(path, keep=is_mixtral)
   assert len(rows) == len(mixtral) >= 10
   for (features, temp, param_opt, label), r in zip(rows, mixtral):
     assert label.endswith(r["candidate"]) and temp == r["temp"] and param_opt > 0
@@ -327,27 +326,25 @@ def test_full_scale_rows_name_admitted_candidates(tmp_path):
     assert routed and (features["gathered_head"] > 0) == ("fsdp:" in r["candidate"]), label
 
 
-def test_temp_model_holds_the_batch_sweep(tmp_path):
+def test_temp_model_holds_the_batch_sweep():
   """planning/full_scale.json's batch sweep (a 2-layer Mixtral-8x7B on 8 devices at batch 16 to
   128: 8,192 to 131,072 tokens per device, XLA's temp bytes saved): the planner's memory is
   within 10% of every row's, and doubling the batch adds about twice what the previous doubling
   added, as XLA's temp does. A term in R x T (expert rows by tokens) grows as T^2: it
   over-predicted batch 128 by 2x."""
-  import json
   import os
   from planning import calibrate
-  with open(os.path.join(os.path.dirname(plan.__file__), "full_scale.json")) as f:
-    sweep = [r for r in json.load(f) if r["devices"] == 8]
-  assert sorted({r["batch"] for r in sweep}) == [16, 32, 64, 128] and len(sweep) == 16
-  rows = tmp_path / "sweep.json"
-  rows.write_text(json.dumps(sweep))
+  path = os.path.join(os.path.dirname(plan.__file__), "full_scale.json")
+  rows = calibrate.full_scale_rows(path, keep=lambda r: r["devices"] == 8)
   by_name = {}
-  for features, temp, param_opt, label in calibrate.full_scale_rows(str(rows)):
+  for features, temp, param_opt, label in rows:          # "MODEL N=8 B=16 n_layers=2 CANDIDATE"
     pred = plan.predict_temp(features)
     assert abs((pred + param_opt) / (temp + param_opt) - 1) <= MEMORY_RTOL, label
-    by_name.setdefault(label.split()[-1], []).append(pred)
-  for name, preds in by_name.items():
-    steps = [b - a for a, b in zip(preds, preds[1:])]
+    by_name.setdefault(label.split()[-1], []).append((int(label.split()[2][2:]), pred))
+  assert len(by_name) == 4 and len(rows) == 16, sorted(by_name)
+  for name, points in by_name.items():
+    assert [b for b, _ in points] == [16, 32, 64, 128], (name, points)
+    steps = [b - a for (_, a), (_, b) in zip(points, points[1:])]
     assert all(1.5 < b / a < 2.5 for a, b in zip(steps, steps[1:])), (name, steps)
 
 
