@@ -64,19 +64,6 @@ def test_sequence_parallel_exchanges_each_ranks_own_tokens():
   assert all(op.bytes <= 4 * cfg.d_model * 8 for op in on_tensor("all-reduce")), on_tensor("all-reduce")
 
 
-def test_sequence_parallel_zero1_bf16_microbatches():
-  """sequence_parallel with zero1 in bf16 with --microbatches=2, one compile: the bf16
-  reference's losses, gradients and updates (zero1's gathers move bf16, its reduce-scatters sum
-  float32, once per step: the microbatches' gradients summed in float32 first), their contract,
-  and the cost model per (kind, axes) within 1% in bf16 bytes."""
-  ep_x_tp = strategies.get(NAME)
-  opts, mesh = ep_x_tp.Options(sequence_parallel=True, zero1=True), "data:2,expert:2,tensor:2"
-  cfg = get_config("deepseek-test", microbatches=2)
-  parity.check_bf16(NAME, cfg, mesh, opts=opts)
-  parity.assert_contract(NAME, parity.bf16_config(cfg), mesh, opts)
-  parity.assert_cost_model(NAME, parity.bf16_config(cfg), mesh, opts)
-
-
 def test_zero1_stores_the_matrices_over_data_and_gathers_them_once_per_step():
   """zero1 (Megatron's distributed optimizer) on the table's tiny mesh: the step's arguments
   (float32 params and AdamW state) are smaller by exactly what measure.cost.param_memory says,

@@ -29,7 +29,7 @@ def dead_expert_init(cfg):
 
 MODE_EP = strategies.get("shard_exp_on_fsdp").Options(mode="ep")
 CASES = [("ep", dict(capacity_factor=1.0), "data:2,expert:4", None),
-         ("ep_as_cp", {}, "fsdp:2,expert:4", None),
+         ("ep_as_cp", dict(capacity_factor=1.0), "fsdp:2,expert:4", None),
          ("shard_exp_on_fsdp", dict(capacity_factor=1.0), "fsdp:2,expert:4", MODE_EP),
          ("ep_tp", dict(capacity_factor=1.0), "data:4,expert:2", None),
          ("pp", dict(capacity_factor=1.0), "stage:2,expert:4", None)]
