@@ -75,3 +75,33 @@ def pytest_xdist_make_scheduler(config, log):
       return group_of(nodeid)
 
   return ByGroup(config, log)
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+      "--rows", choices=("all", "first"), default="all",
+      help="first: every test, but a parametrized one on its first row only, and the strategy "
+           "table (tests/test_strategies.py) on each strategy's first row: .ci/run's run on the "
+           "oldest supported jax, where the whole suite runs on the newest")
+
+
+def first_rows(items) -> tuple[list, list]:
+  """--rows=first: (kept, deselected). A test function's rows are keyed by its function, and in
+  the strategy table by (function, strategy) too; the first item of each key is kept."""
+  seen, keep, drop = set(), [], []
+  for item in items:
+    spec = getattr(item, "callspec", None)
+    if spec is None:
+      keep.append(item)
+      continue
+    key = (item.nodeid.split("[", 1)[0],
+           spec.params.get("name") if item.path.name == "test_strategies.py" else None)
+    (drop if key in seen else keep).append(item)
+    seen.add(key)
+  return keep, drop
+
+
+def pytest_collection_modifyitems(config, items):
+  if config.getoption("rows") == "first":
+    items[:], drop = first_rows(items)
+    config.hook.pytest_deselected(items=drop)
