@@ -74,3 +74,25 @@ def test_bad_input(name, bad):
   with pytest.raises(ConfigError) as e:
     strat.check(get_config("tiny", **bad.overrides), mesh, bad.opts)
   assert str(e.value) == bad.message
+
+
+def test_first_rows_keep_every_strategys_first_table_row():
+  """.ci/run's run on the oldest jax (--rows=first, tests/conftest.py: first_rows): a
+  parametrized test keeps its first row, the table keeps each strategy's first row, a test
+  without rows is kept."""
+  from pathlib import Path
+  from types import SimpleNamespace
+
+  from tests import conftest
+
+  def item(nodeid, **params):
+    return SimpleNamespace(nodeid=nodeid, path=Path(nodeid.split("::")[0]),
+                           callspec=SimpleNamespace(params=params) if params else None)
+
+  table, other = "tests/test_strategies.py::test_parity", "tests/test_remat.py::test_parity"
+  items = [item(f"{table}[ep-a]", name="ep"), item(f"{table}[ep-b]", name="ep"),
+           item(f"{table}[fsdp-a]", name="fsdp"), item(f"{other}[ep]", name="ep"),
+           item(f"{other}[fsdp]", name="fsdp"), item("tests/test_cli.py::test_metrics_file")]
+  keep, drop = conftest.first_rows(items)
+  assert [i.nodeid for i in keep] == [items[k].nodeid for k in (0, 2, 3, 5)]
+  assert [i.nodeid for i in drop] == [items[k].nodeid for k in (1, 4)]
