@@ -12,8 +12,9 @@ import strategies
 from tests import parity
 
 # (strategy, model, mesh, options): every registered strategy, each on its richest composition.
-# The strategies that split attention (cp, ep_as_cp, tp) and pp run deepseek-test (MLA, a dense
-# layer, groups, a shared expert, the bias update); the rest tiny. fsdp, cp and ep_as_cp have a
+# The strategies that split attention (cp, ep_as_cp, tp, ep_tp, ep_x_tp) and pp run deepseek-test
+# (MLA, a dense layer, groups, a shared expert, the bias update); dp, fsdp, ep and
+# shard_exp_on_fsdp tiny. fsdp, cp and ep_as_cp have a
 # data axis too, so their gradient sums span two axes; pp one, so its stage weights are gathered
 # over data in bf16 and their gradients reduce-scattered in float32. ep, ep_tp (its folded
 # exchange) recompute (--remat=block) and accumulate microbatches; ep_x_tp runs sequence
