@@ -80,9 +80,9 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_addoption(parser):
   parser.addoption(
       "--rows", choices=("all", "first"), default="all",
-      help="first: every test, but a parametrized one on its first row only, and the strategy "
-           "table (tests/test_strategies.py) on each strategy's first row: .ci/run's run on the "
-           "oldest supported jax, where the whole suite runs on the newest")
+      help="first: every test collected, but a parametrized one on its first row only, and the "
+           "strategy table (tests/test_strategies.py) on each strategy's first row: .ci/run's "
+           "run of its version-sensitive files on the oldest supported jax")
 
 
 def first_rows(items) -> tuple[list, list]:

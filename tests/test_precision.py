@@ -14,14 +14,13 @@ from tests import parity
 # (strategy, model, mesh, options): every registered strategy, each on its richest composition.
 # The strategies that split attention (cp, ep_as_cp, tp, ep_tp, ep_x_tp) and pp run deepseek-test
 # (MLA, a dense layer, groups, a shared expert, the bias update); dp, fsdp, ep and
-# shard_exp_on_fsdp tiny. fsdp, cp and ep_as_cp have a
-# data axis too, so their gradient sums span two axes; pp one, so its stage weights are gathered
-# over data in bf16 and their gradients reduce-scattered in float32. ep, ep_tp (its folded
-# exchange) recompute (--remat=block) and accumulate microbatches; ep_x_tp runs sequence
-# parallelism with zero1 (its gathers move bf16, its reduce-scatters sum the microbatches'
-# float32 gradients once per step); ep_as_cp its ring K/V exchange (MLA's latent around the ring
-# in bf16); cp its all-gather; pp its 1f1b schedule (its explicit per-stage vjp; interleaved
-# with remat: tests/test_pp.py).
+# shard_exp_on_fsdp tiny. fsdp, cp and ep_as_cp have a data axis too, so their gradient sums span
+# two axes; pp one, so its stage weights are gathered over data in bf16 and their gradients
+# reduce-scattered in float32. ep, ep_tp (its folded exchange) recompute (--remat=block) and
+# accumulate microbatches; ep_x_tp runs sequence parallelism with zero1 (its gathers move bf16,
+# its reduce-scatters sum the microbatches' float32 gradients once per step); ep_as_cp its ring
+# K/V exchange (MLA's latent around the ring in bf16); cp its all-gather; pp its 1f1b schedule
+# (its explicit per-stage vjp; interleaved with remat: tests/test_pp.py).
 TINY = get_config("tiny")
 DEEPSEEK = get_config("deepseek-test")
 _PP, _EP_TP, _EP_X_TP = (strategies.get(n) for n in ("pp", "ep_tp", "ep_x_tp"))
@@ -30,7 +29,8 @@ ROWS = {
     "fsdp": (TINY, "data:2,fsdp:4", None),
     "cp": (DEEPSEEK, "data:2,context:4", None),
     "ep": (TINY.replace(remat="block", microbatches=2, batch=16), "data:2,expert:4", None),
-    "ep_as_cp": (DEEPSEEK, "data:2,expert:4", strategies.get("ep_as_cp").Options(kv_exchange="ring")),
+    "ep_as_cp": (DEEPSEEK, "data:2,expert:4",
+                 strategies.get("ep_as_cp").Options(kv_exchange="ring")),
     "tp": (DEEPSEEK, "data:4,tensor:2", None),
     "shard_exp_on_fsdp": (TINY, "fsdp:2,expert:4", None),
     "ep_tp": (DEEPSEEK.replace(remat="block", microbatches=2), "data:2,expert:4", _EP_TP.FOLDED),
@@ -62,8 +62,9 @@ def _bytes(name, **kw) -> dict:
   return {k: v["bytes"] for k, v in hlo.collective_stats_by_axes(j.hlo, j.mesh).items()}
 
 
-# (strategy, kind, axes, bf16 / float32 bytes), on ROWS' model and mesh: activations and gathered weights halve
-# (a little over where float32 / int32 rides along: the router, routing ids); the weight
+# (strategy, kind, axes, bf16 / float32 bytes), on ROWS' model and mesh: activations and
+# gathered weights halve (a little over where float32 / int32 rides along: the router, routing
+# ids); the weight
 # gradients' sums stay float32. Measured against a float32 compile of the same program, for an
 # exchange (ep) and a weight gather (fsdp); every strategy's bf16 bytes per (kind, axes) are
 # held to its cost model, which prices activations at 2 bytes, by the test above
