@@ -150,7 +150,8 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
   elif not cfg.mixed:
     once = [t for t in step if (is_weight_gather(t) and (weight_role(t) in OUTSIDE_ROLES or (
         t.params == "dense_layers" and cfg.first_k_dense_replace == 1))) or t.what == HOISTED]
-  step = [t for t in step if t not in once]
+  once_ids = {id(t) for t in once}    # `once` takes every term its predicates name: equal ones too
+  step = [t for t in step if id(t) not in once_ids]
   pass1 = []
   if counts_pass(cfg):
     stats = lambda ts, which: [dataclasses.replace(t, bytes=stats_bytes(cfg, which))

@@ -213,8 +213,11 @@ def init_params(cfg: Config, seed: int | None = None) -> dict:
   return _stack(_param_tree(cfg, leaf), np.stack)
 
 
+@functools.lru_cache(maxsize=1024)
 def init_params_shapes(cfg: Config) -> dict:
-  """The param pytree with ShapeLeaf(shape, role) leaves (for spec trees and cost models)."""
+  """The param pytree with ShapeLeaf(shape, role) leaves (for spec trees and cost models). One
+  tree per Config, shared by every caller (the planner asks for it per candidate): read it, never
+  assign into it."""
   return _stack(_param_tree(cfg, lambda shape, fan_in, role: ShapeLeaf(shape, role)),
                 lambda ls: ShapeLeaf((len(ls),) + ls[0].shape, ls[0].role))
 
@@ -232,6 +235,7 @@ def param_leaves(cfg: Config, with_paths: bool = False) -> list:
   return flat if with_paths else [leaf for _, leaf in flat]
 
 
+@functools.lru_cache(maxsize=1024)
 def param_counts(cfg: Config) -> tuple[int, int]:
   """(total, activated per token) parameters, from the declarations. Activated: what one token's
   forward multiplies by: every weight but the routed experts, top_k of the n_experts routed
@@ -261,7 +265,15 @@ def param_specs(cfg: Config, table: dict, layer_axis=None, dense_table=None) -> 
   -> the spec pytree of the params; layer roles get the leading [L] dim: the MoE stack's sharded
   over `layer_axis` (pipeline stages) or not at all, the dense prefix's never. dense_table: the
   dense prefix's own role table (pp splits its matrices over every stage, as the embedding's),
-  else `table`."""
+  else `table`. One tree per (cfg, tables, layer_axis), shared as init_params_shapes' is."""
+  frozen = lambda tbl: None if tbl is None else tuple(sorted(tbl.items()))
+  return _param_specs(cfg, frozen(table), layer_axis, frozen(dense_table))
+
+
+@functools.lru_cache(maxsize=4096)
+def _param_specs(cfg: Config, table: tuple, layer_axis, dense_table: tuple | None) -> dict:
+  table, dense_table = dict(table), None if dense_table is None else dict(dense_table)
+
   def spec(axis, tbl):
     return lambda leaf: (P(axis, *tbl.get(leaf.role, P())) if leaf.role in LAYER_ROLES
                          else tbl.get(leaf.role, P()))

@@ -493,12 +493,19 @@ def predict_temp(features: dict) -> float:
   return sum(TEMP_COEF[k] * v for k, v in features.items())
 
 
-def _axes_inside(axes, inner) -> bool:
-  return all(a in inner for a in axes)
+def link_loads(terms) -> tuple:
+  """A step's cost terms summed per collective: (("kind over axes", axes, wire bytes a device
+  sends), ...), in the order the terms first name them; what `timing` prices on each placement."""
+  loads: dict = {}
+  for x in terms:
+    key = (f"{x.kind} over {','.join(x.axes)}", x.axes)
+    loads[key] = loads.get(key, 0.0) + x.wire_bytes
+  return tuple((key, axes, b) for (key, axes), b in loads.items())
 
 
-def timing(c: Candidate, cfg, terms, cluster, efficiency: float) -> None:
-  """Fill c's compute, communication, dominant collective, tokens/s and MFU (module docstring)."""
+def timing(c: Candidate, cfg, loads, cluster, efficiency: float) -> None:
+  """Fill c's compute, communication, dominant collective, tokens/s and MFU (module docstring).
+  loads: link_loads of the step's cost terms."""
   model_flops = flops_per_step(cfg)
   n = math.prod(s for _, s in c.sizes)
   # forward + backward = 3 forwards; remat block recomputes one, and gradient accumulation's
@@ -524,10 +531,9 @@ def timing(c: Candidate, cfg, terms, cluster, efficiency: float) -> None:
     work *= (1 - _dense_flops_share(cfg)) * pipe + _dense_flops_share(cfg) * p
   c.compute_s = work / (efficiency * cluster.peak_flops)
   per_key: dict = {}
-  for x in terms:
-    bw = cluster.intra_bw if _axes_inside(x.axes, c.inner) else cluster.inter_bw
-    key = f"{x.kind} over {','.join(x.axes)}"
-    per_key[key] = per_key.get(key, 0.0) + x.wire_bytes / bw
+  for key, axes, wire in loads:         # NVLink where every axis of the group is inside a node
+    bw = cluster.intra_bw if all(a in c.inner for a in axes) else cluster.inter_bw
+    per_key[key] = per_key.get(key, 0.0) + wire / bw
   c.comm_s = sum(per_key.values())
   if per_key:
     c.dominant, c.dominant_s = max(per_key.items(), key=lambda kv: kv[1])
@@ -589,14 +595,14 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
             raw = strat.cost(cost.microbatch(base, lay), mesh, opts)   # what cost.finish reads
             for remat in remats:
               c_cfg = base.replace(remat=remat)
-              terms = cost.finish(raw, c_cfg, mesh, lay)     # measure.cost.step_terms on raw
+              loads = link_loads(cost.finish(raw, c_cfg, mesh, lay))   # cost.step_terms
               temp = predict_temp(step_features(name, c_cfg, mesh, raw, opts,
                                                 o_mem["param_bytes"]))
               for inner in placements(shape, cluster.node_size):
                 c = Candidate(*key[:3], remat, cf, opts, inner,
                               param_opt=o_mem["param_bytes"] + o_mem["opt_bytes"], temp=temp,
                               layer_layout=o_layers, layer_stages=o_cfg.layer_stages)
-                timing(c, c_cfg, terms, cluster, efficiency)
+                timing(c, c_cfg, loads, cluster, efficiency)
                 c.fits = c.memory <= hbm_bytes
                 out.append(c)
       if progress is not None and time.perf_counter() - last > 2:

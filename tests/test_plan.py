@@ -246,8 +246,8 @@ def test_accumulation_is_enumerated_and_priced_as_the_cost_model():
   assert " M=2 " in two.layout() and " M=" not in one.layout()
   c_cfg = plan.config_for(two, cfg)
   ref = dataclasses.replace(two)
-  plan.timing(ref, c_cfg, cost.step_terms(strategies.get("ep"), c_cfg,
-                                          mesh_lib.abstract_mesh(dict(two.sizes)), two.opts),
+  plan.timing(ref, c_cfg, plan.link_loads(cost.step_terms(
+      strategies.get("ep"), c_cfg, mesh_lib.abstract_mesh(dict(two.sizes)), two.opts)),
               H100, plan.EFFICIENCY)
   assert ref.comm_s == pytest.approx(two.comm_s, rel=1e-12) and two.comm_s > one.comm_s
   assert two.compute_s == pytest.approx(one.compute_s * 5 / 4)   # + pass 1's forwards
