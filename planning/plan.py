@@ -531,7 +531,7 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float) -> None:
     work *= (1 - _dense_flops_share(cfg)) * pipe + _dense_flops_share(cfg) * p
   c.compute_s = work / (efficiency * cluster.peak_flops)
   per_key: dict = {}
-  for key, axes, wire in loads:         # NVLink where every axis of the group is inside a node
+  for key, axes, wire in loads:   # the node's links where every axis of the group lies inside it
     bw = cluster.intra_bw if all(a in c.inner for a in axes) else cluster.inter_bw
     per_key[key] = per_key.get(key, 0.0) + wire / bw
   c.comm_s = sum(per_key.values())
