@@ -498,9 +498,8 @@ def link_loads(terms) -> tuple:
   sends), ...), in the order the terms first name them; what `timing` prices on each placement."""
   loads: dict = {}
   for x in terms:
-    key = (f"{x.kind} over {','.join(x.axes)}", x.axes)
-    loads[key] = loads.get(key, 0.0) + x.wire_bytes
-  return tuple((key, axes, b) for (key, axes), b in loads.items())
+    loads[x.kind, x.axes] = loads.get((x.kind, x.axes), 0.0) + x.wire_bytes
+  return tuple((f"{kind} over {','.join(axes)}", axes, b) for (kind, axes), b in loads.items())
 
 
 def timing(c: Candidate, cfg, loads, cluster, efficiency: float) -> None:

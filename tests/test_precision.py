@@ -64,10 +64,9 @@ def _bytes(name, **kw) -> dict:
 
 # (strategy, kind, axes, bf16 / float32 bytes), on ROWS' model and mesh: activations and
 # gathered weights halve (a little over where float32 / int32 rides along: the router, routing
-# ids); the weight
-# gradients' sums stay float32. Measured against a float32 compile of the same program, for an
-# exchange (ep) and a weight gather (fsdp); every strategy's bf16 bytes per (kind, axes) are
-# held to its cost model, which prices activations at 2 bytes, by the test above
+# ids); the weight gradients' sums stay float32. Measured against a float32 compile of the same
+# program, for an exchange (ep) and a weight gather (fsdp); every strategy's bf16 bytes per
+# (kind, axes) are held to its cost model, which prices activations at 2 bytes, by the test above
 RATIOS = [("ep", "all-to-all", {"expert"}, 0.5, 0.501),                  # tokens (+ counts)
           ("ep", "all-reduce", {"data", "expert"}, 1.0, 1.0),            # grads (+ stats)
           ("fsdp", "all-gather", {"fsdp"}, 0.5, 0.502),                  # weights (+ router)
