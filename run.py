@@ -88,14 +88,34 @@ flags.DEFINE_bool("hlo_stats", False, "with --strategy: print collectives, flops
                   "the compiled step (the comparison table shows them for every strategy)")
 flags.DEFINE_bool("compile_only", False, "compile from abstract shapes and report collectives and "
                   "memory without running (no parameter is allocated); compare mode or --strategy")
+flags.DEFINE_bool("breakdown_all", False, "--breakdown naming every cost term in its 'what' "
+                  "column (implies --breakdown)")
 flags.DEFINE_bool("breakdown", False, "print each strategy's bytes per (kind, axes, phase) and per "
                   "layer: the cost model's named terms beside the compiled program's")
 flags.DEFINE_bool("full_parity", False, "compare mode: hold every gradient and post-step parameter "
                   "to the reference's, not only the losses (Adam eps 1e-5 unless --adam_eps)")
 flags.DEFINE_bool("overwrite_checkpoint", False, "let a run delete the steps of --checkpoint_dir "
                   "its saves would collide with (without it, such a run is refused)")
-flags.DEFINE_float("hbm_gb", None, "with --compile_only: per-device memory (GiB, 2^30 B) to fit in; "
-                   "adds total/dev = params + optimizer + XLA temp, and whether it fits")
+
+
+class MemoryParser(flags.FloatParser):
+  """A memory size -> GiB (2^30 B): a plain number is GiB; a unit says which: 80GB (10^9 B:
+  74.5 GiB), 74.5GiB, 512MiB, 1TB."""
+  UNITS = {"gib": 2**30, "gb": 1e9, "mib": 2**20, "mb": 1e6, "tib": 2**40, "tb": 1e12}
+
+  def parse(self, argument):
+    if isinstance(argument, str):
+      text = argument.strip().lower().replace(" ", "")
+      for unit, size in sorted(self.UNITS.items(), key=lambda u: -len(u[0])):
+        if text.endswith(unit):
+          return super().parse(text[:-len(unit)]) * size / 2**30
+    return super().parse(argument)
+
+
+flags.DEFINE(MemoryParser(), "hbm_gb", None, "with --compile_only (and --plan): per-device memory to fit in, "
+             "in GiB (2^30 B) or with a unit: 80GB (10^9 B = 74.5 GiB, an '80 GB' card), "
+             "74.5GiB, 512MiB; adds total/dev = params + optimizer + XLA temp, and whether it "
+             "fits", serializer=flags.ArgumentSerializer())
 flags.DEFINE_string("report_dir", None, "compare mode: write table.json, table.csv and PNG plots here")
 flags.DEFINE_string("coordinator_address", None, "multi-process: host:port of process 0's "
                     "coordinator (default: $JAX_COORDINATOR_ADDRESS or the cluster's)")
@@ -108,7 +128,9 @@ flags.DEFINE_string("restore", None, "'latest' or a step: resume from --checkpoi
 flags.DEFINE_bool("plan", False, "rank every admissible layout of --model on --devices devices of "
                   "--cluster by predicted step time, among those whose predicted memory fits "
                   "--hbm_gb (default: the cluster's), then compile the best --plan_compile "
-                  "(planning/)")
+                  "(planning/). Given with it, --strategy / --compare, --mesh, --microbatches, "
+                  "--remat (none | block), --capacity_factor, --opt=key=value and --layer_layout "
+                  "(pp only) restrict what it enumerates to their values")
 flags.DEFINE_string("cluster", "h100", "--plan: the cluster profile (planning/clusters.py): h100 | h800")
 flags.DEFINE_integer("plan_compile", 2, "--plan: compile (compile only) this many of the best "
                      "layouts and print predicted vs compiled memory and bytes (0 = none)")
@@ -126,22 +148,20 @@ class UsageError(Exception):
 
 
 def check_plan_flags():
-  """--plan's flags, judged before JAX starts. The planner enumerates the mesh, microbatches,
-  remat and capacity factor itself: giving them is an error, not a silent override."""
+  """--plan's flags, judged before JAX starts. --strategy / --compare, --mesh, --microbatches,
+  --remat, --capacity_factor, --opt and --layer_layout restrict what it enumerates (plan()
+  checks them against the strategies, planning/constraints.py); a training run's flags are
+  errors."""
   import math
 
   from planning import clusters
-  for flag in ("strategy", "mesh", "coordinator_address", "num_processes", "process_id",
-               "checkpoint_dir", "restore", "metrics_file", "steps"):
+  for flag in ("coordinator_address", "num_processes", "process_id", "checkpoint_dir",
+               "restore", "metrics_file", "steps"):
     if getattr(F, flag) is not None:
-      raise UsageError(f"--{flag} does not apply to --plan (it enumerates the layouts itself)")
-  if F.opt is not None or any(getattr(F, flag) is not None for flag in ALIASES):
-    raise UsageError("--opt: --plan enumerates the strategy options it varies "
-                     "(planning/plan.py OPTION_GRID) and keeps the rest at their defaults")
-  for flag in ("microbatches", "remat", "capacity_factor", "layer_layout"):
-    if F[flag].present:
-      raise UsageError(f"--{flag}: --plan enumerates it (pp's microbatches and its balanced "
-                       "layer layout, remat none|block, capacity factor 0|1.25)")
+      raise UsageError(f"--{flag} does not apply to --plan (it ranks layouts and trains none)")
+  for flag in ALIASES:
+    if getattr(F, flag) is not None:
+      raise UsageError(f"--{flag}: with --plan, give the strategy option as --opt=key=value")
   if F.compile_only or F.full_parity or F.breakdown or F.hlo_stats:
     raise UsageError("--plan compiles its best candidates itself (--plan_compile); it takes no "
                      "--compile_only, --full_parity, --breakdown or --hlo_stats")
@@ -190,18 +210,41 @@ def plan_find():
 
 def plan(argv_names, find) -> None:
   """--plan: the planner (planning/cli.py) on the model's config, bf16 unless --dtype, with a
-  global batch of max(the preset's, --devices) sequences unless --batch."""
+  global batch of max(the preset's, --devices) sequences unless --batch, over the candidates
+  its constraint flags leave (planning/constraints.py: a bad one is a one-line error, exit 2;
+  constraints that leave no candidate, one line, exit 1)."""
   from modeling.config import PRESETS
-  from planning import cli
-  cfg = make_config()
+  from planning import cli, constraints
+  given = {f: getattr(F, f) if F[f].present else None
+           for f in ("capacity_factor", "remat", "microbatches")}
+  # make_config would hold --microbatches to the preset's batch; the candidates take M from the
+  # constraints, each judged by check() on the batch planned here
+  m, F.microbatches = F.microbatches, 1
+  try:
+    cfg = make_config()
+  finally:
+    F.microbatches = m
   if not F["dtype"].present:
     cfg = cfg.replace(dtype="bfloat16")
+  source = "--batch"
   if F.batch is None:
-    cfg = cfg.replace(batch=max(PRESETS[F.model].batch, F.devices))
+    preset = PRESETS[F.model].batch
+    cfg = cfg.replace(batch=max(preset, F.devices))
+    source = f"max of the preset's {preset} and --devices={F.devices}"
   cfg = cfg.validate()
-  cli.main(cfg, F.model, F.devices, F.cluster,
-           None if F.hbm_gb is None else F.hbm_gb * 2**30, argv_names, F.plan_compile,
-           F.plan_top, F.plan_efficiency, F.report_dir, lambda n: _setup_devices(n, None), find)
+  chosen = (f"--strategy={F.strategy}" if F.strategy else
+            f"--compare={F.compare}" if F.compare and F.compare != "all" else "")
+  try:
+    limits = constraints.build(F.devices, argv_names, strategy_names() if chosen else [],
+                               chosen=chosen, mesh=F.mesh, opt=F.opt,
+                               layer_layout=F.layer_layout, **given)
+    cli.main(cfg, F.model, F.devices, F.cluster,
+             None if F.hbm_gb is None else F.hbm_gb * 2**30, limits, F.plan_compile,
+             F.plan_top, F.plan_efficiency, F.report_dir, lambda n: _setup_devices(n, None),
+             find, batch_source=source)
+  except constraints.NoCandidate as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
 
 
 def check_flags():
@@ -272,6 +315,8 @@ def check_flags():
       raise UsageError("--restore needs --checkpoint_dir")
     if F.restore != "latest" and not F.restore.isdigit():
       raise UsageError(f"--restore={F.restore}: expected 'latest' or a step number")
+    if os.path.exists(F.checkpoint_dir) and not os.path.isdir(F.checkpoint_dir):
+      raise UsageError(f"--checkpoint_dir={F.checkpoint_dir} is a file, not a directory")
     if not os.path.isdir(F.checkpoint_dir):
       raise UsageError(f"--checkpoint_dir={F.checkpoint_dir} does not exist")
   for flag in ("checkpoint_dir", "report_dir"):
@@ -314,6 +359,8 @@ def strategy_options(names: list[str]) -> dict:
 def _writable_dir(flag: str, path: str) -> None:
   """Create --flag's directory now, or stop with one line, before anything compiles."""
   import os
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise UsageError(f"--{flag}={path} is a file, not a directory")
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as e:
@@ -324,6 +371,36 @@ def _writable_dir(flag: str, path: str) -> None:
 
 class NonFinite(Exception):
   pass
+
+
+class CheckFailed(Exception):
+  """A check the run was asked for did not pass (exit status 1)."""
+
+
+def compare_outcome(rows: list[dict], compile_only: bool) -> tuple[list[str], list[str]]:
+  """Compare mode's exit status, from its rows -> (failures, skipped), each a list of
+  `name: reason`. A failure: a row whose parity is not PASS (FAIL, NON-FINITE, or unchecked), a
+  row that failed to trace or compile, and no strategy row measured at all. Skipped: a row whose
+  strategy refused the model or mesh (its check() error); a failure too unless compile_only (a
+  compile-only study reports what compiled)."""
+  failures, skipped = [], []
+  measured = [r for r in rows if "error" not in r and r["strategy"] != "reference"]
+  for r in rows:
+    name = r["strategy"]
+    if "error" in r:
+      (failures if r["error"].startswith("failed:") else skipped).append(f"{name}: {r['error']}")
+    elif not compile_only and r.get("parity") != "PASS" and name != "reference":
+      why = r.get("parity") or "parity not checked (the reference did not run)"
+      if "nonfinite_step" in r:
+        why = f"NON-FINITE at step {r['nonfinite_step']}"
+      failures.append(f"{name}: {why}" + (f" ({r['parity_checked']})"
+                                          if r.get("parity") == "FAIL" else ""))
+  if not compile_only:
+    failures += skipped
+  if not measured:
+    failures.append("nothing was compared: no strategy built" + ("" if compile_only
+                                                                  else " and ran"))
+  return failures, skipped
 
 
 def _setup_devices(n: int, dist) -> None:
@@ -366,6 +443,19 @@ def make_config():
   return get_config(F.model, **over)
 
 
+def compile_only_gmm(cfg):
+  """--compile_only on XLA:CPU without --gmm: the grouped matmul lowers through `scan`, whose
+  buffers are what a grouped-matmul kernel holds (XLA:CPU densifies ragged_dot into an
+  [E, M, K] buffer no accelerator allocates), as the planner compiles. Said on stderr."""
+  import jax
+  if not F.compile_only or F["gmm"].present or jax.default_backend() != "cpu":
+    return cfg
+  print("note: --compile_only on XLA:CPU: gmm scan (XLA:CPU densifies ragged_dot over the "
+        "experts, memory no kernel holds); --gmm=ragged_dot compiles that instead",
+        file=sys.stderr)
+  return cfg.replace(gmm_backend="scan")
+
+
 def _host_bytes() -> int:
   return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -399,7 +489,7 @@ def train_one(cfg, opts) -> None:
   from modeling import model
   from parallel.sharding import describe
   import report
-  from runtime import train
+  from runtime import preempt, train
   import strategies
   main = jax.process_index() == 0               # only process 0 prints and writes files
   say = print if main else (lambda *a, **k: None)
@@ -422,13 +512,19 @@ def train_one(cfg, opts) -> None:
                                    F.overwrite_checkpoint)
     if F.restore is not None:
       state = checkpoint.restore(F.checkpoint_dir, start, cfg, strat, mesh, opts)
+      unfinished = checkpoint.incomplete_after(F.checkpoint_dir, start)
+      say(f"restoring step {start}, the newest committed step of {F.checkpoint_dir}"
+          if F.restore == "latest" else f"restoring step {start} of {F.checkpoint_dir}",
+          end="")
+      say(f" (a newer save was incomplete: {', '.join(unfinished)})" if unfinished else "")
     if doomed and main:
       checkpoint.delete_steps(F.checkpoint_dir, doomed)
       say(f"deleted step(s) {', '.join(map(str, doomed))} of {F.checkpoint_dir} "
           "(--overwrite_checkpoint)")
   job = train.build(strat, cfg, mesh, opts, state=state, compile_only=F.compile_only)
   mesh_desc = ",".join(f"{k}:{v}" for k, v in mesh.shape.items()) if mesh is not None else "single"
-  say(f"{F.strategy} on mesh {mesh_desc}, model {F.model}: compiled in {job.compile_s:.1f}s"
+  say(f"{F.strategy} on mesh {mesh_desc}, model {F.model}, gmm {cfg.gmm_backend}: compiled in "
+      f"{job.compile_s:.1f}s"
       + (f", restored step {start} from {F.checkpoint_dir}" if F.restore is not None else ""),
       flush=True)
   if F.dump_sharding:
@@ -456,39 +552,47 @@ def train_one(cfg, opts) -> None:
     say(f"  per device: params+opt {report.fmt_bytes(mem['param_bytes'] + mem['opt_bytes'])}, "
         f"XLA temp {report.fmt_bytes(stats['memory']['temp_bytes'])}, total "
         f"{report.fmt_bytes(total)}{fits} (G = GiB = 2^30 B)")
-  if F.breakdown and mesh is not None:
+  if (F.breakdown or F.breakdown_all) and mesh is not None:
     row = {"strategy": F.strategy, "mesh": mesh_desc, "terms": cost.step_terms(strat, cfg, mesh, opts),
            "collectives_by_axes": stats["collectives_by_axes"]}
-    say(report.breakdown(row, cfg.n_layers))
-  out = open(F.metrics_file, "w") if F.metrics_file and main else None
+    say(report.breakdown(row, cfg.n_layers, every_what=F.breakdown_all))
+  # line-buffered and flushed per step: a kill loses at most the step in flight
+  out = open(F.metrics_file, "w", buffering=1) if F.metrics_file and main else None
   tokens = cfg.batch * cfg.seq_len
   if F.checkpoint_dir and not F.compile_only:
     saver = checkpoint.Saver(F.checkpoint_dir, cfg, say=say, strategy=F.strategy, mesh=mesh_desc)
-  params, opt_state = job.params, job.opt_state
-  try:
-    for i, params, opt_state, m, dt in train.steps(job, 0 if F.compile_only else steps, start):
-      m = {k: float(v) for k, v in m.items() if k != "counts"}
-      # "step" is the index of the batch this step trained on (0-based); after it, i + 1 steps
-      # are done, which the console shows as [i + 1/N] and the metrics as steps_done
-      rec = {"step": i, "loss": m["loss"], "ce_loss": m["ce_loss"], "aux_loss": m["aux_loss"],
-             "grad_norm": m["grad_norm"], "dropped": m["dropped"], "step_time_s": dt,
-             "tokens_per_s": tokens / dt, "steps_done": i + 1}
-      say(f"[{i + 1:>4d}/{start + steps}] loss {m['loss']:.4f} ce {m['ce_loss']:.4f} "
-          f"aux {m['aux_loss']:.4f} gnorm {m['grad_norm']:.3f} dropped {m['dropped']:.0f} "
-          f"{tokens / dt:,.0f} tok/s", flush=True)
-      if out:
-        out.write(json.dumps(rec) + "\n")
-      if not train.finite(m):
+  params, opt_state, done = job.params, job.opt_state, start
+  with preempt.Stop(multi_process=jax.process_count() > 1) as stop:
+    try:
+      for i, params, opt_state, m, dt in train.steps(job, 0 if F.compile_only else steps, start):
+        m = {k: float(v) for k, v in m.items() if k != "counts"}
+        done = i + 1
+        # "step" is the index of the batch this step trained on (0-based); after it, i + 1
+        # steps are done, which the console shows as [i + 1/N] and the metrics as steps_done
+        rec = {"step": i, "loss": m["loss"], "ce_loss": m["ce_loss"], "aux_loss": m["aux_loss"],
+               "grad_norm": m["grad_norm"], "dropped": m["dropped"], "step_time_s": dt,
+               "tokens_per_s": tokens / dt, "steps_done": done}
+        say(f"[{done:>4d}/{start + steps}] loss {m['loss']:.4f} ce {m['ce_loss']:.4f} "
+            f"aux {m['aux_loss']:.4f} gnorm {m['grad_norm']:.3f} dropped {m['dropped']:.0f} "
+            f"{tokens / dt:,.0f} tok/s", flush=True)
         if out:
-          out.close()                            # keeps every step up to this one
-        raise NonFinite(f"non-finite loss at step {i}")
-      if saver and (i + 1) in planned and i + 1 != start + steps:
-        saver.save(i + 1, params, opt_state)      # i + 1 steps done: resumes at batch i + 1
-    if saver:
-      saver.save(start + steps, params, opt_state)
-  finally:
-    if saver:
-      saver.close()                            # waits until the last save is finalised
+          out.write(json.dumps(rec) + "\n")
+          out.flush()
+        if not train.finite(m):
+          raise NonFinite(f"non-finite loss at step {i}")
+        if stop.requested(done) and done != start + steps:
+          break
+        if saver and done in planned and done != start + steps:
+          saver.save(done, params, opt_state)       # done steps: resumes at batch done
+      if saver and not F.compile_only:
+        saver.save(done, params, opt_state)
+    finally:
+      if saver:
+        saver.close()                            # waits until the last save is committed
+  if stop.signal:
+    say(f"stopped by {stop.signal} after step {done}"
+        + (f": saved step {done} to {F.checkpoint_dir}; resume with --restore=latest"
+           if saver else " (no --checkpoint_dir: nothing saved)"), flush=True)
   if out:
     out.write(json.dumps({"summary": True, "strategy": F.strategy, "mesh": mesh_desc,
                           "model": F.model, "dtype": cfg.dtype, "compile_s": job.compile_s,
@@ -497,13 +601,15 @@ def train_one(cfg, opts) -> None:
                                      ("argument_bytes", "output_bytes", "temp_bytes")},
                           "collectives": stats["collectives"],
                           "steps": 0 if F.compile_only else steps, "first_step": start,
+                          "steps_done": done, "stopped_by": stop.signal,
                           "batch": cfg.batch, "seq_len": cfg.seq_len, "layers": cfg.n_layers,
                           "remat": cfg.remat, "microbatches": cfg.microbatches,
                           "capacity_factor": cfg.capacity_factor, "seed": cfg.seed,
                           "aux_loss_kind": cfg.aux_loss_kind,
-                          "attention": cfg.attention_impl,
+                          "attention": cfg.attention_impl, "gmm": cfg.gmm_backend,
                           "optimizer": cfg.optimizer, "options": vars(opts),
                           "compile_only": F.compile_only, "jax": jax.__version__}) + "\n")
+  if out:
     out.close()
 
 
@@ -533,6 +639,7 @@ def main(argv):
     from measure import agreement
     cfg = cfg.replace(adam_eps=agreement.PARITY_ADAM_EPS)   # see measure/agreement.py
   _setup_devices(F.devices, dist)
+  cfg = compile_only_gmm(cfg)
   if cfg.attention_impl == "cudnn":
     import jax
     from modeling.config import ConfigError
@@ -543,19 +650,46 @@ def main(argv):
     train_one(cfg, opts[F.strategy])
   else:
     import compare
-    compare.main(cfg, names=names, mesh_spec=F.mesh, steps=3 if F.steps is None else F.steps,
-                 report_dir=F.report_dir, compile_only=F.compile_only, model_name=F.model,
-                 hbm_gb=F.hbm_gb, opts=opts, full_parity=F.full_parity, breakdown=F.breakdown)
+    rows = compare.main(cfg, names=names, mesh_spec=F.mesh,
+                        steps=3 if F.steps is None else F.steps, report_dir=F.report_dir,
+                        compile_only=F.compile_only, model_name=F.model, hbm_gb=F.hbm_gb,
+                        opts=opts, full_parity=F.full_parity,
+                        breakdown=F.breakdown or F.breakdown_all)
+    failures, skipped = compare_outcome(rows, F.compile_only)
+    for line in skipped:
+      print(f"skipped: {line}", file=sys.stderr)
+    if failures:
+      raise CheckFailed("compare did not pass: " + "; ".join(failures))
+
+
+HELP = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
+def _parse_flags(argv):
+  """absl's parse, with its two exits made this tool's: a bad flag value is a one-line error
+  (exit 2, where absl exits 1 with a usage banner), and asked-for help exits 0."""
+  try:
+    return F(argv)
+  except flags.Error as e:
+    raise UsageError(str(e)) from None
+  except SystemExit:
+    if any(a.split("=")[0] in HELP for a in argv[1:]):
+      sys.exit(0)
+    raise
 
 
 def _run():
+  """Exit status: 0 what was asked ran and passed; 1 a check failed (parity, a non-finite
+  loss, a strategy that failed to build, nothing compared, a failed save); 2 bad input, before
+  anything compiles (docs/command-line.md, "Exit status")."""
   from modeling.config import ConfigError
+  from runtime.checkpoint import SaveError
   try:
-    app.run(main)
-  except (ConfigError, UsageError, NonFinite) as e:
+    app.run(main, flags_parser=_parse_flags)
+  except (ConfigError, UsageError, NonFinite, CheckFailed, SaveError) as e:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     print(f"error: {msg}", file=sys.stderr)
-    sys.exit(1 if isinstance(e, NonFinite) else 2)
+    sys.exit(2 if isinstance(e, (ConfigError, UsageError)) else 1)
 
 
 if __name__ == "__main__":

@@ -182,6 +182,21 @@ HEAD_ROLES = ("final_norm", "unembed")
 OUTSIDE_ROLES = ("embed", "unembed")
 
 
+# Terms a step issues a fixed number of times whatever its depth (per step or per microbatch):
+# the loss and norm sums, the grad norm, the hoisted dropped count (HOISTED, up to its comma),
+# and pipeline's stage-to-stage sends (strategies/pp.py)
+PER_STEP_WHATS = ("CE sum", "grad norm", "dropped count", "aux / z / dropped sums",
+                  "activations to the next stage", "cotangents to the previous stage")
+
+
+def per_step(t: Term) -> bool:
+  """A term that is not issued by each layer: the optimizer's, the weights outside the layer
+  stack (embed, unembed, final norm), those the step gathers once (ZeRO-1, hoisted), and
+  PER_STEP_WHATS. The rest grow with the layers (--breakdown's per-layer column)."""
+  return (t.phase == "opt" or t.params in OUTSIDE_ROLES + ("final_norm",)
+          or "once per step" in t.what or t.what.split(",")[0] in PER_STEP_WHATS)
+
+
 def is_weight_gather(t: Term) -> bool:
   """A forward all-gather of a weight before its use (weight_terms' "<role> gathered")."""
   return t.kind == "all-gather" and t.phase == "fwd" and t.what.endswith("gathered")

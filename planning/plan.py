@@ -17,7 +17,9 @@ of B/M sequences, pass 1's forwards; its temp one microbatch's step plus the gra
 is calibrated for). pp on a stage count that does not divide the MoE layers runs the balanced
 uneven layout (`_layer_layout`, modeling.config.balanced_layout: DeepSeek-V3's 58 on 16 stages
 as 4 x 10 + 3 x 6): its padded stack's rows count for memory, exchanges and the stage's
-compute (x rows / L_moe: every stage runs the largest group each tick).
+compute (x rows / L_moe: every stage runs the largest group each tick). The flags given with
+`run.py --plan` (--strategy, --mesh, --microbatches, --remat, --capacity_factor, --opt,
+--layer_layout) narrow this grid to their values: planning/constraints.py.
 
 Per candidate, per device:
   memory = params + optimizer state (exact: the strategy's param_specs, measure.cost.param_memory)
@@ -218,15 +220,14 @@ class Candidate:
 
 
 def _varied(name: str, opts) -> dict:
-  """The options of OPTION_GRID's and OPTION_EXTRA's fields for this strategy, as set in opts
-  (a field only OPTION_EXTRA sets: where it is not at its default)."""
+  """The options of OPTION_GRID's fields for this strategy, as set in opts, then any other field
+  where it is not at its default (OPTION_EXTRA's, or one --opt sets: planning/constraints.py)."""
   if opts is None:
     return {}
   out = {k: getattr(opts, k) for k in OPTION_GRID.get(name, {})}
   default = type(opts)()
-  for extra in OPTION_EXTRA.get(name, ()):
-    out.update({k: getattr(opts, k) for k in extra
-                if k not in out and getattr(opts, k) != getattr(default, k)})
+  out.update({f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)
+              if f.name not in out and getattr(opts, f.name) != getattr(default, f.name)})
   return out
 
 
@@ -545,22 +546,29 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                          pp_max_microbatches=PP_MAX_MICROBATCHES,
                          accum_max_microbatches=ACCUM_MAX_MICROBATCHES,
                          efficiency: float = EFFICIENCY,
-                         progress=None) -> list[Candidate]:
+                         progress=None, microbatches: int | None = None,
+                         only_mesh: dict | None = None, options: dict | None = None
+                         ) -> list[Candidate]:
   """Every candidate of the grid (module docstring), predicted; refused ones carry `error`
   (check()'s one line) and no prediction. progress: called as progress(done, name, kept) now
-  and then."""
+  and then. The user's constraints (planning/constraints.py): microbatches, one M in place of
+  the divisors; only_mesh, {axis: size} in place of every split of n (a strategy without one
+  of its axes is skipped); options, {strategy: [Options]} in place of option_sets(strategy)."""
   shapes = model.init_params_shapes(cfg)
   out, last = [], time.perf_counter()
   for name in names:
     strat = strategies.get(name)
-    for sizes in splits(n, len(strat.AXES)):
+    if only_mesh and not set(only_mesh) <= set(strat.AXES):
+      continue
+    for sizes in ([tuple(only_mesh.get(a, 1) for a in strat.AXES)] if only_mesh else
+                  splits(n, len(strat.AXES))):
       shape = dict(zip(strat.AXES, sizes))
       mesh = mesh_lib.abstract_mesh(shape)
       mems = {}                                # params + optimizer state per stored model
       layers = _layer_layout(name, cfg, shape)
       m_cfg = cfg.replace(layer_layout=layers)
       m_shapes = shapes if not layers else model.init_params_shapes(m_cfg)
-      for opts in option_sets(name):
+      for opts in (options[name] if options and name in options else option_sets(name)):
         # the model as this option set stores it (pp interleaved: round-robin chunks), from
         # the model as given (its own layout)
         o_cfg, o_error = m_cfg, ""
@@ -570,7 +578,8 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
         except ConfigError as e:
           o_error = str(e)
         o_layers = o_cfg.layer_layout
-        for m in (_pp_microbatches(cfg, shape, pp_max_microbatches) if name == "pp" else
+        for m in ([microbatches] if microbatches else
+                  _pp_microbatches(cfg, shape, pp_max_microbatches) if name == "pp" else
                   _accum_microbatches(cfg, strat, mesh, accum_max_microbatches)):
           for cf in capacity_factors:
             base = o_cfg.replace(microbatches=m, capacity_factor=cf)
@@ -580,6 +589,9 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                 raise ConfigError(o_error)
               base.validate()
               strat.check(base, mesh, opts)
+              # as runtime.train.build: each microbatch sharded like the batch (a fixed M,
+              # planning/constraints.py, may not divide a batch shard)
+              mesh_lib.require_microbatches(base, mesh, strat.batch_spec(base, mesh))
             except ConfigError as e:
               out += [Candidate(*key[:3], remat, cf, opts, error=str(e), layer_layout=o_layers,
                                 layer_stages=o_cfg.layer_stages)

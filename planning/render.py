@@ -53,7 +53,8 @@ def found(cands: list[plan.Candidate], ranked: list[plan.Candidate], name: str,
           and {a: n for a, n in c.sizes if n > 1} == want]
   label = f"{name} {','.join(f'{a}:{n}' for a, n in want.items())}"
   if not mine:
-    return f"{label}: not enumerated (its axes are not {name}'s, or they do not multiply to N)"
+    return (f"{label}: not enumerated (its axes are not {name}'s, they do not multiply to N, or "
+            "the flags that constrain --plan leave it out)")
   pos = {id(c): i + 1 for i, c in enumerate(ranked)}
   kept = sorted((c for c in mine if not c.error), key=lambda c: pos[id(c)])
   lines = [f"{label}: {len(mine)} candidates, {len(kept)} admitted"]

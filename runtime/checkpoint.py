@@ -74,17 +74,88 @@ def _meta(cfg: Config, step: int, **extra) -> dict:
           "model": cfg.model_fields(), "param_shapes": shapes, **extra}
 
 
+class SaveError(Exception):
+  """A save that failed while the run was going (disk full, permission): run.py prints it as one
+  `error:` line and exits 1; the steps committed before it stay restorable."""
+
+
+_ORBAX_ERRORS: list[str] = []       # what orbax logged at ERROR and the filter below held back
+
+
+def _quiet_orbax_logs() -> None:
+  # orbax logs a failed background write through absl at ERROR, with a traceback per thread
+  # (hundreds of lines for one full disk), and may not raise it; Saver reports it once, as a
+  # SaveError naming the cause kept here
+  import absl.logging
+  class _NotOrbax(logging.Filter):
+    def filter(self, record):
+      if f"{os.sep}orbax{os.sep}" not in record.pathname:
+        return True
+      if record.levelno >= logging.ERROR:
+        _ORBAX_ERRORS.append(record.getMessage())
+      return False
+  logger = absl.logging.get_absl_logger()
+  if not any(isinstance(f, _NotOrbax) for f in logger.filters):
+    logger.addFilter(_NotOrbax())
+
+
+def _save_failure(e: BaseException | None) -> str:
+  """A failed write's cause in a few words: the OS error that orbax's exception (or, when it
+  raised none, its last logged error) carries, or the first line of either."""
+  import re
+  logged = [m for m in _ORBAX_ERRORS if "os_error_code" in m] or _ORBAX_ERRORS[:1]
+  text = str(e) if e is not None else (logged[-1] if logged else "")
+  m = re.search(r"os_error_code='?(\d+)", text)
+  if m:
+    return os.strerror(int(m.group(1)))
+  if e is not None:
+    return _first_line(e)
+  return text.strip().splitlines()[0][:300] if text.strip() else "orbax did not commit it"
+
+
 class Saver:
-  """Saves (params, opt_state) after `step` completed steps; every process calls save(). Each
-  save that orbax finalises is reported through `say` as `saved step N to DIR`; a save orbax
-  would skip (a step at or below the newest in the directory, or one this run already saved) is
-  a CheckpointError, never silence (run.py refuses such a plan before compiling)."""
+  """Saves (params, opt_state) after `step` completed steps; every process calls save(). Saves
+  are asynchronous: the step's state is copied off the devices, training goes on, and orbax
+  writes and commits it in the background. `saved step N to DIR` is printed (through `say`)
+  when step N is committed, from orbax's post-finalization callback, not when the next save
+  starts; close() waits for the last one. A failed save raises SaveError (one line) at the next
+  save() or at close(). A save orbax would skip (a step at or below the newest in the
+  directory, or one this run already saved) is a CheckpointError, never silence (run.py
+  refuses such a plan before compiling)."""
 
   def __init__(self, directory: str, cfg: Config, say=print, **extra):
-    self.mgr, self.cfg, self.extra = _manager(directory, create=True), cfg, extra
-    self.directory, self.say = directory, say
+    import orbax.checkpoint as ocp
+    _quiet_orbax_logs()
+    self.cfg, self.extra, self.directory, self.say = cfg, extra, directory, say
+    self.lock = threading.Lock()
+    self.pending: list[int] = []         # saved, not yet reported as committed
+    self.mgr = ocp.CheckpointManager(
+        os.path.abspath(directory), item_names=("state", "meta"),
+        options=ocp.CheckpointManagerOptions(
+            create=True, max_to_keep=None,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._report)))
     self.saved = set(self.mgr.all_steps())
-    self.pending: list[int] = []
+
+  def _report(self) -> None:
+    """Say each pending step that is committed (a finalised step directory)."""
+    with self.lock:
+      done = set(steps(self.directory))
+      for step in [s for s in self.pending if s in done]:
+        self.say(f"saved step {step} to {self.directory}", flush=True)
+        self.pending.remove(step)
+
+  def _check_committed(self) -> None:
+    """After orbax finished: a pending step that is not committed failed (orbax may only log
+    it): stop the run now rather than train on while saves fail."""
+    self._report()
+    if self.pending:
+      raise self._failed(self.pending[0], None)
+
+  def _failed(self, step: int, e: BaseException | None) -> SaveError:
+    newest = max(steps(self.directory), default=None)
+    return SaveError(f"saving step {step} to {self.directory} failed ({_save_failure(e)}); "
+                     + ("no step is committed there" if newest is None
+                        else f"the newest committed step is {newest}"))
 
   def save(self, step: int, params, opt_state) -> None:
     import orbax.checkpoint as ocp
@@ -92,29 +163,48 @@ class Saver:
     if step <= newest:
       raise CheckpointError(f"save of step {step} to {self.directory} would be skipped: the "
                             f"directory already holds step {newest}")
-    self._report()                       # the previous save is finalised before this one starts
-    ok = self.mgr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-        meta=ocp.args.JsonSave(_meta(self.cfg, step, **self.extra))))
+    try:
+      self.mgr.wait_until_finished()     # a failure of the previous save surfaces here
+    except Exception as e:               # noqa: BLE001 -- any write failure
+      raise self._failed(self.pending[0] if self.pending else step, e) from None
+    self._check_committed()
+    with self.lock:
+      self.pending.append(step)
+    try:
+      ok = self.mgr.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+          meta=ocp.args.JsonSave(_meta(self.cfg, step, **self.extra))))
+    except Exception as e:               # noqa: BLE001 -- a write that fails at once
+      raise self._failed(step, e) from None
     if not ok:
       raise CheckpointError(f"orbax did not save step {step} to {self.directory}")
     self.saved.add(step)
-    self.pending.append(step)
-
-  def _report(self) -> None:
-    self.mgr.wait_until_finished()
-    for step in self.pending:
-      if step not in steps(self.directory):
-        raise CheckpointError(f"step {step} was not finalised in {self.directory}")
-      self.say(f"saved step {step} to {self.directory}", flush=True)
-    self.pending = []
 
   def close(self) -> None:
-    """Waits for the last (asynchronous) save to be finalised and reports it."""
+    """Waits for the last (asynchronous) save to be committed and reported."""
     try:
-      self._report()
+      self.mgr.wait_until_finished()
+    except Exception as e:               # noqa: BLE001 -- any write failure
+      raise self._failed(self.pending[0] if self.pending else max(self.saved, default=0), e) from None
     finally:
-      self.mgr.close()
+      try:
+        self.mgr.close()
+      except Exception:                  # noqa: BLE001 -- the failure is already reported
+        pass
+    self._check_committed()
+
+
+def incomplete_after(directory: str, step: int) -> list[str]:
+  """The unfinished saves (`<N>.orbax-checkpoint-tmp*`, N > step) left in `directory` by a run
+  killed or failed while saving: a restore of `step` names them."""
+  if not os.path.isdir(directory):
+    return []
+  out = []
+  for n in sorted(os.listdir(directory)):
+    head = n.split(".orbax-checkpoint-tmp")[0]
+    if n != head and head.isdigit() and int(head) > step:
+      out.append(n)
+  return out
 
 
 def planned_saves(start: int, n_steps: int, save_every: int) -> list[int]:

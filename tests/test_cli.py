@@ -110,16 +110,22 @@ BAD_FLAGS = [
     # --plan (planning/): refused before anything is enumerated or compiled
     (["--plan", "--cluster=tpu"], "unknown cluster 'tpu'; choose from h100, h800"),
     (["--plan", "--devices=12"], "--devices=12: whole nodes of 8 (h100), or part of one"),
-    (["--plan", "--remat=block"], "--remat: --plan enumerates it"),
-    (["--plan", "--layer_layout=1,1"], "--layer_layout: --plan enumerates it"),
-    (["--plan", "--mesh=data:8"], "--mesh does not apply to --plan"),
+    (["--plan", "--remat=dots_saveable"],
+     "--remat=dots_saveable: the planner prices remat none | block only"),
+    (["--plan", "--compare=dp,ep", "--layer_layout=1,1"], "--layer_layout=1,1 is pp's"),
+    (["--plan", "--mesh=data:4"], "--mesh=data:4 has 4 devices, not --devices=8"),
     (["--plan", "--plan_compile=-1"], "--plan_compile=-1 must be >= 0"),
     (["--plan", "--plan_efficiency=2"], "--plan_efficiency=2.0 must be in (0, 1]"),
     (["--plan", "--plan_find=pp"], "--plan_find=pp: expected STRATEGY@MESH"),
     (["--plan", "--plan_find=pp@stage:4"], "--plan_find=pp@stage:4 has 4 devices, not --devices=8"),
     (["--plan", "--plan_find=pp@tensor:8"], "mesh axis 'tensor' is not used by strategy 'pp'"),
     (["--plan", "--compile_only"], "--plan compiles its best candidates itself"),
-    (["--plan", "--opt=kv_exchange=ring"], "--opt: --plan enumerates the strategy options"),
+    (["--plan", "--opt=foo=1"], "--opt key 'foo' is an option of none of the planned strategies"),
+    (["--strategy=dp", "--checkpoint_dir=run.py", "--restore=latest"],
+     "--checkpoint_dir=run.py is a file, not a directory"),
+    (["--strategy=dp", "--checkpoint_dir=run.py"], "--checkpoint_dir=run.py is a file"),
+    (["--compile_only", "--hbm_gb=80XB"], "flag --hbm_gb=80XB: could not convert string to float"),
+    (["--strategy=dp", "--steps=x"], "flag --steps=x: invalid literal for int()"),
 ]
 
 # Every BAD_FLAGS row through run.py's own entry point (`_run`: absl flags, the checks, the
@@ -236,7 +242,10 @@ def _table_rows(stdout):
 
 def test_compare_all_skipped_rows_are_aligned():
   r = _run("--compare=ep,fsdp", "--model=mixtral-test", "--devices=64", "--compile_only")
-  assert r.returncode == 0, r.stderr
+  assert r.returncode == 1, r.stderr                     # nothing compiled: nothing compared
+  assert [l.split(":")[0:2] for l in r.stderr.splitlines() if l.startswith("skipped: ")] == \
+      [["skipped", " ep"], ["skipped", " fsdp"]], r.stderr
+  assert r.stderr.strip().splitlines()[-1].startswith("error: compare did not pass: "), r.stderr
   rows = _table_rows(r.stdout)
   assert len(rows) == 4 and all("skipped: " in l for l in rows[2:]), r.stdout
   # a markdown table: every row has the header's cells, and the borders line up
@@ -417,3 +426,81 @@ def test_describe_prints_parameter_counts_without_compiling():
   from modeling.config import get_config
   total, active = model.param_counts(get_config("deepseek-v3"))
   assert r.stdout.splitlines() == [f"total_params {total}", f"activated_params {active}"]
+
+
+def _row(name, **kw):
+  return {"strategy": name, "parity": "PASS", "losses": [1.0], **kw}
+
+
+@pytest.mark.parametrize("rows, compile_only, failed", [
+    ([_row("reference"), _row("dp")], False, []),
+    ([_row("reference"), _row("dp", parity="FAIL", parity_checked="losses")], False,
+     ["dp: FAIL (losses)"]),
+    ([_row("reference"), _row("ep", parity="NON-FINITE", nonfinite_step=2)], False,
+     ["ep: NON-FINITE at step 2"]),
+    ([_row("reference"), _row("dp"), {"strategy": "ep", "error": "n_experts=8 is not divisible"}],
+     False, ["ep: n_experts=8 is not divisible"]),
+    ([{"strategy": "dp", "error": "failed: ValueError: x"}, _row("ep")], True,
+     ["dp: failed: ValueError: x"]),
+    ([{"strategy": "dp", "error": "batch=8 is not divisible"}, _row("ep")], True, []),
+    ([{"strategy": "dp", "error": "batch=8 is not divisible"}], True,
+     ["nothing was compared: no strategy built"]),
+    ([_row("reference"), {"strategy": "dp", "losses": [1.0]}], False,
+     ["dp: parity not checked (the reference did not run)"]),
+], ids=["pass", "fail", "non-finite", "skipped-run", "trace-failure", "skipped-compile-only",
+        "nothing-compiled", "no-reference"])
+def test_compare_exit_status_rule(rows, compile_only, failed):
+  import run
+  failures, _ = run.compare_outcome(rows, compile_only)
+  assert failures == failed
+
+
+@pytest.mark.parametrize("args, code, says", [
+    (["--compare=dp", "--steps=2"], 0, None),
+    (["--compare=dp", "--steps=6", "--lr=1e30"], 1, "error: compare did not pass: dp: NON-FINITE"),
+    (["--compare=dp,ep", "--devices=16", "--steps=1"], 1,
+     "error: compare did not pass: dp: batch=8 is not divisible by mesh axis data=16; ep: "),
+], ids=["all-pass", "non-finite", "all-skipped"])
+def test_compare_exit_status(args, code, says):
+  r = _run(*args)
+  assert r.returncode == code, r.stdout + r.stderr
+  if says:
+    assert r.stderr.strip().splitlines()[-1].startswith(says), r.stderr
+
+
+def test_help_exits_0():
+  r = _run("--help")
+  assert r.returncode == 0 and "--hbm_gb" in r.stdout + r.stderr, r.stderr
+
+
+def test_hbm_gb_takes_units():
+  import run
+  parse = run.MemoryParser().parse
+  assert parse("80") == 80 and parse("74.5GiB") == 74.5 and parse("512MiB") == 0.5
+  assert parse("80GB") == pytest.approx(80e9 / 2**30) and parse("80 gb") == parse("80GB")
+
+
+def test_compile_only_memory_is_a_kernels_on_cpu():
+  """--compile_only on XLA:CPU lowers the grouped matmul through scan unless --gmm is given,
+  and says so; --gmm=ragged_dot keeps XLA:CPU's densified one, whose temp is larger."""
+  temp = {}
+  for extra in ((), ("--gmm=ragged_dot",)):
+    r = _run("--strategy=ep", "--mesh=fsdp:2,expert:4", "--model=deepseek-test", "--compile_only",
+             *extra)
+    assert r.returncode == 0, r.stderr
+    assert (", gmm scan:" if not extra else ", gmm ragged_dot:") in r.stdout, r.stdout
+    assert ("note: --compile_only on XLA:CPU: gmm scan" in r.stderr) == (not extra), r.stderr
+    temp[extra] = r.stdout.split("XLA temp ")[1].split(",")[0]
+  assert temp[()] != temp[("--gmm=ragged_dot",)], temp
+
+
+def test_breakdown_shows_once_per_step_terms_per_step():
+  r = _run("--strategy=fsdp", "--model=deepseek-test", "--mesh=fsdp:8", "--compile_only",
+           "--breakdown")
+  assert r.returncode == 0, r.stderr
+  ar_opt = [l for l in r.stdout.splitlines() if l.startswith("|  | opt |")]
+  assert ar_opt and "4/step" in ar_opt[0], r.stdout                  # the grad norm, once
+  assert "(+11 more: --breakdown_all)" in r.stdout, r.stdout
+  r = _run("--strategy=fsdp", "--model=deepseek-test", "--mesh=fsdp:8", "--compile_only",
+           "--breakdown_all")
+  assert "more: --breakdown_all" not in r.stdout and "unembed gathered" in r.stdout, r.stdout

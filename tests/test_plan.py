@@ -4,6 +4,7 @@ compiled candidates (one accumulating) whose predicted bytes per (kind, axes) ar
 the HLO's and whose predicted memory is within MEMORY_RTOL of XLA's."""
 import dataclasses
 import math
+import re
 import time
 
 import numpy as np
@@ -280,18 +281,22 @@ def test_compiled_memory_within_tolerance(compiled):
                                                     r.candidate.temp, r.compiled_temp)
 
 
+# run.py --plan's first line: the ranking, then the global batch and where it came from
+FIRST_LINE = re.compile(r"ranked (\d+) candidates \((\d+) fit\) in [\d.]+ s; global batch "
+                        r"(?P<batch>\d+) x (?P<seq>\d+) tokens \((?P<source>.+)\)")
+
+
 def test_plan_command_line(tmp_path):
   """`run.py --plan`: the first line, the table, the refusals, --plan_find's rank, the PNG, and
   one compiled candidate's predicted vs compiled bytes, every (kind, axes) within 1%."""
-  import re
-
   from tests.test_cli import _run
   r = _run("--plan", "--model=tiny", "--devices=8", "--plan_compile=1", "--plan_top=3",
            "--plan_find=ep@data:2,expert:4", f"--report_dir={tmp_path}")
   assert r.returncode == 0, r.stderr
   lines = r.stdout.splitlines()
-  m = re.fullmatch(r"ranked (\d+) candidates \((\d+) fit\) in [\d.]+ s", lines[0])
+  m = FIRST_LINE.fullmatch(lines[0])
   assert m and int(m[1]) >= int(m[2]) > 0, lines[0]
+  assert m["batch"] == "8" and m["source"] == "max of the preset's 8 and --devices=8", lines[0]
   assert lines[2].startswith("| # | layout") and len([l for l in lines if l.startswith("| ")]) == 4
   assert any(l.startswith("refused by check():") for l in lines)
   assert any(l.startswith("ep data:2,expert:4: ") for l in lines)
@@ -392,3 +397,187 @@ def test_plan_find_shows_the_best_of_every_placement():
   assert lines[3].startswith("  least memory: rank 3 of 9"), text
   best = [l for l in lines if "best with" in l]
   assert len(best) == 1 and best[0].startswith("  best with node[expert], remat=block: rank 8"), text
+
+
+# run.py --plan's constraint flags (planning/constraints.py) on Mixtral-8x7B on 64 devices, nothing
+# compiled, every ranked candidate printed: all rows in one Python process through run.py's own
+# entry point (`_run`: absl flags, the checks, the `error:` line, the exit status), as
+# tests/test_cli.py's BAD_FLAGS, so jax and the suite are imported once.
+PLAN = ["--plan", "--model=mixtral-8x7b", "--devices=64", "--cluster=h100", "--plan_compile=0",
+        "--plan_top=100000"]
+PRESET = "max of the preset's 64 and --devices=64"
+CONSTRAINED = {
+    "dropless": ["--capacity_factor=0"],                       # the issue's command
+    "cf_off_grid": ["--capacity_factor=2", "--strategy=ep", "--batch=128"],
+    "remat": ["--remat=none", "--strategy=ep_x_tp"],
+    "microbatches": ["--microbatches=4", "--compare=tp,pp"],
+    "mesh": ["--mesh=data:8,expert:8"],
+    "opt_varied": ["--opt=kv_exchange=ring"],
+    "opt_set": ["--opt=capacity=0.5", "--mesh=data:8,expert:8"],
+    "strategy": ["--strategy=ep"],
+    "compare_entry": ["--compare=cp:kv_exchange=ring,dp"],
+    "layer_layout": ["--layer_layout=8,8,8,8", "--remat=block", "--capacity_factor=0"],
+    # bad input: one line, exit 2, before anything is enumerated
+    "bad_remat": ["--remat=dots_saveable"],
+    "bad_mesh_axis": ["--strategy=ep", "--mesh=tensor:64"],
+    "bad_mesh_size": ["--mesh=data:8,expert:4"],
+    "bad_opt_key": ["--opt=foo=1"],
+    "bad_opt_value": ["--opt=kv_exchange=ring2"],
+    "bad_layer_layout": ["--strategy=ep", "--layer_layout=8,8,8,8"],
+    # constraints that leave nothing: one line, exit 1
+    "none_microbatches": ["--strategy=ep", "--microbatches=3"],
+    "none_opt": ["--opt=virtual_stages=3"],
+}
+_DRIVER = """
+import contextlib, io, json, sys, traceback
+import run
+out = {}
+for key, args in json.loads(sys.argv[1]).items():
+  o, e = io.StringIO(), io.StringIO()
+  sys.argv = ["run.py", *args]
+  run.F.unparse_flags()
+  code = 0
+  try:
+    with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
+      run._run()
+  except SystemExit as x:
+    code = 0 if x.code is None else x.code if isinstance(x.code, int) else 1
+  except BaseException:
+    e.write(traceback.format_exc())
+    code = 1
+  out[key] = [code, o.getvalue(), e.getvalue()]
+print("RESULTS " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def constrained():
+  import json
+  import subprocess
+  import sys
+
+  from tests.conftest import subprocess_env
+  from tests.test_cli import ROOT
+  env = subprocess_env()
+  env["JAX_PLATFORMS"] = "cpu"
+  rows = {k: PLAN + v for k, v in CONSTRAINED.items()}
+  r = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(rows)], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=600)
+  line = [l for l in r.stdout.splitlines() if l.startswith("RESULTS ")]
+  assert line, r.stdout + r.stderr
+  return json.loads(line[-1].removeprefix("RESULTS "))
+
+
+def _layouts(results, key: str, batch: int = 64, source: str = PRESET) -> list[str]:
+  """The row's ranked layouts, every one printed, after checking its exit status and its first
+  line (the ranking, the global batch and where it came from)."""
+  code, out, err = results[key]
+  assert code == 0, err
+  lines = out.splitlines()
+  m = FIRST_LINE.fullmatch(lines[0])
+  assert m and m["batch"] == str(batch) and m["seq"] == "4096" and m["source"] == source, lines[0]
+  rows = [m[1] for m in map(re.compile(r"\| *\d+ +\| (.+?) +\|").match, lines) if m]
+  assert rows and len(rows) == int(m[1]), (len(rows), lines[0])
+  fixed = [f for f in CONSTRAINED[key] if not f.startswith("--batch=")]   # not a constraint
+  assert all(f in lines[1].split("held fixed: ")[1] for f in fixed), lines[1]
+  return rows
+
+
+def _error(results, key: str, status: int) -> str:
+  """The row's one `error:` line, after checking its status and that it printed no table."""
+  code, out, err = results[key]
+  errors = [l for l in err.splitlines() if l.startswith("error: ")]
+  assert code == status and not out and len(errors) == 1, (code, out, err)
+  assert err.strip().splitlines()[-1] == errors[0], err
+  return errors[0]
+
+
+def test_plan_capacity_factor_constraint(constrained):
+  """--capacity_factor: only that value, the grid's (0, dropless: the issue's command) or not
+  (2.0); --batch is named as the batch's source."""
+  rows = _layouts(constrained, "dropless")
+  assert len(rows) > 1000 and all(re.search(r" cf=0 node\[", r) for r in rows), rows[:3]
+  assert len({r.split()[0] for r in rows}) >= 8
+  rows = _layouts(constrained, "cf_off_grid", batch=128, source="--batch")
+  assert all(r.startswith("ep ") and re.search(r" cf=2 node\[", r) for r in rows), rows[:3]
+
+
+def test_plan_remat_constraint(constrained):
+  """--remat: only that policy; one the planner cannot price is a one-line error (exit 2)."""
+  rows = _layouts(constrained, "remat")
+  assert all(r.startswith("ep_x_tp ") and " remat=none " in r for r in rows), rows[:3]
+  assert "--remat=dots_saveable: the planner prices remat none | block only" in _error(
+      constrained, "bad_remat", 2)
+
+
+def test_plan_microbatches_constraint(constrained):
+  """--microbatches: only that M (pp's pipeline M, elsewhere gradient accumulation's); one that
+  no batch shard takes leaves nothing: one line naming the constraints, exit 1."""
+  rows = _layouts(constrained, "microbatches")
+  assert {r.split()[0] for r in rows} == {"tp", "pp"}, rows[:3]
+  assert all(re.search(r" M=4 ", r) for r in rows), rows[:3]
+  line = _error(constrained, "none_microbatches", 1)
+  assert line.startswith("error: no candidate left by --strategy=ep --microbatches=3: "), line
+  assert "batch=64 is not divisible by microbatches=3" in line, line
+
+
+def test_plan_mesh_constraint(constrained):
+  """--mesh: only that mesh, for each strategy whose axes it names; an axis the strategy lacks,
+  or sizes that do not multiply to --devices, are one-line errors (exit 2)."""
+  rows = _layouts(constrained, "mesh")
+  assert all(r.split()[1] == "data:8,expert:8" for r in rows), rows[:3]
+  names = {r.split()[0] for r in rows}
+  assert len(names) > 1 and all({"data", "expert"} <= set(strategies.get(n).AXES)
+                                for n in names), names
+  assert "mesh axis 'tensor' is not used by strategy 'ep'" in _error(constrained,
+                                                                     "bad_mesh_axis", 2)
+  assert "--mesh=data:8,expert:4 has 32 devices, not --devices=64" in _error(
+      constrained, "bad_mesh_size", 2)
+
+
+def test_plan_opt_constraint(constrained):
+  """--opt=key=value: only the strategies with that option, at that value: a field the planner
+  varies is filtered on (kv_exchange), any other is set (ep_tp's capacity, shown in the row); a
+  key no strategy has, or a bad value, is a one-line error (exit 2); a value the planner never
+  enumerates leaves nothing (exit 1)."""
+  rows = _layouts(constrained, "opt_varied")
+  assert {r.split()[0] for r in rows} == {"cp", "ep_as_cp"}, rows[:3]
+  assert all(" kv_exchange=ring " in r for r in rows), rows[:3]
+  rows = _layouts(constrained, "opt_set")
+  assert all(r.startswith("ep_tp data:8,expert:8 capacity=0.5 ") for r in rows), rows[:3]
+  assert "--opt key 'foo' is an option of none of the planned strategies" in _error(
+      constrained, "bad_opt_key", 2)
+  assert "kv_exchange='ring2': choose from allgather, ring" in _error(constrained,
+                                                                      "bad_opt_value", 2)
+  line = _error(constrained, "none_opt", 1)
+  assert line.startswith("error: no candidate left by --opt=virtual_stages=3: "), line
+
+
+def test_plan_strategy_constraint(constrained):
+  """--strategy (once an error with --plan) and --compare: only those strategies; a --compare
+  entry's own options restrict that strategy's candidates."""
+  rows = _layouts(constrained, "strategy")
+  assert all(r.startswith("ep ") for r in rows), rows[:3]
+  rows = _layouts(constrained, "compare_entry")
+  assert {r.split()[0] for r in rows} == {"cp", "dp"}, rows[:3]
+  assert all(" kv_exchange=ring " in r for r in rows if r.startswith("cp ")), rows[:3]
+
+
+def test_plan_layer_layout_constraint(constrained):
+  """--layer_layout: pp only, its stack in that layout: 4 groups on 4 stages, or 2 stages of 2
+  chunks (interleaved); with strategies that do not take it, a one-line error (exit 2)."""
+  rows = _layouts(constrained, "layer_layout")
+  assert all(r.startswith("pp ") and " layers=8x4 " in r for r in rows), rows[:3]
+  assert {r.split()[1].split(",")[0] for r in rows} == {"stage:4", "stage:2"}, rows[:3]
+  assert all(" virtual_stages=2 " in r for r in rows if r.startswith("pp stage:2,")), rows[:3]
+  assert "--layer_layout=8,8,8,8 is pp's" in _error(constrained, "bad_layer_layout", 2)
+
+
+def test_plan_nothing_left_in_its_own_process():
+  """One row as a user runs it, its own `python run.py` process: constraints that leave no
+  candidate print one `error:` line that names them, and exit 1."""
+  from tests.test_cli import _run
+  r = _run(*PLAN, "--strategy=ep", "--microbatches=3")
+  assert r.returncode == 1 and not r.stdout, (r.returncode, r.stdout, r.stderr)
+  assert r.stderr.strip().splitlines()[-1].startswith(
+      "error: no candidate left by --strategy=ep --microbatches=3: "), r.stderr
