@@ -148,3 +148,37 @@ def test_settings_from_flags_and_environment(monkeypatch):
   assert distributed.settings(None, None, None) == want
   with pytest.raises(config.ConfigError, match="expected host:port"):
     distributed.settings("10.0.0.1", 2, 1)
+
+
+def test_sigterm_to_one_process_stops_both_at_one_saved_step(tmp_path):
+  """A preemption notice reaches one process: JAX's preemption sync point stops both after the
+  same step, and the step they save together restores."""
+  d, m = str(tmp_path / "ck"), tmp_path / "m.jsonl"
+  env = subprocess_env()
+  env["JAX_PLATFORMS"] = "cpu"
+  addr = f"127.0.0.1:{free_port()}"
+  procs = [subprocess.Popen([sys.executable, "run.py", "--strategy=dp", "--mesh=data:8",
+                             "--devices=4", "--steps=3000", "--save_every=1000",
+                             f"--checkpoint_dir={d}", f"--metrics_file={m}", "--compilation_cache=",
+                             f"--coordinator_address={addr}", "--num_processes=2",
+                             f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+           for i in range(2)]
+  try:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (m.exists() and len(m.read_text().splitlines()) >= 5):
+      assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+      time.sleep(0.1)
+    procs[1].send_signal(signal.SIGTERM)
+    out = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+  assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in out]
+  (n,) = checkpoint.steps(d)
+  assert 5 <= n < 1000
+  assert f"stopped by SIGTERM after step {n}: saved step {n} to {d}" in out[0][0], out[0][0]
+  assert json.loads(m.read_text().splitlines()[-1])["steps_done"] == n
+  _restored(d, "dp", "data:8", step=n)
