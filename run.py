@@ -495,6 +495,9 @@ def train_one(cfg, opts) -> None:
   say = print if main else (lambda *a, **k: None)
   strat = strategies.get(F.strategy)
   mesh = mesh_lib.for_strategy(strat, F.mesh)
+  layout_note = getattr(strat, "layout_note", None)          # pp: the layer layout it picked
+  if layout_note is not None and (lnote := layout_note(cfg, mesh, opts)):
+    say(f"note: {lnote}")
   cfg = strategies.stored_config(strat, cfg, mesh, opts)     # how its options store the model
   note = mesh_lib.order_note(strat, F.mesh)
   if note:

@@ -11,6 +11,9 @@ are zeros, its weights get zero gradients. So every stage runs max(c) rows per t
 lockstep tick is the largest stage's anyway), and below "L/P" reads "max(c) rows": the cost
 model counts the padding rows' exchanges, which the program issues. The reference runs the same
 padded stack; tests/test_pp.py holds it to the unpadded model (every layer once, in order).
+Without --layer_layout, a P that does not divide L gets balanced_layout(L, P) (`stored_config`:
+the planner's rule, the larger stages first, 3 MoE layers on 2 stages as 2,1; `layout_note`
+names it for the run to print); fewer MoE layers than stages admit no layout (check refuses).
 Interleaved (--opt=schedule=interleaved, below): P x v groups, stage s holding groups s, s+P, ..
 (the rows stored round-robin: layer_stages = P), each a chunk of max(c) rows.
 
@@ -109,7 +112,7 @@ read comes from, and the ring slot of each chunk's residuals. P = 2, M = 4, v = 
   [b/M, S, D].
 interleaved (--opt=schedule=interleaved,virtual_stages=v): each stage holds v chunks of the MoE
 stack, placed round-robin (Megatron's virtual pipeline): with the layout's P x v groups (the
-balanced layout when --layer_layout is not given; pp.stored_config sets it), stage s holds
+balanced layout when --layer_layout is not given: `stored_config`), stage s holds
 groups s, s+P, s+2P, .., stored in that order (the model field layer_stages = P: the stored
 rows leave depth order, model.forward reads them back in depth order, a checkpoint records it).
 A tick runs ONE chunk of one microbatch, so a tick costs 1/v of gpipe's, and the hop from stage
@@ -297,9 +300,16 @@ BAD_INPUT = [
 def stored_config(cfg, mesh, opts):
   """The model as this schedule stores it: interleaved holds v chunks per stage, group j of a
   P x v group layout on stage j mod P (layer_stages = P; the layout balanced_layout's when
-  --layer_layout is not given). Every other schedule: cfg as given."""
+  --layer_layout is not given). Every other schedule: one group per stage, cfg as given, or
+  where P does not divide the MoE layers and --layer_layout is not given, balanced_layout's
+  (3 on 2 stages: 2,1); with fewer MoE layers than stages cfg as given, for check to refuse."""
   p = mesh.shape[STAGE]
-  if not _round_robin(opts) or cfg.layer_stages or p < 2:          # (check refuses p < 2)
+  if not _round_robin(opts):
+    n = cfg.n_moe_layers
+    if cfg.layer_layout or n % p == 0 or n < p:
+      return cfg
+    return cfg.replace(layer_layout=balanced_layout(n, p)).validate()
+  if cfg.layer_stages or p < 2:                                     # (check refuses p < 2)
     return cfg
   groups = p * opts.virtual_stages
   if not cfg.layer_layout and cfg.n_moe_layers < groups:
@@ -307,6 +317,19 @@ def stored_config(cfg, mesh, opts):
                       f"MoE layers, the model has {cfg.n_moe_layers}")
   layout = cfg.layer_layout or balanced_layout(cfg.n_moe_layers, groups)
   return cfg.replace(layer_layout=layout, layer_stages=p).validate()
+
+
+def layout_note(cfg, mesh, opts) -> str | None:
+  """The run's note when `stored_config` picks an uneven layout the model as given (cfg) does not
+  name, e.g. "pp: 3 MoE layers on 2 stages: --layer_layout=2,1 (balanced)"; None otherwise."""
+  stored = stored_config(cfg, mesh, opts)
+  groups = stored.layer_groups
+  if cfg.layer_layout or not stored.layer_layout or len(set(groups)) == 1:
+    return None
+  p = mesh.shape[STAGE]
+  where = f"on {p} stages" if len(groups) == p else f"in {len(groups)} chunks on {p} stages"
+  return (f"pp: {cfg.n_moe_layers} MoE layers {where}: --layer_layout={stored.layer_layout} "
+          f"(balanced)")
 
 
 def _round_robin(opts) -> bool:
@@ -340,9 +363,12 @@ def check(cfg, mesh, opts):
     if groups != mesh.shape[STAGE]:
       raise ConfigError(f"layer_layout={cfg.layer_layout} has {groups} groups, mesh axis "
                         f"stage={mesh.shape[STAGE]}: one group per stage")
-  elif not cfg.layer_layout:
-    mesh_lib.require_divisible("n_layers - first_k_dense_replace" if cfg.first_k_dense_replace
-                               else "n_layers", cfg.n_moe_layers, mesh, STAGE)
+  elif not cfg.layer_layout:                 # stored_config gives the uneven ones a layout
+    name = "n_layers - first_k_dense_replace" if cfg.first_k_dense_replace else "n_layers"
+    if cfg.n_moe_layers < p:
+      raise ConfigError(f"{name}={cfg.n_moe_layers} < mesh axis stage={p}: fewer MoE layers "
+                        f"than stages, no layer layout gives each stage one")
+    mesh_lib.require_divisible(name, cfg.n_moe_layers, mesh, STAGE)
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)
   fsdp.check(cfg, mesh, DATA)                 # the stage's matrices on their D dim over data

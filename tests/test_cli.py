@@ -65,7 +65,9 @@ BAD_FLAGS = [
     (["--strategy=dp", "--batch=0"], "--batch=0 must be >= 1"),
     (["--strategy=pp", "--mesh=stage:2,expert:4", "--microbatches=4"],
      "batch=8 is not divisible by microbatches=4 x mesh axis dataxexpert=4"),
-    (["--strategy=pp", "--mesh=stage:4,expert:2"], "n_layers=2 is not divisible by mesh axis stage=4"),
+    (["--strategy=pp", "--mesh=stage:4,expert:2"],
+     "n_layers=2 < mesh axis stage=4: fewer MoE layers than stages, no layer layout gives each "
+     "stage one"),
     (["--strategy=dp", "--lr=-1"], "--lr=-1.0 must be a finite number > 0"),
     (["--strategy=dp", "--lr=nan"], "--lr=nan must be a finite number > 0"),
     (["--strategy=dp", "--metrics_file=/no/such/dir/m.jsonl"],

@@ -3,7 +3,9 @@ stage:4, M = 2, 4 and 8, with data and expert axes, tiny and deepseek-test, a ca
 the collective-permute bytes are exact, the aux loss is the step's (not a mean of microbatch
 losses), Muon runs on the stage-sharded layers, and the schedule tables: valid, drawn by the
 docstring, equal to the compiled permutes, 1f1b within min(M, P)/M of gpipe's activations, and
-interleaved's round-robin storage: every layer once, in depth order."""
+interleaved's round-robin storage: every layer once, in depth order; and the balanced layout pp
+picks by itself where the stages do not divide the MoE layers (a run of it, and the one-line
+error where no layout exists)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -272,3 +274,68 @@ def test_interleaved_bf16_with_remat():
   cfg = get_config("tiny", n_layers=4, batch=16, microbatches=4, layer_layout="1,1,1,1",
                    layer_stages=2, remat="block")
   parity.check_bf16("pp", cfg, "stage:2,expert:4", opts=PP.INTERLEAVED)
+
+
+# ----------------------------------------------------------------------------- the default layout
+def test_stored_config_balances_stages_that_do_not_divide_the_layers():
+  """3 MoE layers (deepseek-test's 4, one dense) on 2 stages, no --layer_layout: gpipe and 1f1b
+  store the planner's balanced layout, 2,1 (a padded stack of 4 rows), which check() admits,
+  and layout_note names it; a given layout, or stages that divide the layers, stay as given."""
+  mesh = mesh_lib.abstract_mesh({"stage": 2, "data": 1, "expert": 4})
+  cfg = get_config("deepseek-test", n_layers=4)
+  for opts in (PP.Options(), PP.ONE_F):
+    stored = PP.stored_config(cfg, mesh, opts)
+    assert (stored.layer_layout, stored.layer_slots) == ("2,1", (0, 1, 2, -1))
+    PP.check(stored, mesh, opts)
+    assert PP.layout_note(cfg, mesh, opts) == \
+        "pp: 3 MoE layers on 2 stages: --layer_layout=2,1 (balanced)"
+  for given in (cfg.replace(layer_layout="1,2").validate(),
+                get_config("deepseek-test", n_layers=5)):          # 4 MoE layers: 2 + 2
+    assert PP.stored_config(given, mesh, PP.Options()) is given
+    assert PP.layout_note(given, mesh, PP.Options()) is None
+
+
+@pytest.mark.parametrize("model_name,n_layers,stages,message", [
+    ("tiny", 1, 2, "n_layers=1 < mesh axis stage=2: fewer MoE layers than stages, no layer "
+                   "layout gives each stage one"),
+    ("deepseek-test", 4, 4, "n_layers - first_k_dense_replace=3 < mesh axis stage=4: fewer MoE "
+                            "layers than stages, no layer layout gives each stage one")],
+    ids=["1-layer-2-stages", "3-moe-layers-4-stages"])
+def test_fewer_moe_layers_than_stages_is_a_one_line_error(model_name, n_layers, stages, message):
+  """No layout gives every stage a MoE layer: stored_config leaves the model as given (no note)
+  and check() refuses it in one line that says so (before: 'not divisible')."""
+  from modeling.config import ConfigError
+  mesh = mesh_lib.abstract_mesh({"stage": stages, "data": 1, "expert": 8 // stages})
+  cfg = get_config(model_name, n_layers=n_layers)
+  stored = PP.stored_config(cfg, mesh, PP.Options())
+  assert stored is cfg and PP.layout_note(cfg, mesh, PP.Options()) is None
+  with pytest.raises(ConfigError) as e:
+    PP.check(stored, mesh, PP.Options())
+  assert str(e.value) == message
+
+
+def test_run_picks_the_balanced_layout_by_itself(tmp_path):
+  """The command line of issue #51 (item 5): 3 MoE layers on stage:2 without --layer_layout
+  trains on the balanced 2,1, printed once as a note, with finite losses (before: exit 2,
+  'n_layers - first_k_dense_replace=3 is not divisible by mesh axis stage=2')."""
+  import json
+  import os
+  import subprocess
+  import sys
+
+  from tests.conftest import subprocess_env
+  env = subprocess_env()                       # as tests/test_cli.py's _run
+  env["JAX_PLATFORMS"] = "cpu"
+  path = tmp_path / "m.jsonl"
+  r = subprocess.run([sys.executable, "run.py", "--strategy=pp", "--model=deepseek-test",
+                      "--layers=4", "--mesh=stage:2,expert:4", "--steps=2",
+                      f"--metrics_file={path}"],
+                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr
+  out = (r.stdout + r.stderr).splitlines()
+  assert [l for l in out if "layer_layout" in l] == \
+      ["note: pp: 3 MoE layers on 2 stages: --layer_layout=2,1 (balanced)"], r.stdout + r.stderr
+  losses = [rec["loss"] for rec in map(json.loads, path.read_text().splitlines())
+            if not rec.get("summary")]
+  assert len(losses) == 2 and np.isfinite(losses).all(), losses
