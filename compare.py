@@ -7,6 +7,9 @@ all-to-all bytes over the routed minimum (`routed_bytes`: how much an EP exchang
 + optimizer-state bytes per device, XLA's argument/temp bytes, step time (CPU-simulated devices
 are marked) and the dropped-assignment fraction. Writes table.json / table.csv / loss.png /
 bytes.png with --report_dir. --compile_only skips running (collectives and memory only).
+--full_parity holds every gradient and post-step parameter to the reference's too, by
+measure/agreement.py's rule (float32; bfloat16: experts chosen by position on both sides), stated
+in the header, and records each row's worst gradient / parameter / update error and its leaf.
 """
 from __future__ import annotations
 
@@ -29,9 +32,11 @@ from runtime import train
 import strategies
 
 LOSS_TOL = 1e-5          # |dloss| <= LOSS_TOL * (1 + |loss|) counts as PASS (fp32 parity)
-# bf16: a 1-ulp difference flips top-k choices near ties (tests/parity.py, "bf16 parity"), so
-# losses drift apart over steps: measured up to 1.8e-3 relative after 3 steps (tiny, top-2, the 9
-# strategies). The table checks losses only; tests/test_precision.py holds gradients and updates.
+# bf16 without --full_parity: a 1-ulp difference flips top-k choices near ties (tests/parity.py,
+# "bf16 parity"), so losses drift apart over steps: measured up to 1.8e-3 relative after 3 steps
+# (tiny, top-2, the 9 strategies). That check is losses only and no proof; --full_parity in bf16
+# chooses the experts alike on both sides and holds gradients and updates to measure/agreement.py's
+# bfloat16 rule.
 LOSS_TOL_BF16 = 5e-3
 
 
@@ -188,6 +193,9 @@ def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = 
             continue
           mesh, row["mesh"] = m, _mesh_str(m, strat, cfg)
           break
+    layout_note = getattr(strat, "layout_note", None)      # pp: the layer layout it picked
+    if layout_note is not None and mesh is not None and (lnote := layout_note(given, mesh, opts)):
+      print(f"note: {lnote}", file=sys.stderr)
     if cfg.layer_slots != given.layer_slots:    # stored rows -> the given model's, for parity
       row["layer_rows"] = _rows_as_given(cfg, given)
     return row, train.build(strat, cfg, mesh, opts, compile_only=compile_only,
@@ -243,15 +251,16 @@ def measure(row: dict, job, steps: int, compile_only: bool, full_parity: bool = 
     row["terms"] = terms
   if compile_only:
     return row
-  losses, times, dropped, trace = [], [], 0.0, []
+  losses, times, dropped, trace, per_step = [], [], 0.0, [], []
+  rows = row.get("layer_rows")
+  as_given = lambda t: t if rows is None else {
+      **t, "layers": jax.tree.map(lambda a: np.asarray(a)[rows], t["layers"])}
   for i, params, _, m, dt in train.steps(job, steps):
     losses.append(float(m["loss"]))
     times.append(dt)
     dropped += float(m["dropped"])
+    per_step.append(float(m["dropped"]))
     if full_parity:
-      rows = row.get("layer_rows")
-      as_given = lambda t: t if rows is None else {
-          **t, "layers": jax.tree.map(lambda a: np.asarray(a)[rows], t["layers"])}
       trace.append({**{k: m[k] for k in ("loss", "aux_loss", "ce_loss", "grad_norm", "dropped")},
                     "grads": as_given(m["grads"]),
                     "params": as_given(jax.tree.map(lambda a: np.asarray(train.to_host(a)),
@@ -259,13 +268,24 @@ def measure(row: dict, job, steps: int, compile_only: bool, full_parity: bool = 
     if not train.finite(m):
       row["nonfinite_step"], row["parity"] = i, "NON-FINITE"   # stop here, mark the row
       break
-  row["losses"] = losses
+  row["losses"], row["dropped_steps"] = losses, per_step      # assignments dropped, per step
   if full_parity:
-    row["trace"] = trace
+    row["trace"] = trace                 # the parameters both sides start from: bf16 updates
+    row["params0"] = as_given(jax.tree.map(lambda a: np.asarray(train.to_host(a)), job.params))
   row["step_s"] = statistics.median(times[1:] or times)
   row["dropped_frac"] = dropped / (len(losses) * cfg.batch * cfg.seq_len * cfg.top_k
                                 * cfg.n_moe_layers)
   return row
+
+
+def worst_line(r: dict) -> str:
+  """--full_parity: a row's largest errors against the reference and their leaves, one line."""
+  part = lambda k, what: f"{what} {r[k]:.1e} at {r[k + '_leaf']}"
+  out = [part("grad_rel_l2", "grads: rel L2"), part("grad_max_abs", "max |diff|"),
+         part("param_max_abs", "params: max |diff|")]
+  if "update_rel_l2" in r:
+    out.append(part("update_rel_l2", "updates: rel L2"))
+  return f"{r['strategy']} worst: " + "; ".join(out)
 
 
 def routed_bytes(cfg, n_devices: int) -> float:
@@ -283,6 +303,16 @@ def fit(row: dict, hbm_gb: float) -> None:
   row["fits"] = row["total_bytes"] <= hbm_gb * 2**30
 
 
+def parity_rule(cfg, full_parity: bool) -> str:
+  """What PASS means, in one line (the header; table.json's settings)."""
+  if full_parity:
+    return agreement.rule(cfg)
+  tol = LOSS_TOL_BF16 if cfg.mixed else LOSS_TOL
+  return (f"losses within {tol:g} x (1 + |loss|)"
+          + ("; bf16 routing may differ near ties, so this is no proof: --full_parity"
+             if cfg.mixed else ""))
+
+
 def settings(cfg, model_name: str, steps: int, compile_only: bool, opts: dict,
              full_parity: bool = False) -> dict:
   """What a report was measured under (table.json / table.csv / table.md and the header)."""
@@ -293,7 +323,9 @@ def settings(cfg, model_name: str, steps: int, compile_only: bool, opts: dict,
           "seed": cfg.seed, "optimizer": cfg.optimizer, "adam_eps": cfg.adam_eps,
           "gmm": cfg.gmm_backend, "options": {n: vars(o) for n, o in opts.items() if vars(o)},
           "parity": ("losses, grads, params" if full_parity else "losses") if not compile_only
-                    else None, "jax": jax.__version__}
+                    else None,
+          "parity_rule": parity_rule(cfg, full_parity) if not compile_only else None,
+          "expert_choice": cfg.expert_choice, "jax": jax.__version__}
 
 
 def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: str | None,
@@ -301,8 +333,12 @@ def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: s
          opts: dict | None = None, full_parity: bool = False, breakdown: bool = False) -> list[dict]:
   """names: the strategies to compare (run.py resolves 'all'); opts: {name: its Options};
   full_parity: hold every gradient and post-step parameter to the reference's, not only the
-  losses (measure/agreement.py); breakdown: print bytes per (kind, axes, phase) and per layer."""
+  losses (measure/agreement.py; in bf16 every row, the reference's too, then runs at
+  agreement.parity_config: experts chosen by position); breakdown: print bytes per (kind, axes,
+  phase) and per layer."""
   wanted, opts = list(names), opts or {}
+  if full_parity and not compile_only:
+    cfg = agreement.parity_config(cfg)
   if compile_only:                         # nothing to check parity against; the dense oracle is
     wanted = [n for n in wanted if n != "reference"]     # E x the FLOPs of the layer it checks
   elif "reference" not in wanted:
@@ -344,10 +380,12 @@ def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: s
       r["parity"] = "PASS" if np.all(d <= tol * (1 + np.abs(ref["losses"]))) else "FAIL"
       r["parity_checked"] = "losses"
       if full_parity and r is not ref:
-        off = agreement.disagreements(r["trace"], ref["trace"])
+        off = (agreement.disagreements_bf16(r["trace"], ref["trace"], r["params0"]) if cfg.mixed
+               else agreement.disagreements(r["trace"], ref["trace"]))
         r["parity_checked"] = "losses, grads, params"
         r["parity"] = "PASS" if r["parity"] == "PASS" and not off else "FAIL"
         r["disagreements"] = off[:20]
+        r.update(agreement.worst(r["trace"], ref["trace"], r["params0"]))
   info = settings(cfg, model_name, steps, compile_only, opts, full_parity)
   for r in rows:
     r["settings"] = info
@@ -355,6 +393,9 @@ def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: s
   print(report.render(rows, compile_only, simulated, hbm_gb))
   line = report.verdict(rows, hbm_gb, cfg, searched=mesh_spec == "search")
   print(line)
+  for r in rows:
+    if "grad_rel_l2" in r:
+      print(worst_line(r))
   for r in rows:
     if r.get("disagreements"):
       print(f"{r['strategy']}: " + "; ".join(r["disagreements"][:5]))
@@ -368,3 +409,29 @@ def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: s
           ("" if compile_only else ", loss.png") + ", bytes.png")
   print(f"total {time.perf_counter() - t_start:.1f}s", file=sys.stderr)
   return rows
+
+
+def outcome(rows: list[dict], compile_only: bool) -> tuple[list[str], list[str]]:
+  """Compare mode's exit status, from its rows -> (failures, skipped), each a list of
+  `name: reason`. A failure: a row whose parity is not PASS (FAIL, NON-FINITE, or unchecked), a
+  row that failed to trace or compile, and no strategy row measured at all. Skipped: a row whose
+  strategy refused the model or mesh (its check() error); a failure too unless compile_only (a
+  compile-only study reports what compiled)."""
+  failures, skipped = [], []
+  measured = [r for r in rows if "error" not in r and r["strategy"] != "reference"]
+  for r in rows:
+    name = r["strategy"]
+    if "error" in r:
+      (failures if r["error"].startswith("failed:") else skipped).append(f"{name}: {r['error']}")
+    elif not compile_only and r.get("parity") != "PASS" and name != "reference":
+      why = r.get("parity") or "parity not checked (the reference did not run)"
+      if "nonfinite_step" in r:
+        why = f"NON-FINITE at step {r['nonfinite_step']}"
+      failures.append(f"{name}: {why}" + (f" ({r['parity_checked']})"
+                                          if r.get("parity") == "FAIL" else ""))
+  if not compile_only:
+    failures += skipped
+  if not measured:
+    failures.append("nothing was compared: no strategy built" + ("" if compile_only
+                                                                  else " and ran"))
+  return failures, skipped

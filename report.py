@@ -110,8 +110,9 @@ def header(info: dict, simulated: bool) -> str:
           f"ra2a ragged-all-to-all); bytes/dev = result bytes, wire/dev = bytes each device "
           f"sends; G = GiB = 2^30 B, M = MiB, K = KiB; dropped = the fraction of routed "
           f"(token, expert) assignments the capacity rule dropped; "
-          + (f"parity: {info['parity']} against the single-device reference." if info["parity"]
-             else "parity: not checked (compile only)."))
+          + (f"parity: {info['parity']} against the single-device reference"
+             + (f"; {info['parity_rule']}." if info.get("parity_rule") else ".")
+             if info["parity"] else "parity: not checked (compile only)."))
 
 
 def verdict(rows: list[dict], hbm_gb: float | None, cfg, searched: bool = False) -> str:
@@ -157,16 +158,20 @@ def verdict(rows: list[dict], hbm_gb: float | None, cfg, searched: bool = False)
           + (f"; try {', '.join(flags)}" if flags else ""))
 
 
-def breakdown(row: dict, n_layers: int) -> str:
+def breakdown(row: dict, n_layers: int, every_what: bool = False) -> str:
   """--breakdown: the cost model's terms summed per (kind, axes, phase), with what they move,
-  beside the compiled program's bytes per (kind, axes) (the HLO has no phases); per layer = the
-  step's bytes / L (the once-per-step terms, embed / head / norm sums, are spread over it)."""
+  beside the compiled program's bytes per (kind, axes) (the HLO has no phases). per layer: the
+  bytes of the terms each layer issues / L; the terms issued once per step or per microbatch
+  (measure.cost.per_step: embed / head / norm weights, loss sums, stage sends) are shown apart
+  as `+ X/step`, not spread over the layers. every_what: name every term, not the first 3."""
+  from measure.cost import per_step
   measured = row.get("collectives_by_axes", {})
   groups: dict = {}
   for t in row["terms"]:
     groups.setdefault((t.kind, frozenset(t.axes)), {}).setdefault(t.phase, []).append(t)
   lines = [f"\n{row['strategy']} on {row['mesh']}: bytes per device per step "
-           f"(per layer = / {n_layers} layers; wire = bytes sent)",
+           f"(per layer = the layers' terms / {n_layers} layers, + the once-per-step terms; "
+           "wire = bytes sent)",
            "| kind over axes | phase | predicted | per layer | wire | what | measured (HLO) | count |",
            "|---|---|---|---|---|---|---|---|"]
   for key in sorted(set(groups) | set(measured), key=lambda k: (k[0], sorted(k[1]))):
@@ -176,9 +181,15 @@ def breakdown(row: dict, n_layers: int) -> str:
     phases = groups.get(key, {}) or {"-": []}
     for n, (phase, terms) in enumerate(sorted(phases.items())):
       total = sum(t.bytes for t in terms)
+      once = sum(t.bytes for t in terms if per_step(t))
+      layers = total - once
+      per_layer = " + ".join(([fmt_bytes(layers / n_layers)] if layers or not once else [])
+                             + ([f"{fmt_bytes(once)}/step"] if once else []))
       whats = list(dict.fromkeys(t.what for t in terms))
-      what = ", ".join(whats[:3]) + (f" (+{len(whats) - 3} more)" if len(whats) > 3 else "")
-      cells = [label if n == 0 else "", phase, fmt_bytes(total), fmt_bytes(total / n_layers),
+      shown = whats if every_what else whats[:3]
+      what = ", ".join(shown) + (f" (+{len(whats) - 3} more: --breakdown_all)"
+                                 if len(whats) > len(shown) else "")
+      cells = [label if n == 0 else "", phase, fmt_bytes(total), per_layer,
                fmt_bytes(sum(t.wire_bytes for t in terms)), what or "(no term)",
                fmt_bytes(m.get("bytes", 0)) if n == 0 else "", str(m.get("count", 0)) if n == 0 else ""]
       lines.append("| " + " | ".join(cells) + " |")
@@ -187,7 +198,8 @@ def breakdown(row: dict, n_layers: int) -> str:
 
 def _json_row(r: dict) -> dict:
   """A row as table.json holds it: what is not data (the cost terms, a parity trace) left out."""
-  return {k: v for k, v in r.items() if k not in ("terms", "trace", "collectives_by_axes")}
+  return {k: v for k, v in r.items()
+          if k not in ("terms", "trace", "params0", "collectives_by_axes")}
 
 
 def write_report(rows, report_dir: str, model_name: str, info: dict, verdict_line: str,
@@ -206,6 +218,10 @@ def write_report(rows, report_dir: str, model_name: str, info: dict, verdict_lin
             "a2a_routed",
             "param_bytes", "opt_bytes", "temp_bytes", "compile_s", "total_bytes", "fits",
             "wire_bytes", "predicted_wire_bytes", "parity_checked"] + \
+           [f"{t}_{m}{leaf}" for t, ms in (("grad", ("max_abs", "rel_l2")),
+                                           ("param", ("max_abs", "rel_l2")),
+                                           ("update", ("rel_l2",)))
+            for m in ms for leaf in ("", "_leaf")] + \
            [f"{k}_{x}" for k in KINDS for x in ("count", "bytes", "predicted", "wire_bytes")] + \
            settings_cols
   with open(os.path.join(report_dir, "table.csv"), "w", newline="") as f:
@@ -273,3 +289,40 @@ def write_report(rows, report_dir: str, model_name: str, info: dict, verdict_lin
   fig.tight_layout()
   fig.savefig(os.path.join(report_dir, "bytes.png"), dpi=120)
   plt.close(fig)
+
+
+def shardings(job, strat, with_batch: bool = True) -> list[tuple[str, list]]:
+  """--dump_sharding: [(kind, [(path, sharding)])] for the parameters, a batch (a run that
+  steps) and the strategy's key activations (its optional `activation_shardings` hook)."""
+  from parallel.sharding import describe
+  out = [("param", describe(job.params))]
+  if with_batch:
+    out.append(("batch", describe(job.batch(0))))
+  if hasattr(strat, "activation_shardings"):
+    out.append(("act", list(strat.activation_shardings(job.cfg, job.mesh, job.opts))))
+  return out
+
+
+def hlo_lines(stats: dict) -> str:
+  """--hlo_stats: flops, XLA's memory and each collective kind of the compiled step."""
+  lines = [f"  flops/device {stats['flops']:.3e}  memory {stats['memory']}"]
+  for kind, v in stats["collectives"].items():
+    if v["count"]:
+      lines.append(f"  {kind:<20s} count {v['count']:>4d}  bytes/device {v['bytes']:>15,d}  "
+                   f"wire bytes/device {v['wire_bytes']:>17,.0f}")
+  return "\n".join(lines)
+
+
+def fit_line(cfg, strat, mesh, opts, stats: dict, hbm_gb: float | None) -> str:
+  """--compile_only: params + optimizer state (from the param specs) + XLA temp per device, and
+  with hbm_gb whether that fits."""
+  from measure import cost
+  from modeling import model
+  mem = cost.param_memory(model.init_params_shapes(cfg), strat.param_specs(cfg, mesh, opts), mesh,
+                          cfg.optimizer)
+  total = mem["param_bytes"] + mem["opt_bytes"] + stats["memory"]["temp_bytes"]
+  fits = "" if hbm_gb is None else (f": fits in {hbm_gb:g} GiB" if total <= hbm_gb * 2**30
+                                    else f": does NOT fit in {hbm_gb:g} GiB")
+  return (f"  per device: params+opt {fmt_bytes(mem['param_bytes'] + mem['opt_bytes'])}, "
+          f"XLA temp {fmt_bytes(stats['memory']['temp_bytes'])}, total {fmt_bytes(total)}{fits} "
+          "(G = GiB = 2^30 B)")

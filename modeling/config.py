@@ -25,6 +25,10 @@ DTYPES = ("float32", "bfloat16")
 AUX_LOSS_KINDS = ("batch",        # f and P over the whole step's tokens (Switch, Mixtral)
                   "sequence")     # per sequence, averaged over sequences (DeepSeek-V3's
                                   # complementary sequence-wise balance loss)
+# what picks each token's experts (modeling/routing.py, "expert choice")
+EXPERT_CHOICES = ("router",       # the top-k of the router's scores
+                  "position")     # the same top-k of a hash of the token's position: the choice
+                                  # every layout makes alike (--full_parity in bfloat16)
 ATTENTIONS = ("gqa", "mla")
 # --attention: how the softmax(q k^T) v core runs (modeling/attention.py)
 ATTENTION_IMPLS = ("xla",         # the [B, H, S, T] scores materialised: the oracle
@@ -98,6 +102,7 @@ class Config:
   z_loss_coef: float = _run(0.0)
   bias_update_rate: float = _run(0.0)    # gamma of the aux-loss-free bias update (0 = off)
   capacity_factor: float = _run(0.0)     # 0 = dropless
+  expert_choice: str = _run("router")    # EXPERT_CHOICES
   # run
   seq_len: int = _run(32)
   batch: int = _run(8)
@@ -203,6 +208,8 @@ class Config:
     need(self.top_k <= self.topk_group * (self.n_experts // self.n_group),
          "top_k larger than the experts in the kept groups")
     need(self.capacity_factor >= 0, f"capacity_factor={self.capacity_factor} must be >= 0")
+    need(self.expert_choice in EXPERT_CHOICES, f"unknown expert_choice {self.expert_choice!r}; "
+         f"choose from {', '.join(EXPERT_CHOICES)}")
     need(self.microbatches >= 1, f"microbatches={self.microbatches} must be >= 1")
     need(self.batch % self.microbatches == 0,
          f"batch={self.batch} is not divisible by microbatches={self.microbatches}")

@@ -66,7 +66,10 @@ def route_tokens(p: dict, x: jax.Array, positions: jax.Array, cfg: Config,
   per-sequence statistics are summed (routing.sequence_aux_sum; aux_loss_kind "sequence").
   """
   b, s, d = x.shape
-  r = routing.route(x.reshape(b * s, d), p["router"], p["bias"], cfg)
+  choice = None
+  if cfg.expert_choice == "position":                  # routing.py, "expert choice"
+    choice = routing.position_scores(positions, cfg.n_experts).reshape(b * s, cfg.n_experts)
+  r = routing.route(x.reshape(b * s, d), p["router"], p["bias"], cfg, choice)
   if cfg.capacity_factor > 0:
     e_local = r.experts.reshape(b, s, cfg.top_k)                      # [B, S, K]
     e_all, pos_all = (experts_all(e_local, positions) if callable(experts_all)

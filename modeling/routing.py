@@ -28,6 +28,17 @@ of S tokens, then averaged over the step's sequences:
 router z-loss: z = mean_t logsumexp(logits_t)^2
 aux-loss-free bias update after each step: b_e += gamma * sign(mean_e(load) - load_e)
 
+expert choice (cfg.expert_choice): what picks each token's K experts
+  "router"    the top-k above, of the router's scores (training, and every float32 comparison)
+  "position"  the same selection (top-k; the sigmoid router's group rule) run on
+              position_scores(position) [E] in [0, 1): an integer hash of (position in the
+              sequence, expert id), exact, so every strategy and the reference choose the same
+              experts for a token whatever their rounding. The weights, p, logits, the losses and
+              their gradients stay the router's. --full_parity in bfloat16 runs both sides this
+              way (measure/agreement.py): one bf16 ulp between two correct programs flips the
+              router's top-k near a tie, and a flipped token moves its whole contribution.
+              Every sequence of a batch, and every layer, then takes the same choice per position.
+
 capacity (capacity_factor cf > 0; 0 = dropless)
   Per sequence and per expert there are C = ceil(cf * S * K / E) slots. The assignments of a
   sequence are ranked in (position, k-slot) order; an assignment is kept iff fewer than C earlier
@@ -57,19 +68,34 @@ def _topk_ids(scores: jax.Array, k: int) -> jax.Array:
   return jax.lax.top_k(scores, k)[1]
 
 
-def route(x: jax.Array, router_w: jax.Array, bias: jax.Array, cfg: Config) -> Routing:
-  """x [T, D], router_w [D, E], bias [E] -> Routing. Call on local (unsharded) tokens."""
+def position_scores(positions: jax.Array, n_experts: int) -> jax.Array:
+  """positions [...] (int, the token's position in its sequence) -> [..., E] float32 in [0, 1):
+  lowbias32 (a 32-bit integer hash) of position * E + e, its top 24 bits / 2^24: exact in
+  float32, the same bits on any device. The scores expert_choice="position" selects by."""
+  key = positions.astype(jnp.uint32)[..., None] * jnp.uint32(n_experts) + jnp.arange(
+      n_experts, dtype=jnp.uint32)                                      # [..., E]
+  for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+    key = (key ^ (key >> shift)) * jnp.uint32(mul)                      # wraps mod 2^32
+  key = key ^ (key >> 16)
+  return (key >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
+
+
+def route(x: jax.Array, router_w: jax.Array, bias: jax.Array, cfg: Config,
+          choice: jax.Array | None = None) -> Routing:
+  """x [T, D], router_w [D, E], bias [E] -> Routing. Call on local (unsharded) tokens.
+  choice [T, E]: scores that select the experts in place of the router's (position_scores);
+  the weights, probs and logits are the router's either way."""
   logits = jnp.einsum("td,de->te", x.astype(jnp.float32), router_w.astype(jnp.float32))  # [T, E]
   if cfg.router == "softmax":
     probs = jax.nn.softmax(logits, axis=-1)
-    idx = _topk_ids(probs, cfg.top_k)                                   # [T, K]
+    idx = _topk_ids(probs if choice is None else choice, cfg.top_k)    # [T, K]
     w = jnp.take_along_axis(probs, idx, axis=-1)
     if cfg.norm_topk_prob:
       w = w / jnp.sum(w, axis=-1, keepdims=True)
     return Routing(idx.astype(jnp.int32), w, probs, logits)
 
   s = jax.nn.sigmoid(logits)                                            # [T, E]
-  sb = s + jax.lax.stop_gradient(bias)[None, :]
+  sb = s + jax.lax.stop_gradient(bias)[None, :] if choice is None else choice   # selects
   t, e = sb.shape
   g = cfg.n_group
   grouped = einops.rearrange(sb, "t (g n) -> t g n", g=g)               # [T, G, E/G]

@@ -126,9 +126,9 @@ def parity_config(cfg):
 #     near-zero element flips sign at random. eps = 1e-2 makes the update Lipschitz in g (the
 #     parity runs only: the optimizer's own math is proven in float32), and the updates are
 #     compared like the gradients, in relative L2 norm per leaf.
-BF16_ADAM_EPS = 1e-2
-BF16_LOSS_RTOL = 5e-4
-BF16_GRAD_RTOL = 5e-2          # relative L2 norm, per gradient / update leaf
+BF16_ADAM_EPS = agreement.BF16_ADAM_EPS
+BF16_LOSS_RTOL = agreement.BF16_LOSS_RTOL
+BF16_GRAD_RTOL = agreement.BF16_GRAD_RTOL     # relative L2 norm, per gradient / update leaf
 
 
 def bf16_config(cfg):

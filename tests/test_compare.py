@@ -74,8 +74,18 @@ def test_full_parity_checks_grads_and_params_and_writes_table_md(tmp_path):
   assert "jax " in md and "seed 0" in md and "capacity factor dropless" in md
   stored = json.loads((tmp_path / "table.json").read_text())[1]
   assert stored["settings"]["capacity_factor"] == 0.0 and "trace" not in stored
+  assert "params0" not in stored
+  # the float32 rule, stated in the header; the worst errors and their leaves, as measured
+  from measure import agreement
+  rule = agreement.rule(get_config("tiny"))
+  assert stored["settings"]["parity_rule"] == rule and rule in md
+  assert stored["settings"]["expert_choice"] == "router"
+  assert 0 < stored["grad_max_abs"] <= 1e-4 and stored["grad_rel_l2"] <= 1e-4
+  assert stored["param_max_abs"] <= agreement.PARAM_ATOL and stored["update_rel_l2"] <= 1e-2
+  assert stored["grad_max_abs_leaf"].startswith("step ") and "[" in stored["grad_max_abs_leaf"]
   header = (tmp_path / "table.csv").read_text().splitlines()[0].split(",")
-  assert {"wire_bytes", "all-to-all_wire_bytes", "seed", "jax"} <= set(header)
+  assert {"wire_bytes", "all-to-all_wire_bytes", "seed", "jax", "grad_rel_l2", "grad_rel_l2_leaf",
+          "param_max_abs", "update_rel_l2"} <= set(header)
 
 
 def test_interleaved_row_reads_its_round_robin_stack_back_for_full_parity():
