@@ -4,12 +4,17 @@
 from __future__ import annotations
 
 import collections
+import math
 import os
 import sys
 import time
 
-from planning import check, clusters, plan, render
+from layout import mesh as mesh_lib
+from planning import check, clusters, constraints, plan, render
 from planning.constraints import Constraints, NoCandidate
+import command_line as command
+from command_line import UsageError
+import strategies
 
 
 def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | None,
@@ -80,3 +85,87 @@ def no_candidate(cands: list[plan.Candidate], limits: Constraints) -> str:
   (err, k), = collections.Counter(c.error for c in cands).most_common(1)
   return (f"no candidate {by}: {len(cands)} enumerated, every one refused by check() (the most "
           f"frequent, {k} x: {err})")
+
+
+def check_flags(F):
+  """--plan's flags, judged before JAX starts. --strategy / --compare, --mesh, --microbatches,
+  --remat, --capacity_factor, --opt and --layer_layout restrict what it enumerates (plan()
+  checks them against the strategies, planning/constraints.py); a training run's flags are
+  errors."""
+  for flag in ("coordinator_address", "num_processes", "process_id", "checkpoint_dir",
+               "restore", "metrics_file", "steps"):
+    if getattr(F, flag) is not None:
+      raise UsageError(f"--{flag} does not apply to --plan (it ranks layouts and trains none)")
+  if F.compile_only or F.full_parity or F.breakdown or F.hlo_stats:
+    raise UsageError("--plan compiles its best candidates itself (--plan_compile); it takes no "
+                     "--compile_only, --full_parity, --breakdown or --hlo_stats")
+  cluster = clusters.get(F.cluster)
+  if not 2 <= F.devices <= command.MAX_DEVICES:
+    raise UsageError(f"--devices={F.devices} must be in [2, {command.MAX_DEVICES}] for --plan")
+  if F.devices % cluster.node_size and cluster.node_size % F.devices:
+    raise UsageError(f"--devices={F.devices}: whole nodes of {cluster.node_size} "
+                     f"({cluster.name}), or part of one")
+  for name in ("batch", "seq", "layers"):
+    v = getattr(F, name)
+    if v is not None and v < 1:
+      raise UsageError(f"--{name}={v} must be >= 1")
+  if F.hbm_gb is not None and not (math.isfinite(F.hbm_gb) and F.hbm_gb > 0):
+    raise UsageError(f"--hbm_gb={F.hbm_gb} must be a finite number > 0")
+  if F.plan_compile < 0:
+    raise UsageError(f"--plan_compile={F.plan_compile} must be >= 0")
+  if F.plan_top < 1:
+    raise UsageError(f"--plan_top={F.plan_top} must be >= 1")
+  if not (math.isfinite(F.plan_efficiency) and 0 < F.plan_efficiency <= 1):
+    raise UsageError(f"--plan_efficiency={F.plan_efficiency} must be in (0, 1]")
+  if F.report_dir:
+    command.writable_dir("report_dir", F.report_dir)
+  return find_flag(F)
+
+
+def find_flag(F):
+  """--plan_find=STRATEGY@MESH -> (strategy, {axis: size}) or None; one-line errors."""
+  if F.plan_find is None:
+    return None
+  name, sep, spec = F.plan_find.partition("@")
+  if not sep:
+    raise UsageError(f"--plan_find={F.plan_find}: expected STRATEGY@MESH, e.g. ep@fsdp:8,expert:8")
+  strat = strategies.get(name)
+  sizes = mesh_lib.parse_mesh_spec(spec)
+  mesh_lib.mesh_shape(strat.AXES, strat.MAIN_AXIS, spec, math.prod(sizes.values()), name)
+  if math.prod(sizes.values()) != F.devices:
+    raise UsageError(f"--plan_find={F.plan_find} has {math.prod(sizes.values())} devices, "
+                     f"not --devices={F.devices}")
+  return name, sizes
+
+
+def run(F, argv_names: list[str], find) -> None:
+  """--plan: the planner (main, above) on the model's config, bf16 unless --dtype, with a
+  global batch of max(the preset's, --devices) sequences unless --batch, over the candidates
+  its constraint flags leave (planning/constraints.py: a bad one is a one-line error, exit 2;
+  constraints that leave no candidate raise NoCandidate: one line, exit 1)."""
+  from modeling.config import PRESETS
+  given = {f: getattr(F, f) if F[f].present else None
+           for f in ("capacity_factor", "remat", "microbatches")}
+  # make_config would hold --microbatches to the preset's batch; the candidates take M from the
+  # constraints, each judged by check() on the batch planned here
+  m, F.microbatches = F.microbatches, 1
+  try:
+    cfg = command.make_config(F)
+  finally:
+    F.microbatches = m
+  if not F["dtype"].present:
+    cfg = cfg.replace(dtype="bfloat16")
+  source = "--batch"
+  if F.batch is None:
+    preset = PRESETS[F.model].batch
+    cfg = cfg.replace(batch=max(preset, F.devices))
+    source = f"max of the preset's {preset} and --devices={F.devices}"
+  cfg = cfg.validate()
+  chosen = (f"--strategy={F.strategy}" if F.strategy else
+            f"--compare={F.compare}" if F.compare and F.compare != "all" else "")
+  limits = constraints.build(F.devices, argv_names, command.strategy_names(F) if chosen else [],
+                             chosen=chosen, mesh=F.mesh, opt=F.opt,
+                             layer_layout=F.layer_layout, **given)
+  main(cfg, F.model, F.devices, F.cluster, None if F.hbm_gb is None else F.hbm_gb * 2**30,
+       limits, F.plan_compile, F.plan_top, F.plan_efficiency, F.report_dir,
+       lambda n: command.setup_devices(n, None, F.compilation_cache), find, batch_source=source)

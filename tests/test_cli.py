@@ -37,8 +37,15 @@ BAD_FLAGS = [
      "batch=4 is not divisible by mesh axis dataxfsdpxexpert=8"),
     (["--strategy=ep", "--mesh=expert:8", "--opt=dispatch=ragged"],
      "dispatch=ragged needs ragged_all_to_all"),
-    (["--strategy=ep", "--mesh=expert:8", "--dispatch=ragged"],          # the old flag, an alias
-     "dispatch=ragged needs ragged_all_to_all"),
+    # the flags strategy options replaced: each names its --opt form
+    (["--strategy=ep", "--dispatch=a2a"], "--dispatch is retired: give --opt=dispatch=VALUE (ep)"),
+    (["--strategy=ep", "--dispatch_batch_on_expert"],
+     "--dispatch_batch_on_expert is retired: give --opt=dispatch=none (ep)"),
+    (["--strategy=shard_exp_on_fsdp", "--expert_fsdp_mode=ep"],
+     "--expert_fsdp_mode is retired: give --opt=mode=VALUE (shard_exp_on_fsdp)"),
+    (["--strategy=ep_tp", "--ep_tp_capacity=0.5"],
+     "--ep_tp_capacity is retired: give --opt=capacity=VALUE (ep_tp)"),
+    (["--strategy=cp", "--context_sharding=context"], "--context_sharding is retired: give nothing"),
     # a strategy option of another strategy (the rest: test_options_one_line_errors, in-process)
     (["--strategy=tp", "--opt=dispatch=a2a"],
      "strategy 'tp' has no option 'dispatch' (it is an option of ep); its options: none"),
@@ -290,17 +297,6 @@ def test_compare_row_that_fails_to_build_is_its_error(monkeypatch):
   assert "error" not in by["fsdp"] and by["fsdp"]["collectives"]["all-gather"]["count"] > 0
 
 
-def test_old_option_flags_are_aliases():
-  """--dispatch_batch_on_expert is --opt=dispatch=none: the same compiled collectives."""
-  a = _run("--strategy=ep", "--mesh=data:2,expert:4", "--steps=0", "--hlo_stats",
-           "--dispatch_batch_on_expert")
-  b = _run("--strategy=ep", "--mesh=data:2,expert:4", "--steps=0", "--hlo_stats",
-           "--opt=dispatch=none")
-  assert a.returncode == b.returncode == 0, a.stderr + b.stderr
-  stats = lambda out: [l.split("compiled")[0] for l in out.splitlines() if "count" in l]
-  assert stats(a.stdout) == stats(b.stdout) and "all-to-all" not in a.stdout, a.stdout
-
-
 def test_checkpoint_saves_are_reported_and_never_vanish(tmp_path):
   """Every save prints `saved step N to DIR`; a run without --restore into a directory holding
   steps is refused before compiling (naming them); --overwrite_checkpoint replaces them; a
@@ -343,31 +339,26 @@ def test_compile_only_with_strategy_allocates_nothing(tmp_path):
 def _check_in_process(*args):
   """run.py's checks before JAX starts (flags, strategy options), in this process."""
   import run
+  import command_line as command
   run.F.unparse_flags()
   run.F(["run.py", *args])
   try:
-    run.check_flags()
-    run.strategy_options(run.strategy_names())
+    command.check_flags(run.F)
+    command.strategy_options(run.F, command.strategy_names(run.F))
   finally:
     run.F.unparse_flags()
 
 
 @pytest.mark.parametrize("args,message", [
     (["--strategy=dp", "--capacity_factor=nan"], "--capacity_factor=nan must be a finite number >= 0"),
-    (["--strategy=ep_as_cp", "--context_sharding=data"],
-     "--context_sharding=data: cp plays context parallelism on `context`"),
-    (["--strategy=tp", "--dispatch=a2a"],                               # the old flag, an alias
-     "strategy 'tp' has no option 'dispatch' (it is an option of ep); its options: none"),
     (["--strategy=pp", "--opt=dispatch=ragged"], "strategy 'pp' has no option 'dispatch'"),
     (["--strategy=ep", "--opt=speed=fast"], "strategy 'ep' has no option 'speed'; its options: dispatch"),
     (["--strategy=ep", "--opt=dispatch=fast"], "ep option dispatch='fast': choose from a2a, ragged, none"),
     (["--strategy=ep_tp", "--opt=capacity=1.5"], "ep_tp option capacity=1.5: must be a finite number in [0, 1]"),
-    (["--strategy=ep_tp", "--ep_tp_capacity=x"], "ep_tp option capacity='x': expected a number"),
+    (["--strategy=ep_tp", "--opt=capacity=x"], "ep_tp option capacity='x': expected a number"),
     (["--strategy=shard_exp_on_fsdp", "--opt=mode=both"],
      "shard_exp_on_fsdp option mode='both': choose from gather, ep"),
     (["--strategy=ep", "--opt=dispatch"], "bad --opt entry 'dispatch': expected key=value"),
-    (["--strategy=ep", "--opt=dispatch=a2a", "--dispatch_batch_on_expert"],
-     "--dispatch_batch_on_expert and --opt=dispatch=... disagree"),
     (["--compare=dp,tp", "--opt=mode=ep"],
      "--opt key 'mode' belongs to none of the compared strategies (an option of shard_exp_on_fsdp)"),
     (["--compare=cp,cp:kv_exchange"], "comparison entry 'cp:kv_exchange': after the strategy"),
@@ -389,11 +380,12 @@ def test_options_one_line_errors(args, message):
 
 def test_options_reach_the_strategies_that_have_them():
   import run
+  import command_line as command
   import strategies
   run.F.unparse_flags()
   run.F(["run.py", "--compare=ep,ep_tp,dp", "--opt=dispatch=none,capacity=0.5"])
   try:
-    opts = run.strategy_options(run.strategy_names())
+    opts = command.strategy_options(run.F, command.strategy_names(run.F))
   finally:
     run.F.unparse_flags()
   assert opts == {"ep": strategies.get("ep").Options(dispatch="none"),
@@ -404,14 +396,15 @@ def test_options_reach_the_strategies_that_have_them():
 def test_compare_entries_carry_their_own_options():
   """NAME:key=value rows: their options over --opt's; 'all' adds each COMPARE_VARIANTS row."""
   import run
+  import command_line as command
   import strategies
   run.F.unparse_flags()
   run.F(["run.py", "--compare=cp,cp:kv_exchange=ring,ep", "--opt=dispatch=none"])
   try:
-    opts = run.strategy_options(run.strategy_names())
+    opts = command.strategy_options(run.F, command.strategy_names(run.F))
     run.F.unparse_flags()
     run.F(["run.py"])
-    every = run.strategy_names()
+    every = command.strategy_names(run.F)
   finally:
     run.F.unparse_flags()
   cp = strategies.get("cp").Options
@@ -452,8 +445,8 @@ def _row(name, **kw):
 ], ids=["pass", "fail", "non-finite", "skipped-run", "trace-failure", "skipped-compile-only",
         "nothing-compiled", "no-reference"])
 def test_compare_exit_status_rule(rows, compile_only, failed):
-  import run
-  failures, _ = run.compare_outcome(rows, compile_only)
+  import compare
+  failures, _ = compare.outcome(rows, compile_only)
   assert failures == failed
 
 
@@ -476,8 +469,8 @@ def test_help_exits_0():
 
 
 def test_hbm_gb_takes_units():
-  import run
-  parse = run.MemoryParser().parse
+  import command_line as command
+  parse = command.MemoryParser().parse
   assert parse("80") == 80 and parse("74.5GiB") == 74.5 and parse("512MiB") == 0.5
   assert parse("80GB") == pytest.approx(80e9 / 2**30) and parse("80 gb") == parse("80GB")
 

@@ -1,0 +1,212 @@
+"""What run.py's flags ask for, judged and built before anything compiles: the one-line
+checks (UsageError, exit status 2), the strategies and their options, the model's Config, the
+devices. Each function takes absl's FLAGS (`F`) as run.py defines them."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+from absl import flags
+
+from modeling.config import ConfigError
+
+# Simulated CPU devices cost host memory and compile time: 2048 of them compiled a DeepSeek-V3
+# layout in 1.6 GB of host memory (shared/notes/field-2026.md); this bound is checked before JAX
+# starts, so a typo never builds a runtime that grows without end.
+MAX_DEVICES = 4096
+
+# Flags that strategy options replaced: each is refused with its --opt form.
+RETIRED = {"dispatch": "--opt=dispatch=VALUE (ep)",
+           "dispatch_batch_on_expert": "--opt=dispatch=none (ep)",
+           "expert_fsdp_mode": "--opt=mode=VALUE (shard_exp_on_fsdp)",
+           "ep_tp_capacity": "--opt=capacity=VALUE (ep_tp)",
+           "context_sharding": "nothing: cp shards the sequence over `context`, ep_as_cp over "
+                               "`expert`"}
+
+
+class UsageError(Exception):
+  """Bad input, found before anything compiles: one `error:` line, exit status 2."""
+
+
+class MemoryParser(flags.FloatParser):
+  """A memory size -> GiB (2^30 B): a plain number is GiB; a unit says which: 80GB (10^9 B:
+  74.5 GiB), 74.5GiB, 512MiB, 1TB."""
+  UNITS = {"gib": 2**30, "gb": 1e9, "mib": 2**20, "mb": 1e6, "tib": 2**40, "tb": 1e12}
+
+  def parse(self, argument):
+    if isinstance(argument, str):
+      text = argument.strip().lower().replace(" ", "")
+      for unit, size in sorted(self.UNITS.items(), key=lambda u: -len(u[0])):
+        if text.endswith(unit):
+          return super().parse(text[:-len(unit)]) * size / 2**30
+    return super().parse(argument)
+
+
+
+def retired(argv: list[str]) -> None:
+  """A retired flag in argv -> UsageError naming what replaced it."""
+  for a in argv[1:]:
+    name = a.lstrip("-").split("=")[0]
+    name = name[2:] if name.startswith("no") and name[2:] in RETIRED else name
+    if a.startswith("--") and name in RETIRED:
+      raise UsageError(f"--{name} is retired: give {RETIRED[name]}")
+
+
+def check_flags(F):
+  """Every flag value that can be judged without JAX, before anything compiles -> the
+  jax.distributed arguments of a multi-process run (None: one process)."""
+  from runtime import distributed
+  dist = distributed.settings(F.coordinator_address, F.num_processes, F.process_id)
+  if dist is not None and not F.strategy:
+    raise UsageError("multi-process runs need --strategy (compare mode is single-process)")
+  if dist is not None and F.strategy == "reference":
+    raise UsageError("the reference runs on one device: not multi-process")
+  if not 1 <= F.devices <= MAX_DEVICES:
+    raise UsageError(f"--devices={F.devices} must be in [1, {MAX_DEVICES}] (simulated CPU devices)")
+  if dist is None and F.devices == 1 and F.strategy != "reference":
+    raise UsageError("--devices=1: one device is the reference's layout (--strategy=reference); "
+                     "the strategies need 2 or more (on one device XLA drops the sharding "
+                     "constraints their unreduced gradient types are checked against)")
+  if F.steps is not None and F.steps < 0:
+    raise UsageError(f"--steps={F.steps} must be >= 0")
+  if F.steps == 0 and not F.strategy:
+    raise UsageError("--steps=0 in compare mode: use --compile_only to compare without running")
+  for name in ("batch", "seq", "layers", "microbatches"):
+    v = getattr(F, name)
+    if v is not None and v < 1:
+      raise UsageError(f"--{name}={v} must be >= 1")
+  if F.lr is not None and not (math.isfinite(F.lr) and F.lr > 0):
+    raise UsageError(f"--lr={F.lr} must be a finite number > 0")
+  if F.adam_eps is not None and not (math.isfinite(F.adam_eps) and F.adam_eps > 0):
+    raise UsageError(f"--adam_eps={F.adam_eps} must be a finite number > 0")
+  if not (math.isfinite(F.capacity_factor) and F.capacity_factor >= 0):
+    raise UsageError(f"--capacity_factor={F.capacity_factor} must be a finite number >= 0")
+  if F.hbm_gb is not None:
+    if not (math.isfinite(F.hbm_gb) and F.hbm_gb > 0):
+      raise UsageError(f"--hbm_gb={F.hbm_gb} must be a finite number > 0")
+    if not F.compile_only:
+      raise UsageError("--hbm_gb needs --compile_only (the fit table is a compile-only study)")
+  if F.hlo_stats and not F.strategy:
+    raise UsageError("--hlo_stats is for --strategy: the comparison table shows every strategy's "
+                     "collectives (add --breakdown for them per kind, axes and phase)")
+  if F.full_parity and (F.strategy or F.compile_only):
+    raise UsageError("--full_parity is a compare-mode check against the reference: it needs "
+                     "steps to run, and no --strategy")
+  if F.mesh == "search" and (F.strategy or not F.compile_only or F.hbm_gb is None):
+    raise UsageError("--mesh=search is a compare-mode study: it needs --compile_only and --hbm_gb "
+                     "(and no --strategy)")
+  if F.metrics_file:                         # fail now, not after a long compile
+    d = os.path.dirname(os.path.abspath(F.metrics_file))
+    if not os.path.isdir(d) or not os.access(d, os.W_OK):
+      raise UsageError(f"--metrics_file={F.metrics_file}: directory {d} does not exist or "
+                       "is not writable")
+  if F.compile_only and (F.checkpoint_dir or F.metrics_file and not F.strategy):
+    raise UsageError("--compile_only runs no step: it takes no --checkpoint_dir (and in compare "
+                     "mode no --metrics_file; --report_dir writes the table)")
+  if F.overwrite_checkpoint and not F.checkpoint_dir:
+    raise UsageError("--overwrite_checkpoint needs --checkpoint_dir")
+  if F.save_every < 0:
+    raise UsageError(f"--save_every={F.save_every} must be >= 0")
+  if (F.checkpoint_dir or F.restore) and not F.strategy:
+    raise UsageError("--checkpoint_dir and --restore need --strategy")
+  if F.restore is not None:
+    if not F.checkpoint_dir:
+      raise UsageError("--restore needs --checkpoint_dir")
+    if F.restore != "latest" and not F.restore.isdigit():
+      raise UsageError(f"--restore={F.restore}: expected 'latest' or a step number")
+    if os.path.exists(F.checkpoint_dir) and not os.path.isdir(F.checkpoint_dir):
+      raise UsageError(f"--checkpoint_dir={F.checkpoint_dir} is a file, not a directory")
+    if not os.path.isdir(F.checkpoint_dir):
+      raise UsageError(f"--checkpoint_dir={F.checkpoint_dir} does not exist")
+  for flag in ("checkpoint_dir", "report_dir"):
+    if getattr(F, flag):
+      writable_dir(flag, getattr(F, flag))
+  return dist
+
+
+def strategy_names(F) -> list[str]:
+  """The strategies this run builds: --strategy, or --compare's list ('all': every one)."""
+  import strategies
+  if F.strategy:
+    strategies.get(F.strategy)                 # unknown name -> one-line error
+    return [F.strategy]
+  names = F.compare or "all"
+  wanted = ([e for n in strategies.available() for e in strategies.compare_entries(n)]
+            if names == "all" else [n.strip() for n in names.split(",") if n.strip()])
+  for n in wanted:
+    strategies.split_entry(n)                  # unknown name or bad option pair -> one line
+  return wanted
+
+
+def strategy_options(F, names: list[str]) -> dict:
+  """{name: its Options} from --opt (one-line errors, before JAX starts)."""
+  from layout import options
+  import strategies
+  pairs = options.split(F.opt)
+  return strategies.parse_options(names, pairs)
+
+
+def writable_dir(flag: str, path: str) -> None:
+  """Create --flag's directory now, or stop with one line, before anything compiles."""
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise UsageError(f"--{flag}={path} is a file, not a directory")
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise UsageError(f"--{flag}={path}: {e.strerror}") from None
+  if not os.access(path, os.W_OK):
+    raise UsageError(f"--{flag}={path} is not writable")
+
+
+def make_config(F):
+  """The model preset with the flags' overrides (one-line ConfigError on a bad value)."""
+  from modeling.config import get_config
+  over = dict(optimizer=F.optimizer, capacity_factor=F.capacity_factor, seed=F.seed,
+              gmm_backend=F.gmm, microbatches=F.microbatches,
+              remat=F.remat, dtype=F.dtype, grad_reduce_dtype=F.grad_reduce_dtype)
+  for flag, key in (("batch", "batch"), ("seq", "seq_len"), ("layers", "n_layers"), ("lr", "lr"),
+                    ("adam_eps", "adam_eps"), ("aux_loss_kind", "aux_loss_kind"),
+                    ("attention", "attention_impl"), ("attention_chunk", "attention_chunk"),
+                    ("layer_layout", "layer_layout")):
+    if getattr(F, flag) is not None:
+      over[key] = getattr(F, flag)
+  from modeling import gmm
+  if F.gmm == "mgpu":
+    import kernels.mgpu  # noqa: F401  (registers the Hopper kernel and wgrad with modeling.gmm)
+  try:
+    gmm.resolve_backend(F.gmm)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  return get_config(F.model, **over)
+
+
+def setup_devices(n: int, dist, cache: str = "") -> None:
+  """n CPU devices per process; starts the multi-process runtime first when asked (dist);
+  cache: the persistent compilation cache's directory ('' = off)."""
+  import jax
+  jax.config.update("jax_num_cpu_devices", n)
+  if cache:
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # a size limit turns on the cache's file lock: concurrent runs never read a half-written
+    # entry (jax writes entries in place; XLA:CPU crashed on a partial one)
+    jax.config.update("jax_compilation_cache_max_size", 64 * 2**30)
+  if dist is not None:
+    from runtime import distributed
+    distributed.initialize(dist)
+  if jax.default_backend() == "cpu" and jax.local_device_count() != n:
+    raise UsageError(f"asked for {n} CPU devices, got {jax.local_device_count()}")
+
+
+def compile_only_gmm(F, cfg):
+  """--compile_only on XLA:CPU without --gmm: the grouped matmul lowers through `scan`, whose
+  buffers are what a grouped-matmul kernel holds (XLA:CPU densifies ragged_dot into an
+  [E, M, K] buffer no accelerator allocates), as the planner compiles. Said on stderr."""
+  import jax
+  if not F.compile_only or F["gmm"].present or jax.default_backend() != "cpu":
+    return cfg
+  print("note: --compile_only on XLA:CPU: gmm scan (XLA:CPU densifies ragged_dot over the "
+        "experts, memory no kernel holds); --gmm=ragged_dot compiles that instead",
+        file=sys.stderr)
+  return cfg.replace(gmm_backend="scan")
