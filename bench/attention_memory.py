@@ -11,7 +11,7 @@ heads on 1 KV head, d 64, float32, chunk 256, S = 1k and 4k.
 
 With --time=IMPL (chunked | ordered): compile, then run value_and_grad once at 1 sequence,
 S = 8192, 8 query heads on 8 KV heads, d 64, float32, chunk 512, and print the run's seconds;
-time whole processes of both with farm-bench to compare.
+time whole processes of both (e.g. with /usr/bin/time -v) to compare.
 
 With --ring_time=balanced|all: the same, through ring attention on 4 simulated devices
 (context:4, the load-balanced order), S = 8192, 8 heads, d 64, float32, chunk 512, balanced
