@@ -36,6 +36,7 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_configure(config):
+  config.addinivalue_line("markers", "fast: the fast tier (tests/conftest.py, FAST_FILES)")
   if jax.default_backend() == "cpu":
     assert jax.device_count() == 8, f"expected 8 simulated CPU devices, got {jax.device_count()}"
 
@@ -83,6 +84,10 @@ def pytest_addoption(parser):
       help="first: every test collected, but a parametrized one on its first row only, and the "
            "strategy table (tests/test_strategies.py) on each strategy's first row: .ci/run's "
            "run of its version-sensitive files on the oldest supported jax")
+  parser.addoption(
+      "--strategy", default=None,
+      help="NAME: only that strategy's tests (its rows of the strategy table and "
+           "tests/test_NAME.py)")
 
 
 def first_rows(items) -> tuple[list, list]:
@@ -101,7 +106,40 @@ def first_rows(items) -> tuple[list, list]:
   return keep, drop
 
 
+
+
+# The fast tier (`pytest -m fast`): every strategy's first parity, contract and cost row (the
+# strategy table on --rows=first), the units that compile nothing or little, and the command
+# line's contract, each parametrized test on its first row. The full matrix is the default.
+FAST_FILES = {"test_strategies.py", "test_cli.py", "test_imports.py", "test_docs.py",
+              "test_routing.py", "test_dispatch.py", "test_durability.py"}
+
+
+def strategy_of(item) -> str | None:
+  """The strategy a test holds: the strategy table's row, or a strategy's own test file
+  (tests/test_NAME.py); None for the tests of no one strategy."""
+  spec = getattr(item, "callspec", None)
+  if item.path.name == "test_strategies.py" and spec is not None and "name" in spec.params:
+    return spec.params["name"]
+  stem = item.path.stem.removeprefix("test_")
+  return stem if stem in strategies.NAMES else None
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+  """--rows=first keeps first rows; --strategy=NAME keeps that strategy's tests (exactly: `-k ep`
+  would match ep_tp's and every deepseek row); the fast tier's items get the `fast` mark before
+  `-m` selects (tryfirst)."""
   if config.getoption("rows") == "first":
     items[:], drop = first_rows(items)
     config.hook.pytest_deselected(items=drop)
+  only = config.getoption("strategy")
+  if only:
+    if only not in strategies.NAMES:
+      raise pytest.UsageError(f"--strategy={only}: choose from {', '.join(strategies.NAMES)}")
+    drop = [i for i in items if strategy_of(i) != only]
+    items[:] = [i for i in items if strategy_of(i) == only]
+    config.hook.pytest_deselected(items=drop)
+  fast, _ = first_rows([i for i in items if i.path.name in FAST_FILES])
+  for item in fast:
+    item.add_marker(pytest.mark.fast)
