@@ -3,7 +3,7 @@ of the time loop, which keeps every tick's residuals) against 1f1b (each backwar
 inside the loop, residuals for at most in_flight microbatches) as the microbatch count M grows
 with one sequence per microbatch per device, so a microbatch's activations are fixed.
 
-Beside the temps, the issue's bound: gpipe's temp grows by a = (g(4P) - g(P)) / 3P per
+Beside the temps, Megatron's bound: gpipe's temp grows by a = (g(4P) - g(P)) / 3P per
 microbatch, its activation share (M+P-1) a; 1f1b's share is its temp less its constant (its
 M = 1 temp, one microbatch held, less a); the bound is min(M, P)/M x gpipe's share + 10%.
 

@@ -582,9 +582,27 @@ def forward(params, batch, cfg: Config, lay: Layout):
     real = slot_mask(cfg)                                                        # None: no padding
     x, stats = moe_stack(x, layers, positions, cfg, lay, None if real is None else real[order])
     stats = jax.tree.map(lambda a: a[np.argsort(order)], stats)                # stored row order
+  return head(x, params, cfg, lay), stats                                        # [B, S, V]
+
+
+def head(x, params, cfg: Config, lay: Layout):
+  """The final RMSNorm and the unembedding: x [.., D] -> logits [.., V] in x's dtype."""
   x = rms_norm(x, lay.use("final_norm", params["final_norm"]), cfg.norm_eps)
-  logits = jnp.einsum("bsd,dv->bsv", x, use(lay, "unembed", params["unembed"], x.dtype))  # [B, S, V]
-  return logits, stats
+  return jnp.einsum("...d,dv->...v", x, use(lay, "unembed", params["unembed"], x.dtype))
+
+
+def cross_entropy(logits, targets):
+  """Next-token cross-entropy per token, in float32: logits [.., V], targets [..] -> [..]."""
+  logits = logits.astype(jnp.float32)
+  tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  return jax.nn.logsumexp(logits, axis=-1) - tgt
+
+
+def loss_total(ce, aux, z, cfg: Config) -> tuple:
+  """The step's loss from its summed terms, ce + aux_loss_coef * aux + z_loss_coef * z, and its
+  metrics {loss, ce_loss, aux_loss, z_loss} (the caller adds "dropped" and "counts")."""
+  loss = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
+  return loss, {"loss": loss, "ce_loss": ce, "aux_loss": aux, "z_loss": z}
 
 
 def loss_fn(params, batch, cfg: Config, lay: Layout, counts=None, n_tokens=None):
@@ -595,9 +613,7 @@ def loss_fn(params, batch, cfg: Config, lay: Layout, counts=None, n_tokens=None)
   for the sequence-wise loss, complete within each microbatch); CE, P, the sequence-wise sums
   and z are this microbatch's over n_tokens, so the microbatch losses sum to the step's loss."""
   logits, stats = forward(params, batch, cfg, lay)
-  logits = logits.astype(jnp.float32)
-  tgt = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
-  nll = jax.nn.logsumexp(logits, axis=-1) - tgt                                # [B, S]
+  nll = cross_entropy(logits, batch["targets"])                                # [B, S]
   if n_tokens is None:
     ce = jnp.mean(nll)
     n_tokens = batch["tokens"].shape[0] * batch["tokens"].shape[1]
@@ -606,11 +622,9 @@ def loss_fn(params, batch, cfg: Config, lay: Layout, counts=None, n_tokens=None)
     ce = jnp.sum(nll) / n_tokens
     aux, z = routing.aux_losses(stats if counts is None else {**stats, "counts": counts},
                                 n_tokens, cfg)
-  aux, z = jnp.sum(aux), jnp.sum(z)
-  loss = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
-  metrics = {"loss": loss, "ce_loss": ce, "aux_loss": aux, "z_loss": z,
-             "dropped": jnp.sum(stats["dropped"]), "counts": stats["counts"]}  # counts [L, E]
-  return loss, metrics
+  loss, metrics = loss_total(ce, jnp.sum(aux), jnp.sum(z), cfg)
+  return loss, {**metrics, "dropped": jnp.sum(stats["dropped"]),
+                "counts": stats["counts"]}                                     # counts [L, E]
 
 
 def reference_layout(cfg: Config) -> Layout:

@@ -1,8 +1,10 @@
 """Sharding helpers shared by strategies: FSDP weight gather with a reduce-scatter backward (also
-the sequence all-gather of an activation), an explicit reduce-scatter of an unreduced array,
-placing pytrees on a mesh (multi-process too), and reading layouts back for --dump_sharding."""
+the sequence all-gather of an activation; gather_weight_manual inside a full-manual shard_map),
+an explicit reduce-scatter of an unreduced array, placing pytrees on a mesh (multi-process too),
+and reading layouts back for --dump_sharding."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -40,9 +42,15 @@ def without_axis(spec, axis: str) -> P:
   return P(*(tuple(a for a in entry_axes(e) if a != axis) or None for e in (spec or ())))
 
 
+def axis_size(mesh, *names) -> int:
+  """The devices over mesh axes `names` together: the product of their sizes (an axis the mesh
+  does not have counts 1)."""
+  return math.prod(mesh.shape[n] for n in names if n in mesh.shape)
+
+
 def spec_shards(spec, mesh) -> int:
   """How many ways a PartitionSpec splits an array on this mesh."""
-  return math.prod(mesh.shape[a] for a in spec_axes(spec))
+  return axis_size(mesh, *spec_axes(spec))
 
 
 def varying_axes(a) -> frozenset:
@@ -122,6 +130,27 @@ def gather_weight(w: jax.Array, out_spec: P, grad_axes: Sequence[str], dtype=Non
 
   _gather.defvjp(_fwd, _bwd)
   return _gather(w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather_weight_manual(a: jax.Array, dim: int, axes: tuple, dtype) -> jax.Array:
+  """gather_weight inside a full-manual shard_map (pp's pipeline), where no reshard applies:
+  a [.., D/n, ..] -> [.., D, ..] in `dtype` (cast before the all-gather, which then moves
+  `dtype`), n = |axes|. Backward: the cotangent cast to a's dtype (the sum's),
+  reduce-scattered over `axes` (XLA:CPU emits a reduce-scatter only from an explicit
+  psum_scatter); the caller's pcast sums the shard over the axes it is replicated on."""
+  return jax.lax.all_gather(a.astype(dtype), axes, axis=dim, tiled=True)
+
+
+def _gather_manual_fwd(a, dim, axes, dtype):
+  return gather_weight_manual(a, dim, axes, dtype), jnp.zeros((), a.dtype)
+
+
+def _gather_manual_bwd(dim, axes, dtype, like, ct):
+  return (jax.lax.psum_scatter(ct.astype(like.dtype), axes, scatter_dimension=dim, tiled=True),)
+
+
+gather_weight_manual.defvjp(_gather_manual_fwd, _gather_manual_bwd)
 
 
 def reduce_scatter(y: jax.Array, out_spec: P) -> jax.Array:

@@ -109,7 +109,7 @@ Per candidate, per device:
            total (27 within 10%); on the 39, 35 within 10%: the misses are pp 1f1b with remat
            none (0.87), whose S = 4096 activations the small steps do not show, DeepSeek-V3's
            gpipe at M = 120 (0.72), fsdp with remat none (0.897) and a pp gpipe step (1.111).
-           Held out (README, "Planner"): tests/test_plan.py's small grid and the planner's
+           Held out (docs/planner.md, "Honesty"): tests/test_plan.py's small grid and the planner's
            picks, at 0.941 .. 1.007.
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
@@ -136,7 +136,7 @@ import time
 
 import numpy as np
 
-from layout import mesh as mesh_lib
+from layout import mesh as mesh_lib, schedule as pp_schedule
 from measure import cost
 from modeling import model
 from modeling.config import ConfigError
@@ -149,17 +149,10 @@ PP_MAX_MICROBATCHES = 256     # pp's M: every divisor of its per-shard batch up 
 ACCUM_MAX_MICROBATCHES = 16   # gradient accumulation's M elsewhere, likewise
 NAMES = tuple(n for n in strategies.NAMES if n != "reference")
 EFFICIENCY = 0.5      # the fraction of peak FLOP/s the matmuls reach: an assumption, stated
-# Strategy options the enumeration varies: {strategy: {field: values}} (module docstring)
-OPTION_GRID = {"cp": {"kv_exchange": ("allgather", "ring")},
-               "pp": {"schedule": ("gpipe", "1f1b")},
-               "ep_as_cp": {"kv_exchange": ("allgather", "ring")},
-               "ep_tp": {"exchange": ("ring", "folded")},
-               "ep_x_tp": {"sequence_parallel": (False, True), "zero1": (False, True)},
-               "shard_exp_on_fsdp": {"mode": ("gather", "ep")}}
-# Option sets beyond OPTION_GRID's product: pp's interleaved schedules with 2 chunks per stage
-# (gpipe's order, and Megatron's interleaved 1F1B)
-OPTION_EXTRA = {"pp": ({"schedule": "interleaved", "virtual_stages": 2},
-                       {"schedule": "1f1b", "virtual_stages": 2})}
+# Strategy options the enumeration varies, each strategy's own PLAN_GRID ({field: values}, every
+# combination) and PLAN_EXTRA (option sets beyond that product), declared in its file
+OPTION_GRID = {n: getattr(strategies.get(n), "PLAN_GRID", {}) for n in NAMES}
+OPTION_EXTRA = {n: getattr(strategies.get(n), "PLAN_EXTRA", ()) for n in NAMES}
 # Fitted by planning/calibrate.py (bytes of temp per byte of feature), saved_block and pp_weights
 # and step_weights held at 1; see the module docstring. attn_chunk fits to 0: at the fitted
 # lengths (S up to 4,096) one key chunk's scores are small beside every row's other terms.
@@ -239,17 +232,6 @@ def option_sets(name: str) -> list:
   out = [strat.Options(**dict(zip(grid, values)))
          for values in itertools.product(*grid.values())] or [strat.Options()]
   return out + [strat.Options(**extra) for extra in OPTION_EXTRA.get(name, ())]
-
-
-def splits(n: int, k: int):
-  """Every ordered k-tuple of positive integers whose product is n."""
-  if k == 1:
-    yield (n,)
-    return
-  for d in range(1, n + 1):
-    if n % d == 0:
-      for rest in splits(n // d, k - 1):
-        yield (d,) + rest
 
 
 def placements(sizes: dict, node: int) -> list[tuple]:
@@ -432,22 +414,22 @@ def _dim_shards(spec, dim: int, mesh) -> int:
   if spec is None or dim >= len(spec) or spec[dim] is None:
     return 1
   axes = (spec[dim],) if isinstance(spec[dim], str) else spec[dim]
-  return math.prod(mesh.shape[a] for a in axes)
+  return mesh_lib.axis_size(mesh, *axes)
 
 
 def _chunks(cfg) -> int:
   """pp's chunks per stage: v where the stack is stored for the interleaved schedule, else 1."""
-  return strategies.get("pp").chunks(cfg)
+  return pp_schedule.chunks(cfg)
 
 
 def _runs(name: str, cfg, shape: dict, opts=None) -> float:
   """How many exchanges of one layer the forward a2a terms add up, per MoE layer of the model:
-  pp runs each of a stage's layers once per stage pass (pp.stage_passes, the counts pre-pass's
-  included), a pass one chunk of the stage's v."""
+  pp runs each of a stage's layers once per stage pass (layout/schedule.py's stage_passes, the
+  counts pre-pass's included), a pass one chunk of the stage's v."""
   if name != "pp":
     return 1
-  pp = strategies.get("pp")
-  steps, pre = pp.stage_passes(cfg, shape["stage"], pp.Options() if opts is None else opts)
+  opts = strategies.get("pp").Options() if opts is None else opts
+  steps, pre = pp_schedule.stage_passes(cfg, shape["stage"], opts)
   return (steps + pre) / (shape["stage"] * _chunks(cfg))
 
 
@@ -461,13 +443,12 @@ def one_f_ticks(p: int, m: int, v: int) -> tuple[int, int, int]:
   """pp's 1f1b table on P stages, M microbatches, v chunks per stage -> (its ticks where no
   stage runs a backward, its ticks where one does, its ring's slots). v = 1: the closed form
   of Megatron's table, (P, 2M + P - 2, min(M, P)) (tests/test_plan.py holds it to the table);
-  v > 1 reads the table (pp.schedule, one lockstep walk per (P, M, v))."""
+  v > 1 reads the table (layout/schedule.py's schedule, one lockstep walk per (P, M, v))."""
   if v == 1:
     return p, 2 * m + p - 2, min(m, p)
-  pp = strategies.get("pp")
-  table = pp.schedule("1f1b", p, m, v)
+  table = pp_schedule.schedule("1f1b", p, m, v)
   backward = (np.asarray(table["B"]) >= 0).any(axis=1)
-  return int((~backward).sum()), int(backward.sum()), pp.in_flight(table)
+  return int((~backward).sum()), int(backward.sum()), pp_schedule.in_flight(table)
 
 
 def _in_flight(cfg, shape: dict, opts) -> float:
@@ -517,11 +498,11 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float) -> None:
     p, m = shape["stage"], cfg.microbatches
     if _one_f(c.opts):
       # lockstep: its forward-only ticks and those that hold a backward (b forwards long),
-      # the counts pre-pass's forward ticks (pp.stage_passes), each of one chunk (1/v of a
+      # the counts pre-pass's forward ticks (pp_schedule.stage_passes), each of one chunk (1/v of a
       # stage), against M passes of 1 + b (v = 1: P, 2M+P-2 and M+P-1)
       b, v = (3 if cfg.remat == "block" else 2), _chunks(cfg)
       fwd, bwd, _ = one_f_ticks(p, m, v)
-      pre = strategies.get("pp").stage_passes(cfg, p, c.opts)[1]
+      pre = pp_schedule.stage_passes(cfg, p, c.opts)[1]
       pipe = (fwd + bwd * b + pre) / (v * m * (1 + b))
     else:
       vm = _chunks(cfg) * m                                      # ticks of 1/v (interleaved)
@@ -561,7 +542,7 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
     if only_mesh and not set(only_mesh) <= set(strat.AXES):
       continue
     for sizes in ([tuple(only_mesh.get(a, 1) for a in strat.AXES)] if only_mesh else
-                  splits(n, len(strat.AXES))):
+                  mesh_lib.splits(n, len(strat.AXES))):
       shape = dict(zip(strat.AXES, sizes))
       mesh = mesh_lib.abstract_mesh(shape)
       mems = {}                                # params + optimizer state per stored model

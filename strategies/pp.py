@@ -1,21 +1,11 @@
 """pp — pipeline parallelism over `stage`, expert parallelism inside each stage.
 
 Mesh axes: (stage, data, expert), stage outermost. P = |stage| stages of L/P contiguous MoE
-layers (L = n_layers - first_k_dense_replace);
-M = cfg.microbatches (--microbatches) microbatches per step; EP = |expert|.
-Uneven layouts (--layer_layout=c_0,..,c_{P-1}: c_s MoE layers on stage s, in depth order; e.g.
-DeepSeek-V3's 58 on 16 stages as 4 x 10 + 3 x 6): the model stores its MoE stack padded to
-P x max(c) rows (modeling/config.py layer_slots), group s in rows s*max(c).., its padding rows
-zeros. A padding row is inert (model.moe_stack): its block runs and is discarded, its stats
-are zeros, its weights get zero gradients. So every stage runs max(c) rows per tick (the
-lockstep tick is the largest stage's anyway), and below "L/P" reads "max(c) rows": the cost
-model counts the padding rows' exchanges, which the program issues. The reference runs the same
-padded stack; tests/test_pp.py holds it to the unpadded model (every layer once, in order).
-Without --layer_layout, a P that does not divide L gets balanced_layout(L, P) (`stored_config`:
-the planner's rule, the larger stages first, 3 MoE layers on 2 stages as 2,1; `layout_note`
-names it for the run to print); fewer MoE layers than stages admit no layout (check refuses).
-Interleaved (--opt=schedule=interleaved, below): P x v groups, stage s holding groups s, s+P, ..
-(the rows stored round-robin: layer_stages = P), each a chunk of max(c) rows.
+layers (L = n_layers - first_k_dense_replace); M = --microbatches per step; EP = |expert|.
+--layer_layout=c_0,..,c_{P-1} puts c_s MoE layers on stage s, the stack stored padded to
+P x max(c) rows (modeling/config.py layer_slots; a padding row is inert), so "L/P" below reads
+"max(c)"; without it, a P that does not divide L gets balanced_layout(L, P) (`stored_config`).
+The interleaved schedules store P x v groups round-robin (stage s holds groups s, s+P, ..).
 
 | tensor                                   | sharding                                          |
 |------------------------------------------|---------------------------------------------------|
@@ -30,141 +20,39 @@ Interleaved (--opt=schedule=interleaved, below): P x v groups, stage s holding g
 | tokens / targets / positions [B, S]      | ((data, expert), None), replicated over stage     |
 | a microbatch between stages [b/M, S, D]  | per device: its b = B/(data*expert) rows, 1/M     |
 
-The whole model is one full-manual shard_map (`loss`). gpipe and interleaved: every device
-embeds its rows and runs the leading dense layers (DeepSeek's, as MaxText runs them: before the
-pipeline, replicated over stage; stages > 0 discard theirs, so it costs P x their FLOPs and one
-[b, S, D] per dense layer of activation memory), one microbatch at a time (`_prefix`: the
-working set of b/M rows, not of b). 1f1b: stage 0 alone runs them, inside its phases, one
-microbatch at a time (its forward reads the tokens, its backward sums the embedding's and
-the prefix's gradients), and their residuals join the ring: min(M, P) microbatches of them, not
-M. Stage 0 feeds microbatch t at time t; stage s runs its L/P layers (model.block, scanned) on
-what stage s-1 sent at t-1; every stage ppermutes its output to s+1 after each time step; the
-last stage keeps the M outputs and computes the head, one microbatch's logits at a time. Inside
-a stage the MoE is ep.py's moe_body with its padded all-to-all over
-expert (pp takes no --opt=dispatch: the ragged exchange is ep's alone until a GPU run holds it).
+The whole model is one full-manual shard_map. Stage 0 feeds microbatch t at time t; stage s runs
+its L/P layers (model.block, scanned) on what stage s-1 sent at t-1 and ppermutes its output to
+s+1; the last stage computes the head, one microbatch's logits at a time. Inside a stage the MoE
+is ep.py's moe_body with its padded all-to-all over expert. The leading dense layers (DeepSeek's)
+run before the pipeline on every device, under 1f1b in stage 0's phases. The non-expert matrices
+are stored split on D over data (embedding, head, dense prefix: (stage, data)), all-gathered
+once per step before the time loop (`_use`), their gradients reduce-scattered once after it.
 
-The stage's weights over data: ZeRO-3 at rest, ZeRO-1's traffic. Every non-expert matrix, its
-float32 master and its optimizer state are stored split on D over data (1/data of them per
-device, DeepSeek-V3's ZeRO-1 saving and more), all-gathered once per step before the time
-loop in the compute dtype (`_use`), and their gradients reduce-scattered once, after it:
-1x the weight gathered and 1/data reduce-scattered per step, the wire bytes of the all-reduce
-they replace. FSDP's per-use gather would move the weight at every one of the M+P-1 ticks;
-ZeRO-1's replicated bf16 copy would keep a whole stage's weights between steps. The gathered
-copy lives for the step (its temp memory). The experts stay split over expert only. Embedding,
-head and the dense prefix are split over every stage too, D over (stage, data): the first
-stage alone reads the embedding and the prefix (1f1b) and the last alone the head, but a
-stored share on each device (1/(P x data) of them and of their optimizer state) costs less
-than whole copies on one stage (DeepSeek-V3's 3 dense layers: 1.75B values, 21 GB with Adam
-whole, 0.65 GB a device at stage:16,data:2).
+Schedules (--opt=schedule=..; each one's table, drawn, in layout/schedule.py): gpipe, autodiff
+of the forward time loop; 1f1b, Megatron's 1F1B run from its table with an explicit jax.vjp per
+phase (`_run_table`), residuals for min(M, P) microbatches; interleaved, v = virtual_stages
+chunks per stage in gpipe's order (1f1b with v > 1: Megatron's interleaved 1F1B). The router
+statistics are summed over the M microbatches before the aux and z losses are formed (the
+step's, as the reference's; never a mean of microbatch losses); under 1f1b the batch-wise loss
+first runs a counts pre-pass (gpipe's forward loop, no residuals kept: `counts_pre_pass`).
 
-Schedules (--opt=schedule=gpipe|1f1b|interleaved), each a table (`schedule`: which microbatch's forward
-F<m> and backward B<m> each stage runs at each tick; . = idle), P = 4.
-gpipe, M = 4 (the default; all forwards, then all backwards: autodiff of the forward time
-loop runs it reversed):
-  tick     0  1  2  3  4  5  6  7  8  9  10 11 12 13
-  stage 0  F0 F1 F2 F3 .  .  .  .  .  .  B3 B2 B1 B0
-  stage 1  .  F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0 .
-  stage 2  .  .  F0 F1 F2 F3 .  .  B3 B2 B1 B0 .  .
-  stage 3  .  .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .  .
-1f1b, M = 8 (Megatron's: stage s runs the forwards of microbatches 0..P-s-1 at ticks s.., then
-alternates: F(i) at tick 2i+s, B(i) at 2P-1-s+2i; one phase per stage and tick):
-  tick     0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16 17 18 19 20 21
-  stage 0  F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 F6 B3 F7 B4 .  B5 .  B6 .  B7
-  stage 1  .  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 .  B7 .
-  stage 2  .  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 .  .
-  stage 3  .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  .
-gpipe takes M+P-1 forward and M+P-1 backward ticks: the bubble is (P-1)/(M+P-1) (3/7 above;
-M >= P keeps it under 1/2; any M >= 1 is correct). The two differ in memory and time:
-  gpipe keeps the time loop's residuals, M+P-1 ticks of one microbatch through L/P layers (the
-    bubble ticks' too), (M+P-1)/M x the stage's activations for its b rows.
-  1f1b runs each backward inside the loop as the explicit jax.vjp of the stage (`_run_table`, one
-    full-manual shard_map driven by the table) and keeps residuals only for the microbatches in
-    flight, a ring of min(M, P) (`in_flight`; stage s holds P-s), Megatron's bound: min(M, P)/M
-    of gpipe's share. Residuals that are the stage's weights are kept by reference, never copied
-    per microbatch. A stage may read an activation ticks after its neighbour sent it (stage 1
-    reads F2 at tick 7, sent at tick 3): each direction has an inbox that keeps its last
-    delivery.
-  1f1b's time: neighbouring stages run different phases in one tick (one a forward, the other a
-    backward), so each phase is a conditional (a stage runs only its own) and a tick lasts as
-    long as the longest phase any stage runs in it. 2(M+P-1) ticks: P forward-only, then
-    2M+P-2 that hold a backward: P*F + (2M+P-2)*B against gpipe's (M+P-1)*(F+B); with a
-    backward twice a forward, 1.09x gpipe's at P = 4, M = 8 and 4/3 as M grows. Its permutes:
-    both ways at each tick, 2(M+P-1) each way, twice gpipe's.
-  1f1b's step returns the gradients from inside the loop: the train step's value_and_grad sees a
-    custom_vjp whose forward rule runs the table and whose backward rule scales the gradients.
-    Weight gradients are float32 sums over the ticks, psum'd once after the loop over the axes
-    each weight is replicated on. The head (final norm, unembed, CE) runs in the last stage's
-    forward phase only (a conditional), with its own backward at once: no residuals kept, the
-    last stage's d(loss)/d(output) is stored per microbatch instead.
-1f1b with --opt=virtual_stages=v > 1 (Megatron's interleaved 1F1B): the stack stored as
-interleaved's below (v chunks per stage, round-robin), one chunk per phase. Each stage walks
-Megatron's task order (microbatches in rounds of P, chunk by chunk; its (P-s-1)*2 + (v-1)*P
-warm-up forwards, then one forward and one backward in turn) and runs its next task at the
-first tick its input has arrived (`_one_f_one_b`). A send may wait ticks for its reader: each
-direction has an inbox of slots, and the table names the slot each send is kept in and each
-read comes from, and the ring slot of each chunk's residuals. P = 2, M = 4, v = 2 (F<m><chunk>):
-  tick     0   1   2   3   4   5   6   7   8   9   10  11  12  13  14  15  16  17
-  stage 0  F0a F1a F0b F1b F2a B0b F3a B1b F2b B0a F3b B1a .   B2b .   B3b B2a B3a
-  stage 1  .   F0a F1a F0b B0b F1b B1b F2a B0a F3a B1a F2b B2b F3b B3b B2a B3a .
-  The ring holds up to 2(P-1) + (v-1)P + 1 chunks' residuals (5 here), ((v+1)P-1)/v of a
-  stage's microbatches against plain 1f1b's P; the bubble shrinks to about (P-1)/v plain ticks
-  (P = 4, M = 16, v = 2: 70 ticks of 1/2 against 38) for v times the permutes, each the same
-  [b/M, S, D].
-interleaved (--opt=schedule=interleaved,virtual_stages=v): each stage holds v chunks of the MoE
-stack, placed round-robin (Megatron's virtual pipeline): with the layout's P x v groups (the
-balanced layout when --layer_layout is not given: `stored_config`), stage s holds
-groups s, s+P, s+2P, .., stored in that order (the model field layer_stages = P: the stored
-rows leave depth order, model.forward reads them back in depth order, a checkpoint records it).
-A tick runs ONE chunk of one microbatch, so a tick costs 1/v of gpipe's, and the hop from stage
-P-1 returns round the ring into stage 0's next chunk. Microbatches go in rounds of P: stage s
-runs round g, chunk r, microbatch g*P + i at tick s + g*v*P + r*P + i (M a multiple of P).
-P = 3, M = 3, v = 2 (F<m><chunk>; gpipe's order: all forwards, then autodiff's reverse):
-  tick     0   1   2   3   4   5   6   7   8   9   10  11  12  13  14  15
-  stage 0  F0a F1a F2a F0b F1b F2b .   .   .   .   B2b B1b B0b B2a B1a B0a
-  stage 1  .   F0a F1a F2a F0b F1b F2b .   .   B2b B1b B0b B2a B1a B0a .
-  stage 2  .   .   F0a F1a F2a F0b F1b F2b B2b B1b B0b B2a B1a B0a .   .
-  v*M+P-1 ticks of 1/v each way: the bubble is (P-1)/(v*M+P-1) (2/8 above; gpipe's 2/5 at
-  M = 3), the compute the same. The costs: v times the permutes (one per tick, each the same
-  [b/M, S, D]), and memory like gpipe's: (v*M+P-1)/v ticks of a whole stage's residuals,
-  (M+(P-1)/v)/M x the stage's activations. A chunk's weights are cut from the stage's stack by
-  a dynamic slice whose vjp (`_chunk`) keeps the chunk's activations and re-cuts the weights in
-  the backward: the stack is kept once, not once per tick.
-
-Exact aux loss under microbatching: every microbatch's router statistics (counts, prob sums, z,
-dropped; psum'd over (data, expert) in moe_body) are summed over the M microbatches per layer
-before the load-balance and z losses are formed, and the losses of the L/P layers of each stage
-summed over stage: the step's statistics, as the single-device reference computes them; the
-aux-loss-free bias update uses the whole step's counts [L, E] (out over stage). Never an average
-of per-microbatch losses.
-The sequence-wise loss (aux_loss_kind "sequence", DeepSeek-V3's) and the z-loss are sums of
-per-microbatch terms: under 1f1b each microbatch's term is final when its forward ends. The
-batch-wise loss's f needs the step's counts before the first backward: 1f1b then runs a counts
-pre-pass (the gpipe forward time loop with no residuals kept, `counts_pre_pass`), exact, and
-priced by the cost model (one more forward's permutes and all-to-alls). Each microbatch's aux
-term is then E * sum_e f_e * P_e(microbatch), linear in the microbatch, and the step's loss
-the sum. The bias update's counts are summed after the step either way.
-
-Collectives per step (x = expert; T_mb = b/M*S tokens per device per microbatch):
-  forward : 1. collective-permute over stage of the activation [b/M, S, D], every time step
-               (gpipe: M+P-1 of them, the sends of bubble steps carry zeros; 1f1b: at every
-               tick of its table, 2(M+P-1) for v = 1, `permutes`; interleaved: v*M+P-1, round
-               the ring, stage P-1 sending to stage 0 too, as interleaved 1F1B's)
-            2. per stage pass (gpipe, interleaved: every tick; 1f1b: the stage's M*v chunk
-               forwards) and local layer, moe_body: all-to-all over x of the counts [EP, e]
-               and of the send buffer [EP, C, D] (C = ep.py's bound for b/M sequences), and of
-               the expert outputs; all-reduce over (data, x) of the router statistics
-  backward: 3. collective-permute over stage of the activation cotangents, M+P-1 steps (1f1b:
-               its table's ticks; interleaved: v*M+P-1)
+Collectives per step (x = expert):
+  forward : 1. collective-permute over stage of the activation [b/M, S, D] at every tick
+               (`permutes`: gpipe M+P-1, a bubble tick's send carrying zeros; 1f1b 2(M+P-1);
+               interleaved v*M+P-1, round the ring: stage P-1 sends to stage 0 too)
+            2. per stage pass (`stage_passes`) and local layer, moe_body: all-to-all over x of
+               the counts [EP, e], the send buffer [EP, C, D] (C = ep.py's bound for b/M
+               sequences) and the expert outputs; all-reduce over (data, x) of router statistics
+  backward: 3. collective-permute over stage of the activation cotangents, as many
             4. the all-to-all transposes; weight grads once after the loop: the matrices
-               reduce-scattered over data (embed, unembed, the dense prefix's: over (stage,
-               data)), then the shard all-reduced over x; the experts all-reduced over data;
-               norms over (data, x) (a layer's) or (stage, data, x) (final_norm, the prefix's)
-  before  : the matrices all-gathered over data (embed, unembed, the dense prefix's: (stage,
-            data)), once per step
-  once    : the loss sums: CE over (stage, data, x), aux / z / dropped over stage; grad norm.
-  1f1b with the batch-wise aux loss: the counts pre-pass, 1. and 2. once more (no recompute).
+               reduce-scattered over data (embed, unembed, the prefix's: over (stage, data)),
+               then the shard all-reduced over x; the experts all-reduced over data; norms over
+               (data, x) (a layer's) or (stage, data, x) (final_norm, the prefix's)
+  before  : the matrices all-gathered over data (embed, unembed, the prefix's: (stage, data))
+  once    : the loss sums: CE over (stage, data, x), aux / z / dropped over stage; grad norm;
+            1f1b with the batch-wise aux loss: the counts pre-pass, 1. and 2. once more.
 HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
-(kind, axes) set equals it, and tests/test_pp.py holds both to the program, both ways):
+(kind, axes) set equals it, and tests/test_strategies.py holds both to the program, both ways):
   all-gather over data: the non-expert matrices, once per step before the time loop
   all-gather over (stage, data): embed, unembed and the dense prefix's matrices, with them
   reduce-scatter over data: their gradients, once after it
@@ -181,12 +69,11 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
   for Newton-Schulz, after the step.)
 When to use: the model's layers do not fit on one EP group (pipeline across nodes over slow
 links: only [b/M, S, D] activations cross a stage boundary), with M >= P microbatches to keep
-the bubble small. Cost: the bubble, and P-1 idle stages during warm-up and drain; gpipe keeps
-(M+P-1)/M x the activation memory, 1f1b min(M, P)/M for up to 4/3 the time (pick 1f1b when
-gpipe's activations do not fit); interleaved
-cuts the bubble to (P-1)/(v*M+P-1) for v x the permutes (pick it when the bubble dominates
-and the stage boundary's link is fast); interleaved 1F1B (1f1b with virtual_stages) does both,
-holding ((v+1)P-1)/v microbatches' activations.
+the bubble small. Cost: the bubble (P-1 stages idle in warm-up and drain); gpipe keeps (M+P-1)/M
+x the activations, 1f1b min(M, P)/M for up to 4/3 the time (pick it when gpipe's do not fit);
+interleaved cuts the bubble to (P-1)/(v*M+P-1) for v x the permutes (pick it when the bubble
+dominates and the stage link is fast); interleaved 1F1B does both, holding ((v+1)P-1)/v
+microbatches' activations.
 
   python run.py --strategy=pp --mesh=stage:2,expert:4 --microbatches=4 --steps=3
   python run.py --strategy=pp --mesh=stage:4,data:2 --layers=4 --microbatches=8 --steps=3
@@ -204,9 +91,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from layout import dispatch, fsdp, mesh as mesh_lib, options
+from layout.schedule import (bubble, check_layout, chunks, counts_pre_pass, in_flight, permutes,
+                             schedule, stage_passes)
+from layout.schedule import layout_note, stored_config  # noqa: F401 (hooks: the stored layers)
 from measure import cost as cost_lib
 from modeling import model, routing
-from modeling.config import ConfigError, balanced_layout
 from parallel import sharding
 from strategies import BadInput, Case, ep
 
@@ -214,11 +103,14 @@ NAME = "pp"
 STAGE, DATA, EXPERT = mesh_lib.STAGE, mesh_lib.DATA, mesh_lib.EXPERT
 AXES = (STAGE, DATA, EXPERT)
 MAIN_AXIS = STAGE
-COMPARE_MESH = "data:1,stage:2,expert:4"        # tiny has 2 layers: 2 stages, EP inside; more
-                                                # devices scale data
+COMPARE_MESH = "data:1,stage:2,expert:4"        # tiny's 2 layers on 2 stages; more devices: data
 TOKENS = (DATA, EXPERT)                         # the batch axes (replicated over stage)
 SPREAD = (STAGE, DATA)                          # embed, unembed and the dense prefix: D over every stage
+ALL = (STAGE,) + TOKENS                         # every axis (a gradient's sums run over them)
 LAYER_LAYOUT = True       # --layer_layout: stage s holds group s of the padded MoE stack
+KEYS = ("tokens", "targets", "positions")
+METRICS = {"loss": P(), "ce_loss": P(), "aux_loss": P(), "z_loss": P(), "dropped": P(),
+           "counts": P(STAGE, None)}                                # out_specs of the metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,10 +119,9 @@ class Options:
                                  "the pipeline schedule: all forwards then all backwards (gpipe, "
                                  "autodiff of the time loop), Megatron's 1F1B with at most P "
                                  "microbatches in flight (1f1b, explicit vjp per stage), or "
-                                 "gpipe's order over "
-                                 "virtual_stages chunks per stage placed round-robin "
-                                 "(interleaved; 1f1b with virtual_stages > 1 is Megatron's "
-                                 "interleaved 1F1B)")
+                                 "gpipe's order over virtual_stages chunks per stage placed "
+                                 "round-robin (interleaved; 1f1b with virtual_stages > 1 is "
+                                 "Megatron's interleaved 1F1B)")
   virtual_stages: int = options.integer(1, "interleaved, 1f1b: layer chunks per stage (v)", lo=1)
 
 
@@ -242,19 +133,16 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               # two dense layers before the pipeline: 2 MoE layers, 1 per stage, not n_layers / 2
               Case("deepseek-test", "stage:2,data:2,expert:2",
                    dict(n_layers=4, first_k_dense_replace=2, microbatches=2)),
-              # an uneven layout: 5 MoE layers on 4 stages (2, 1, 1, 1), padded to 8 rows, whose
-              # zero padding matrices Muon's Newton-Schulz must leave zero
+              # 5 MoE layers on 4 stages (2, 1, 1, 1), padded to 8 rows: Muon leaves padding zero
               Case("deepseek-test", "stage:4,expert:2",
                    dict(n_layers=6, layer_layout="2,1,1,1", microbatches=4,
                         capacity_factor=1.0, optimizer="muon")),
               # Muon's Newton-Schulz maps over each stage's own layers (modeling/optim.py)
               Case("tiny", "stage:2,expert:4", dict(optimizer="muon")),
-              # 1f1b: the batch-wise aux loss through the counts pre-pass, 4 stages, M = 8 > 2P-1,
-              # Muon on the gradients the table returns
+              # 1f1b: the batch-wise loss's counts pre-pass, M = 8 > 2P-1, Muon on its gradients
               Case("tiny", "stage:4,data:2",
                    dict(n_layers=4, batch=16, microbatches=8, optimizer="muon"), ONE_F),
-              # the sequence-wise loss, the dense prefix, drops, remat inside the stage's vjp,
-              # an uneven layout (3 MoE layers: 2 + 1)
+              # the sequence-wise loss, the prefix, drops, remat in the stage's vjp, layout 2 + 1
               Case("deepseek-test", "stage:2,data:2,expert:2",
                    dict(n_layers=5, first_k_dense_replace=2, layer_layout="2,1", batch=16,
                         microbatches=4, capacity_factor=1.0, remat="block"), ONE_F),
@@ -262,8 +150,7 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               Case("tiny", "stage:2,expert:4",
                    dict(n_layers=4, batch=16, microbatches=4, layer_layout="1,1,1,1",
                         layer_stages=2), INTERLEAVED),
-              # the dense prefix, an uneven layout (chunks of 2, 1, 1, 1 MoE layers, padded),
-              # drops, Muon on the round-robin stack
+              # the prefix, chunks of 2, 1, 1, 1 MoE layers (padded), drops, Muon on the stack
               Case("deepseek-test", "stage:2,data:2,expert:2",
                    dict(n_layers=6, layer_layout="2,1,1,1", layer_stages=2, batch=16,
                         microbatches=4, capacity_factor=1.0, optimizer="muon"), INTERLEAVED),
@@ -271,13 +158,16 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               Case("tiny", "stage:4,data:2",
                    dict(n_layers=8, batch=16, microbatches=8, layer_layout="1,1,1,1,1,1,1,1",
                         layer_stages=4), INTERLEAVED),
-              # interleaved 1F1B: the prefix in stage 0's first chunk, chunks of 2, 1, 1, 1
-              # padded, drops, the batch-wise loss's counts pre-pass cut per chunk
+              # interleaved 1F1B: the prefix in stage 0's first chunk, drops, the pre-pass per chunk
               Case("deepseek-test", "stage:2,data:2,expert:2",
                    dict(n_layers=6, layer_layout="2,1,1,1", layer_stages=2, batch=16,
                         microbatches=4, capacity_factor=1.0, aux_loss_kind="batch"),
                    ONE_F_INTERLEAVED)]
 COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7] + TEST_CASES[8:]
+BF16_CASE = Case("deepseek-test", "stage:2,data:2,expert:2", opts=ONE_F)    # its explicit vjp
+PLAN_GRID = {"schedule": ("gpipe", "1f1b")}
+PLAN_EXTRA = ({"schedule": "interleaved", "virtual_stages": 2},       # 2 chunks per stage
+              {"schedule": "1f1b", "virtual_stages": 2})
 BAD_INPUT = [
     BadInput(dict(n_layers=3), "stage:2,expert:4", Options(),
              "n_layers=3 is not divisible by mesh axis stage=2"),
@@ -297,78 +187,8 @@ BAD_INPUT = [
              "is not a multiple of 2")]
 
 
-def stored_config(cfg, mesh, opts):
-  """The model as this schedule stores it: interleaved holds v chunks per stage, group j of a
-  P x v group layout on stage j mod P (layer_stages = P; the layout balanced_layout's when
-  --layer_layout is not given). Every other schedule: one group per stage, cfg as given, or
-  where P does not divide the MoE layers and --layer_layout is not given, balanced_layout's
-  (3 on 2 stages: 2,1); with fewer MoE layers than stages cfg as given, for check to refuse."""
-  p = mesh.shape[STAGE]
-  if not _round_robin(opts):
-    n = cfg.n_moe_layers
-    if cfg.layer_layout or n % p == 0 or n < p:
-      return cfg
-    return cfg.replace(layer_layout=balanced_layout(n, p)).validate()
-  if cfg.layer_stages or p < 2:                                     # (check refuses p < 2)
-    return cfg
-  groups = p * opts.virtual_stages
-  if not cfg.layer_layout and cfg.n_moe_layers < groups:
-    raise ConfigError(f"--opt=virtual_stages={opts.virtual_stages} on stage={p} needs {groups} "
-                      f"MoE layers, the model has {cfg.n_moe_layers}")
-  layout = cfg.layer_layout or balanced_layout(cfg.n_moe_layers, groups)
-  return cfg.replace(layer_layout=layout, layer_stages=p).validate()
-
-
-def layout_note(cfg, mesh, opts) -> str | None:
-  """The run's note when `stored_config` picks an uneven layout the model as given (cfg) does not
-  name, e.g. "pp: 3 MoE layers on 2 stages: --layer_layout=2,1 (balanced)"; None otherwise."""
-  stored = stored_config(cfg, mesh, opts)
-  groups = stored.layer_groups
-  if cfg.layer_layout or not stored.layer_layout or len(set(groups)) == 1:
-    return None
-  p = mesh.shape[STAGE]
-  where = f"on {p} stages" if len(groups) == p else f"in {len(groups)} chunks on {p} stages"
-  return (f"pp: {cfg.n_moe_layers} MoE layers {where}: --layer_layout={stored.layer_layout} "
-          f"(balanced)")
-
-
-def _round_robin(opts) -> bool:
-  """The stack stored as v chunks per stage: interleaved, or 1f1b with virtual_stages > 1."""
-  return opts.schedule == "interleaved" or (opts.schedule == "1f1b" and opts.virtual_stages > 1)
-
-
 def check(cfg, mesh, opts):
-  p, v = mesh.shape[STAGE], opts.virtual_stages
-  if opts.schedule == "gpipe" and v != 1:
-    raise ConfigError(f"--opt=virtual_stages={v} is the interleaved schedule's; "
-                      f"schedule={opts.schedule} runs one chunk per stage")
-  if _round_robin(opts):
-    if p < 2:
-      raise ConfigError(f"{opts.schedule} with virtual stages needs mesh axis stage >= 2 (one "
-                        f"stage: gpipe's loop)")
-    groups = len(cfg.layer_groups) if cfg.layer_layout else 0
-    if cfg.layer_stages != p or groups != p * v:
-      raise ConfigError(f"interleaved on stage={p} with virtual_stages={v} stores {p * v} layer "
-                        f"groups round-robin over the stages (layer_stages={p}); the model has "
-                        f"layer_layout={cfg.layer_layout or '(none)'}, layer_stages="
-                        f"{cfg.layer_stages} (pp.stored_config makes them)")
-    if cfg.microbatches % p:
-      raise ConfigError(f"interleaved runs microbatches in rounds of stage={p}: microbatches="
-                        f"{cfg.microbatches} is not a multiple of {p}")
-  elif cfg.layer_stages:
-    raise ConfigError(f"layer_stages={cfg.layer_stages} stores the layers for the interleaved "
-                      f"schedule; schedule={opts.schedule} holds one group per stage")
-  if cfg.layer_layout and not _round_robin(opts):          # one group of the stack per stage
-    groups = len(cfg.layer_groups)
-    if groups != mesh.shape[STAGE]:
-      raise ConfigError(f"layer_layout={cfg.layer_layout} has {groups} groups, mesh axis "
-                        f"stage={mesh.shape[STAGE]}: one group per stage")
-  elif not cfg.layer_layout:                 # stored_config gives the uneven ones a layout
-    name = "n_layers - first_k_dense_replace" if cfg.first_k_dense_replace else "n_layers"
-    if cfg.n_moe_layers < p:
-      raise ConfigError(f"{name}={cfg.n_moe_layers} < mesh axis stage={p}: fewer MoE layers "
-                        f"than stages, no layer layout gives each stage one")
-    mesh_lib.require_divisible(name, cfg.n_moe_layers, mesh, STAGE)
+  check_layout(cfg, mesh, opts)               # the schedule's options and the layer layout
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)
   fsdp.check(cfg, mesh, DATA)                 # the stage's matrices on their D dim over data
@@ -380,9 +200,9 @@ def check(cfg, mesh, opts):
 
 def param_specs(cfg, mesh, opts=None):
   # role -> spec of one layer: every non-expert matrix on its D dim over data (wq [D@data, H, Dh],
-  # ...), embed and unembed over (stage, data), the routed experts' E over expert; norms and
-  # the router bias replicated. The MoE layers' stacked L over stage; the dense prefix's
-  # matrices on D over (stage, data) (wq [L_dense, D@(stage,data), H, Dh]), its L whole.
+  # ...), embed and unembed over (stage, data), the routed experts' E over expert; norms and the
+  # router bias replicated. The MoE stack's L over stage; the dense prefix's matrices on D over
+  # (stage, data) (wq [L_dense, D@(stage,data), H, Dh]).
   return model.param_specs(cfg, {**fsdp.table(DATA), **fsdp.table(SPREAD, ("embed", "unembed")),
                                  "expert_in": P(EXPERT, None, None),     # [L@stage, E@x, D, F]
                                  "expert_out": P(EXPERT, None, None)}, layer_axis=STAGE,
@@ -391,16 +211,6 @@ def param_specs(cfg, mesh, opts=None):
 
 def batch_spec(cfg, mesh):
   return P(TOKENS, None)                                            # [B, S] @ ((data, x), None)
-
-
-def chunks(cfg) -> int:
-  """v: the layer chunks each stage holds (> 1: the stack stored for the interleaved schedule)."""
-  return len(cfg.layer_groups) // cfg.layer_stages if cfg.layer_stages else 1
-
-
-def bubble(cfg, mesh) -> float:
-  p, v = mesh.shape[STAGE], chunks(cfg)
-  return (p - 1) / (v * cfg.microbatches + p - 1)
 
 
 def layout(cfg, mesh, opts):
@@ -413,91 +223,60 @@ def layout(cfg, mesh, opts):
 def loss(params, batch, *, cfg, mesh):
   """The whole model under the GPipe schedule (interleaved when the stack is stored for it:
   `chunks`) -> (loss, metrics as model.loss_fn's)."""
-  specs = param_specs(cfg, mesh)
-  bspec = batch_spec(cfg, mesh)
-  keys = ("tokens", "targets", "positions")
+  specs, bspec = param_specs(cfg, mesh), batch_spec(cfg, mesh)
   body = functools.partial(_pipeline, specs=specs, cfg=cfg, n_stage=mesh.shape[STAGE],
                            ep_size=mesh.shape[EXPERT])
-  out_specs = (P(), {"loss": P(), "ce_loss": P(), "aux_loss": P(), "z_loss": P(), "dropped": P(),
-                     "counts": P(STAGE, None)})
-  return jax.shard_map(body, in_specs=(specs,) + (bspec,) * 3, out_specs=out_specs)(
-      params, *(batch[k] for k in keys))
-
-
-def logits(params, batch, *, cfg, mesh):
-  """The model's logits [B, S, V] under the pipeline (no loss; for inference and the Hugging
-  Face parity tests): the last stage's head, summed over stage (the other stages add zeros)."""
-  specs = param_specs(cfg, mesh)
-  def body(p, tokens, positions):
-    p = _use(p, specs, cfg)
-    outs, _ = _stages(p, tokens, positions, cfg=cfg, n_stage=mesh.shape[STAGE],
-                      ep_size=mesh.shape[EXPERT])
-    out = _head(outs, p, cfg)                                       # [M, b/M, S, V]
-    last = jax.lax.axis_index(STAGE) == mesh.shape[STAGE] - 1
-    out = jax.lax.psum(jnp.where(last, out, 0.0), STAGE)
-    return einops.rearrange(out, "m mb s v -> (m mb) s v")          # [b, S, V]
-  bspec = batch_spec(cfg, mesh)
-  return jax.shard_map(body, in_specs=(specs, bspec, bspec),
-                       out_specs=P(TOKENS, None, None))(params, batch["tokens"], batch["positions"])
+  return jax.shard_map(body, in_specs=(specs,) + (bspec,) * 3, out_specs=(P(), METRICS))(
+      params, *(batch[k] for k in KEYS))
 
 
 def _pipeline(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size):
   """One device. tokens / targets / positions [b, S] local rows; p: this stage's layers."""
-  m, all_axes = cfg.microbatches, (STAGE,) + TOKENS
   p = _use(p, specs, cfg)
   outs, stats = _stages(p, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size)
   last = jax.lax.axis_index(STAGE) == n_stage - 1
-  tgt = einops.rearrange(targets, "(m mb) s -> m mb s", m=m)        # [M, b/M, S]
-  ce = jnp.sum(jax.lax.map(lambda ot: _ce_sum(_head(ot[0][None], p, cfg), ot[1][None]),
+  tgt = _split(targets, cfg.microbatches)                          # [M, b/M, S]
+  ce = jnp.sum(jax.lax.map(lambda ot: _ce_sum(ot[0], ot[1], p, cfg),
                            (outs, tgt)))                        # one microbatch's logits at a time
   n_tokens = cfg.batch * cfg.seq_len
-  ce = jax.lax.psum(jnp.where(last, ce, 0.0), all_axes) / n_tokens
+  ce = jax.lax.psum(jnp.where(last, ce, 0.0), ALL) / n_tokens
   aux, z = routing.aux_losses(stats, n_tokens, cfg)       # [L/P] from the step's stats
   aux, z, dropped = (jax.lax.psum(jnp.sum(v), STAGE) for v in (aux, z, stats["dropped"]))
-  total = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
-  return total, {"loss": total, "ce_loss": ce, "aux_loss": aux, "z_loss": z, "dropped": dropped,
-                 "counts": stats["counts"]}
+  total, metrics = model.loss_total(ce, aux, z, cfg)
+  return total, {**metrics, "dropped": dropped, "counts": stats["counts"]}
 
 
-def _prefix(p, tokens, pos, cfg):
-  """Every microbatch's stage-0 input: the embedding and the leading dense layers (DeepSeek's),
-  tokens / pos [M, b/M, S] -> [M, b/M, S, D], one microbatch at a time (lax.map): the working
-  set of one microbatch, not of the device's b rows at once (its residuals are M microbatches'
-  either way)."""
-  return jax.lax.map(lambda tp: model.dense_prefix(p["embed"][tp[0]], p, tp[1], cfg,
-                                                   model.Layout()), (tokens, pos))
+def _split(a, m):
+  """This device's rows [b, S] as M microbatches [M, b/M, S]: microbatch i = rows i*b/M ..
+  (i+1)*b/M - 1 (the step's statistics are summed over the microbatches, whichever rows)."""
+  return einops.rearrange(a, "(m mb) s -> m mb s", m=m)
 
 
-def _ce_sum(logits, tgt):
-  """float32 logits [M, b/M, S, V], targets [M, b/M, S] -> the cross-entropy summed."""
-  return jnp.sum(jax.nn.logsumexp(logits, axis=-1)
-                 - jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0])
+def _moe_layout(cfg, ep_size):
+  """The stage's MoE: ep.py's moe_body with its padded all-to-all over expert."""
+  return model.Layout(moe=functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
+                                            token_axes=TOKENS, transport=ep.a2a_exchange))
 
 
-def _head(outs, p, cfg):
-  """[M, b/M, S, D] -> float32 logits [M, b/M, S, V]."""
-  h = model.rms_norm(outs, p["final_norm"], cfg.norm_eps)
-  return jnp.einsum("mbsd,dv->mbsv", h, p["unembed"]).astype(jnp.float32)
+def _ce_sum(y, tgt, ph, cfg):
+  """The last stage's head on one microbatch: y [b/M, S, D], tgt [b/M, S] -> its CE sum."""
+  logits = model.head(y[None], ph, cfg, model.Layout()).astype(jnp.float32)   # [1, b/M, S, V]
+  return jnp.sum(model.cross_entropy(logits, tgt[None]))
 
 
 def _use(p, specs, cfg):
   """This device's weights as the stage uses them, once per step, before the time loop: varying
-  over every axis (each device sums its own gradient contributions over the ticks, and the
-  reduction runs once, after the loop), cast to the compute dtype (router, bias, norms stay
-  float32: model.KEEP_F32), and the sharded matrices all-gathered over data (embed and unembed
-  over (stage, data)). Their gradient comes back reduce-scattered over those axes
-  (`_gather`), then all-reduced over the axes the shard is replicated on (the pcast's
-  transpose): scattering first makes that all-reduce 1/data of the weight. Mixed precision:
-  the all-gather moves the compute dtype; the gradient is summed in grad_reduce_dtype (the cast
-  after the pcast when that is float32)."""
-  all_axes = (STAGE,) + TOKENS
+  over every axis (each device sums its gradient over the ticks; the reduction runs once,
+  after the loop), in the compute dtype (model.KEEP_F32 in float32), the matrices split over
+  data ((stage, data)) all-gathered by sharding.gather_weight_manual: their gradient is
+  reduce-scattered, then all-reduced by the pcast's transpose, in grad_reduce_dtype."""
   f32_sum = cfg.grad_reduce_dtype == "float32"
 
   def one(a, spec, role):
     dtype = a.dtype if role in model.KEEP_F32 else jnp.dtype(cfg.dtype)
-    a = sharding.to_varying(a if f32_sum else a.astype(dtype), all_axes)
+    a = sharding.to_varying(a if f32_sum else a.astype(dtype), ALL)
     dim, axes = _split_dim(spec)
-    return a.astype(dtype) if dim is None else _gather(a, dim, axes, dtype)
+    return a.astype(dtype) if dim is None else sharding.gather_weight_manual(a, dim, axes, dtype)
   return jax.tree.map(one, p, specs, model.param_roles(cfg))
 
 
@@ -513,46 +292,23 @@ def _split_dim(spec) -> tuple:
   return None, ()
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gather(a, dim, axes, dtype):
-  """[.., D/n, ..] -> [.., D, ..] in `dtype`, n = |axes|; backward: the cotangent in a's dtype
-  (the sum's), reduce-scattered over `axes` (XLA:CPU emits a reduce-scatter only from an
-  explicit psum_scatter)."""
-  return jax.lax.all_gather(a.astype(dtype), axes, axis=dim, tiled=True)
-
-
-def _gather_fwd(a, dim, axes, dtype):
-  return _gather(a, dim, axes, dtype), jnp.zeros((), a.dtype)
-
-
-def _gather_bwd(dim, axes, dtype, like, ct):
-  return (jax.lax.psum_scatter(ct.astype(like.dtype), axes, scatter_dimension=dim, tiled=True),)
-
-
-_gather.defvjp(_gather_fwd, _gather_bwd)
-
-
 def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
   """The GPipe time loop on one device, p as `_use` returns it -> (the last stage's outputs
   [M, b/M, S, D] (zeros on the other stages), this stage's router stats summed over the
   microbatches {name: [rows, ..]}). With v = chunks(cfg) > 1 (interleaved) a tick runs one of
-  the stage's v chunks, and the sends go round the ring: stage P-1's output feeds stage 0's next
-  chunk (`schedule`)."""
-  m, all_axes, v = cfg.microbatches, (STAGE,) + TOKENS, chunks(cfg)
+  the stage's v chunks, and stage P-1's output feeds stage 0's next chunk (`schedule`)."""
+  m, v = cfg.microbatches, chunks(cfg)
   b, s = tokens.shape
   mb = b // m
-  # microbatch i = this device's rows i*b/M .. (i+1)*b/M - 1 (contiguous; train.microbatches
-  # interleaves instead: the step's statistics are summed over all microbatches either way)
-  split = lambda a: einops.rearrange(a, "(m mb) s -> m mb s", m=m)   # [M, b/M, S]
-  pos = split(positions)
+  pos = _split(positions, m)                                        # [M, b/M, S]
   stage = jax.lax.axis_index(STAGE)
   first, last = stage == 0, stage == n_stage - 1
-  # the leading dense layers (DeepSeek) before the pipeline, on every device for its own rows
-  # (stages > 0 compute it too and discard it: their gradient of it is zero)
-  x0 = _prefix(p, split(tokens), pos, cfg)                          # [M, b/M, S, D]
-  lay = model.Layout(moe=functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
-                                           token_axes=TOKENS, transport=ep.a2a_exchange))
-
+  # every microbatch's stage-0 input, [M, b/M, S, D]: the embedding and the leading dense layers
+  # (DeepSeek's) on every device for its own rows (stages > 0 discard theirs: a zero gradient),
+  # one microbatch at a time (lax.map: the working set of b/M rows, not of b)
+  x0 = jax.lax.map(lambda tp: model.dense_prefix(p["embed"][tp[0]], p, tp[1], cfg, model.Layout()),
+                   (_split(tokens, m), pos))
+  lay = _moe_layout(cfg, ep_size)
   mask = _stage_mask(cfg, n_stage)
   rows = cfg.n_layer_slots // n_stage                               # this stage's stored rows
   per = rows // v                                                   # a chunk's rows
@@ -565,7 +321,6 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
   # ring: with v chunks the last stage's output feeds the first stage's next chunk
   pairs = [(i, (i + 1) % n_stage) for i in range(n_stage)] if v > 1 else \
       [(i, i + 1) for i in range(n_stage - 1)]
-
   # the schedule's forward ticks: which microbatch (and chunk) this stage runs at tick t
   table = schedule("interleaved" if v > 1 else "gpipe", n_stage, m, v)
   ticks = len(table["F"]) // 2                                     # its forward half
@@ -588,7 +343,7 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
       recv = jax.lax.ppermute(y, STAGE, pairs)
     return (recv, outs, stats), None
 
-  zeros = lambda shape: sharding.to_varying(jnp.zeros(shape, cfg.dtype), all_axes)
+  zeros = lambda shape: sharding.to_varying(jnp.zeros(shape, cfg.dtype), ALL)
   stat0 = jax.tree.map(
       lambda a: sharding.to_varying(jnp.zeros((rows,) + a.shape[1:], a.dtype), (STAGE,)),
       jax.eval_shape(run_chunk, zeros((mb, s, cfg.d_model)), pos[0], 0)[1])
@@ -606,16 +361,13 @@ def _chunk(layers, x, pos_m, r, *, per, mask, cfg, lay):
   cut = lambda a, r: jax.lax.dynamic_slice_in_dim(a, r * per, per)
   meta = {}                                   # the vjp's structure, from the forward's trace
 
-  def run(lp, x, pos_m, mk):
-    return model.moe_stack(x, lp, pos_m, cfg, lay, mk)
-
   @jax.custom_vjp
   def f(layers, x, pos_m, r, mk):
-    return run(jax.tree.map(lambda a: cut(a, r), layers), x, pos_m, mk)
+    return model.moe_stack(x, jax.tree.map(lambda a: cut(a, r), layers), pos_m, cfg, lay, mk)
 
   def f_fwd(layers, x, pos_m, r, mk):
     lp = jax.tree.map(lambda a: cut(a, r), layers)
-    out, vj = jax.vjp(lambda lp, x: run(lp, x, pos_m, mk), lp, x)
+    out, vj = jax.vjp(lambda lp, x: model.moe_stack(x, lp, pos_m, cfg, lay, mk), lp, x)
     kept, meta["tree"], meta["weight"] = _drop_weights(vj, lp)
     return out, (layers, r, kept)
 
@@ -631,463 +383,247 @@ def _chunk(layers, x, pos_m, r, *, per, mask, cfg, lay):
   return f(layers, x, pos_m, r, None if mask is None else cut(mask, r))
 
 
-# ----------------------------------------------------------------------------- schedule tables
-def schedule(name: str, n_stage: int, m: int, v: int = 1) -> dict:
-  """The schedule as data: {"F": [ticks, P], "B": [ticks, P]} numpy int arrays, the microbatch
-  whose forward / backward stage s runs at tick t (-1: none). A tick is one forward phase (then
-  the activations' collective-permute to s+1) and one backward phase (then the cotangents' to
-  s-1). gpipe: the M+P-1 forward ticks of the time loop, then its autodiff, the same loop
-  reversed. 1f1b (Megatron's): stage s runs F(i) at tick s+i for i < P-s (its warm-up), F(i) at
-  2i+s after, B(i) at 2P-1-s+2i: one phase per stage and tick, 2(M+P-1) ticks; with v > 1,
-  Megatron's interleaved 1F1B; both with their chunk, ring and inbox slots (`_one_f_one_b`).
-  interleaved (v chunks per stage; "C": [ticks, P], the chunk each entry runs): gpipe's order
-  over v*M+P-1 ticks of one chunk each; stage s runs round g, chunk r, microbatch g*P + i at
-  tick t = s + g*v*P + r*P + i, so chunk r of stage P-1 feeds chunk r+1 of stage 0 the next
-  tick (M a multiple of P)."""
-  p, ticks = n_stage, v * m + n_stage - 1
-  t = np.arange(ticks)[:, None]
-  s = np.arange(p)[None, :]
-  none = np.full((ticks, p), -1)
-  if name == "gpipe" or name == "interleaved":
-    k = t - s
-    ok = (k >= 0) & (k < v * m)
-    fwd = np.where(ok, k // (v * p) * p + k % p, -1)
-    chunk = np.where(ok, k % (v * p) // p, -1)
-    out = {"F": np.concatenate([fwd, none]), "B": np.concatenate([none, fwd[::-1]])}
-    return out if name == "gpipe" else {**out, "C": np.concatenate([chunk, chunk[::-1]])}
-  if name == "1f1b":
-    return _one_f_one_b(p, m, v)
-  raise ValueError(f"unknown schedule {name!r}")
-
-
-def _one_f_one_b(p: int, m: int, v: int) -> dict:
-  """Megatron's 1F1B (v = 1) or interleaved 1F1B (v chunks per stage), in lockstep: each stage
-  walks its task list (its warm-up forwards, then one forward and one backward in turn, then
-  the remaining backwards; Megatron's order and warm-up counts) and runs its next task at the
-  first tick whose input arrived before it. Chunk order, v > 1: microbatches in rounds of P,
-  chunk by chunk within a round (backwards with the chunks reversed). -> the F / B table with
-  "CF" / "CB" (the chunk an entry runs), "RF" / "RB" (the ring slot its residuals go to / come
-  from), "XF" / "XB" (the inbox slot its input is read from; -1: stage 0's first chunk reads the
-  tokens, the last stage's last chunk its head's d(loss)/dy), "AF" / "AB" (the inbox slot the
-  neighbour's send of that tick is kept in; -1: nothing this stage reads)."""
-  if v > 1:
-    rounds = [(g * p + i, r) for g in range(m // p) for r in range(v) for i in range(p)]
-    back = [(g * p + i, r) for g in range(m // p) for r in reversed(range(v)) for i in range(p)]
-  else:
-    rounds = back = [(i, 0) for i in range(m)]
-  tasks = []
-  for s in range(p):
-    warm = min((p - s - 1) * 2 + (v - 1) * p if v > 1 else p - s - 1, m * v)
-    seq = [("F",) + x for x in rounds[:warm]]
-    for j in range(m * v - warm):
-      seq += [("F",) + rounds[warm + j], ("B",) + back[j]]
-    tasks.append(seq + [("B",) + x for x in back[m * v - warm:]])
-
-  def needs(k, i, r, s):                       # the task whose output this one reads
-    if k == "F":
-      return ("F", i, r, s - 1) if s > 0 else ("F", i, r - 1, p - 1) if r > 0 else None
-    return (("B", i, r, s + 1) if s < p - 1 else ("B", i, r + 1, 0) if r < v - 1
-            else ("F", i, r, s))
-
-  done, at, rows = {}, [0] * p, []
-  while any(at[s] < len(tasks[s]) for s in range(p)):
-    assert len(rows) < 4 * (m * v + p) * v, ("the lockstep walk stalled", p, m, v)
-    t = len(rows)
-    ready = lambda task, s: needs(*task, s) is None or done.get(needs(*task, s), t) < t
-    row = [tasks[s][at[s]] if at[s] < len(tasks[s]) and ready(tasks[s][at[s]], s) else None
-           for s in range(p)]
-    for s, task in enumerate(row):
-      if task:
-        done[task + (s,)], at[s] = t, at[s] + 1
-    rows.append(row)
-  n = len(rows)
-  out = {k: np.full((n, p), -1) for k in ("F", "B", "CF", "CB", "RF", "RB", "XF", "XB", "AF",
-                                          "AB")}
-  for t, row in enumerate(rows):
-    for s, task in enumerate(row):
-      if task:
-        out[task[0]][t, s], out["C" + task[0]][t, s] = task[1], task[2]
-  lowest = lambda used: min(set(range(len(used) + 1)) - set(used.values()))
-  for s in range(p):
-    ring = {}                                  # (microbatch, chunk) -> slot, forward to backward
-    for t in range(n):
-      if out["F"][t, s] >= 0:
-        out["RF"][t, s] = ring[out["F"][t, s], out["CF"][t, s]] = lowest(ring)
-      if out["B"][t, s] >= 0:
-        out["RB"][t, s] = ring.pop((out["B"][t, s], out["CB"][t, s]))
-    for k, step in (("F", -1), ("B", 1)):      # inboxes: a read frees, an arrival takes a slot
-      box, src = {}, (s + step) % p
-      for t in range(n):
-        i, r = out[k][t, s], out["C" + k][t, s]
-        dep = needs(k, i, r, s) if i >= 0 else None
-        if dep is not None and dep[3] != s:    # read what the neighbour sent
-          out["X" + k][t, s] = box.pop((i, r))
-        i, r = out[k][t, src], out["C" + k][t, src]
-        for reader in ((i, r), (i, r - step)) if i >= 0 and src != s else ():
-          if 0 <= reader[1] < v and needs(k, *reader, s) == (k, i, r, src):
-            out["A" + k][t, s] = box[reader] = lowest(box)
-      assert not box, ("an arrival nobody reads", s, k, box)
-  return out
-
-
-def in_flight(table: dict) -> int:
-  """The most microbatches any stage holds residuals for: forward run, backward not yet (the
-  residual ring's length). Counted after a tick's forward phase, before its backward phase.
-  A 1f1b table: its ring slots (of one chunk's residuals each, v > 1)."""
-  if "RF" in table:
-    return int(table["RF"].max()) + 1
-  worst = 0
-  for s in range(table["F"].shape[1]):
-    live = set()
-    for f, b in zip(table["F"][:, s], table["B"][:, s]):
-      live |= {f} - {-1}
-      worst = max(worst, len(live))
-      live -= {b}
-  return worst
-
-
-def check_schedule(table: dict, m: int) -> None:
-  """gpipe: every stage runs every microbatch's forward and backward once; a forward at stage
-  s > 0 the tick after stage s-1's, a backward at s < P-1 the tick after s+1's; the last
-  stage's backward follows its forward. 1f1b (slot tables): `_check_slots`.
-  Interleaved (a "C" table): every (microbatch, chunk) once per stage, forward and backward;
-  chunk r at stage s > 0 the tick after chunk r at s-1, chunk r > 0 at stage 0 the tick after
-  chunk r-1 at stage P-1; the backward is the forward reversed, tick for tick."""
-  fwd, bwd = table["F"], table["B"]
-  p = fwd.shape[1]
-  if "RF" in table:
-    return _check_slots(table, m)
-  if "C" in table:
-    c = table["C"]
-    half = len(fwd) // 2
-    np.testing.assert_array_equal(bwd[half:], fwd[:half][::-1])
-    v = int(c.max()) + 1
-    at = {}
-    for t in range(half):
-      for s in range(p):
-        if fwd[t, s] >= 0:
-          assert (fwd[t, s], c[t, s], s) not in at, ("twice", t, s)
-          at[fwd[t, s], c[t, s], s] = t
-    assert len(at) == m * v * p, ("missing", len(at))
-    for (i, r, s), t in at.items():
-      if s > 0:
-        assert at[i, r, s - 1] == t - 1, ("forward hop", i, r, s)
-      elif r > 0:
-        assert at[i, r - 1, p - 1] == t - 1, ("ring hop", i, r)
-    return
-  when = lambda a, s, i: int(np.flatnonzero(a[:, s] == i)[0])
-  for s in range(p):
-    for a in (fwd, bwd):
-      assert sorted(a[:, s][a[:, s] >= 0].tolist()) == list(range(m)), (s, a[:, s])
-  for s in range(p):
-    for i in range(m):
-      if s > 0:
-        assert when(fwd, s, i) == when(fwd, s - 1, i) + 1, ("forward hop", s, i)
-      if s < p - 1:
-        assert when(bwd, s, i) == when(bwd, s + 1, i) + 1, ("backward hop", s, i)
-      else:
-        assert when(bwd, s, i) >= when(fwd, s, i), ("backward before forward", i)
-
-
-def _check_slots(table: dict, m: int) -> None:
-  """A 1f1b table run with its slots: every stage runs every (microbatch, chunk)'s forward and
-  backward once, at most one phase a tick; replayed tick by tick, each read finds in its inbox
-  slot what the neighbour sent for it at an earlier tick (kept, not overwritten), each
-  backward finds its forward's residuals in its ring slot, the last stage's last chunk runs
-  its backward after its forward, and nothing is left over."""
-  p, n, v = table["F"].shape[1], len(table["F"]), int(table["CF"].max()) + 1
-  get = lambda k, t, s: (int(table[k][t, s]), int(table["C" + k][t, s]))
-  want = sorted((i, r) for i in range(m) for r in range(v))
-  for s in range(p):
-    for k in ("F", "B"):
-      assert sorted(get(k, t, s) for t in range(n) if table[k][t, s] >= 0) == want, (k, s)
-    assert not ((table["F"][:, s] >= 0) & (table["B"][:, s] >= 0)).any(), ("two phases", s)
-  ring = [{} for _ in range(p)]
-  box = {(k, s): {} for k in ("F", "B") for s in range(p)}
-  ran = set()
-  for t in range(n):
-    for s in range(p):
-      for k in ("F", "B"):
-        i, r = get(k, t, s)
-        if i < 0:
-          continue
-        first_in = k == "F" and s == 0 and r == 0
-        from_head = k == "B" and s == p - 1 and r == v - 1
-        if first_in or from_head:
-          assert table["X" + k][t, s] < 0, ("reads an inbox", k, t, s)
-          assert not from_head or ("F", i, r, s) in ran, ("backward before forward", i, t)
-        else:
-          got = box[k, s].pop(int(table["X" + k][t, s]), None)
-          assert got == (i, r), ("read the wrong send", k, t, s, got, (i, r))
-        if k == "F":
-          assert int(table["RF"][t, s]) not in ring[s], ("ring slot reused while live", t, s)
-          ring[s][int(table["RF"][t, s])] = (i, r)
-        else:
-          assert ring[s].pop(int(table["RB"][t, s]), None) == (i, r), ("ring slot lost", t, s)
-        ran.add((k, i, r, s))
-    for s in range(p):                         # the tick's sends arrive
-      for k, src, hop in (("F", (s - 1) % p, s == 0), ("B", (s + 1) % p, s == p - 1)):
-        slot, (i, r) = int(table["A" + k][t, s]), get(k, t, src)
-        if slot >= 0:
-          assert i >= 0 and slot not in box[k, s], ("an arrival overwrites", k, t, s)
-          box[k, s][slot] = (i, r + (1 if k == "F" else -1) * hop)
-  assert not any(ring) and not any(box.values()), "residuals or sends left over"
-
-
-def diagram(table: dict) -> str:
-  """The table as the docstring draws it: a row per stage, a column per tick, F<m> / B<m> /
-  both / '.' (idle)."""
-  fwd, bwd = table["F"], table["B"]
-  none = np.full(fwd.shape, -1)                             # chunk r as a letter, v > 1
-  cf, cb = (table.get(k, table.get("C", none)) for k in ("CF", "CB"))
-  cf, cb = (c if c.max() > 0 else none for c in (cf, cb))
-  tag = lambda r: "abcdefghijklmnopqrstuvwxyz"[r] if r >= 0 else ""
-  cell = lambda f, b, rf, rb: ((f"F{f}{tag(rf)}" if f >= 0 else "")
-                               + (f"B{b}{tag(rb)}" if b >= 0 else "") or ".")
-  cells = [[cell(*e) for e in zip(fwd[t], bwd[t], cf[t], cb[t])] for t in range(len(fwd))]
-  width = max(len(c) for row in cells for c in row)
-  head = "  tick     " + " ".join(str(t).ljust(width) for t in range(len(fwd)))
-  rows = [f"  stage {s}  " + " ".join(cells[t][s].ljust(width) for t in range(len(fwd)))
-          for s in range(fwd.shape[1])]
-  return "\n".join(line.rstrip() for line in [head, *rows])
-
-
-# ----------------------------------------------------------------------------- scheduled (1f1b)
+# ----------------------------------------------------------------------------- 1f1b: a table run
 def _scheduled_loss(params, batch, *, cfg, mesh, name):
-  """The model under a schedule table whose backward runs inside the time loop: a custom_vjp
-  whose forward rule runs the whole table (forwards, and each backward as the explicit
-  jax.vjp of a stage) and returns the gradients as its residual; the backward rule scales them
-  by the loss's cotangent. The primal alone (no gradient asked) is the GPipe forward."""
+  """The model under a 1f1b table: a custom_vjp whose forward rule runs the whole table
+  (`_run_table`) and keeps the gradients as its residual, which the backward rule scales by the
+  loss's cotangent. The primal alone (no gradient asked) is the GPipe forward."""
   specs, bspec = param_specs(cfg, mesh), batch_spec(cfg, mesh)
-  keys = ("tokens", "targets", "positions")
   table = schedule(name, mesh.shape[STAGE], cfg.microbatches, chunks(cfg))
   body = functools.partial(_run_table, specs=specs, cfg=cfg, n_stage=mesh.shape[STAGE],
                            ep_size=mesh.shape[EXPERT], table=table,
                            pre_pass=counts_pre_pass(cfg, Options(schedule=name)))
-  out_specs = ((P(), {"loss": P(), "ce_loss": P(), "aux_loss": P(), "z_loss": P(),
-                      "dropped": P(), "counts": P(STAGE, None)}), specs)
-  run = jax.shard_map(body, in_specs=(specs,) + (bspec,) * 3, out_specs=out_specs)
+  run = jax.shard_map(body, in_specs=(specs,) + (bspec,) * 3, out_specs=((P(), METRICS), specs))
 
   @jax.custom_vjp
   def f(p, *b):
-    return loss(p, dict(zip(keys, b)), cfg=cfg, mesh=mesh)
+    return loss(p, dict(zip(KEYS, b)), cfg=cfg, mesh=mesh)
 
   def f_fwd(p, *b):                           # -> ((loss, metrics), the gradients)
     return run(p, *b)
 
   def f_bwd(grads, cot):
     g = cot[0]
-    return (jax.tree.map(lambda a: (a * g).astype(a.dtype), grads),) + (None,) * len(keys)
+    return (jax.tree.map(lambda a: (a * g).astype(a.dtype), grads),) + (None,) * len(KEYS)
 
   f.defvjp(f_fwd, f_bwd)
-  return f(params, *(batch[k] for k in keys))
+  return f(params, *(batch[k] for k in KEYS))
 
 
 def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, table,
                pre_pass):
-  """One device: ((loss, metrics), grads) of its shards, running a 1f1b `table` (see `schedule`;
-  one chunk of the stage's v per phase).
+  """One device: ((loss, metrics), grads) of its shards, running a 1f1b `table`: `_Run` sets up
+  the stage and its carry, a scan runs `_Run.tick` at every tick, then each weight gradient is
+  reduced once (`_reduce_grad`) and the loss terms are summed over the devices."""
+  run = _Run(p, tokens, targets, positions, specs=specs, cfg=cfg, n_stage=n_stage,
+             ep_size=ep_size, table=table, pre_pass=pre_pass)
+  carry, _ = jax.lax.scan(run.tick, run.carry0(), jnp.arange(len(table["F"])))
+  grads = {**carry["g_pre"], **carry["g_head"], "layers": carry["g_layers"]}
+  grads = jax.tree.map(functools.partial(_reduce_grad, cfg=cfg), grads, p, run.home, specs)
+  st = carry["stats"]
+  ce = jax.lax.psum(st["ce"], ALL)
+  aux, z, dropped = (jax.lax.psum(jnp.sum(st[k]), STAGE) for k in ("aux", "z", "dropped"))
+  total, metrics = model.loss_total(ce, aux, z, cfg)
+  return (total, {**metrics, "dropped": dropped, "counts": st["counts"]}), grads
 
-  State across ticks: inboxes of the activations received from s-1 and the cotangents from
-  s+1 (each kept in the slot the table gives it until its reader runs: check_schedule), a ring
-  of R = in_flight(table) chunk runs' vjp residuals (the chunk's weights, which every residual
-  set shares, are not copied into it), the last stage's d(loss)/d(output) per ring slot, and
-  float32 gradient sums. Weight gradients are reduced once, after the loop: reduce-scattered over data where the
-  weight is stored split over it, then psum'd over the axes the weight (its shard) is
-  replicated on."""
-  m, all_axes = cfg.microbatches, (STAGE,) + TOKENS
-  n_tokens = cfg.batch * cfg.seq_len
-  stage = jax.lax.axis_index(STAGE)
-  first, last = stage == 0, stage == n_stage - 1
-  split = lambda a: einops.rearrange(a, "(m mb) s -> m mb s", m=m)   # [M, b/M, S]
-  pos, tgt = split(positions), split(targets)
-  f32_sum = cfg.grad_reduce_dtype == "float32"
-  home = jax.tree.map(sharding.varying_axes, p)                 # the axes each weight varies over
-  pc = _use(p, specs, cfg)            # gathered over data; its gradients are summed explicitly
-  layers = pc["layers"]
-  lay = model.Layout(moe=functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
-                                           token_axes=TOKENS, transport=ep.a2a_exchange))
-  v = chunks(cfg)                             # chunks per stage (interleaved 1F1B: v > 1)
 
-  # the batch-wise load-balance loss's f needs the step's counts before the first backward: a
-  # forward pass over every microbatch first (exact; the sequence-wise loss needs none)
-  # v = 1 unrolled: a second while loop beside the table's, reloaded from the persistent
-  # compilation cache, crashes XLA:CPU (stage:4,data:2); v > 1 a loop: unrolled, XLA keeps a
-  # share of every chunk tick live at once (48 MiB more temp per microbatch on a d 512 Mixtral
-  # shape, where the loop's is flat: README, "Interleaved 1F1B")
-  counts = None
-  if pre_pass:
-    counts = jax.lax.stop_gradient(
-        _stages(pc, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
-                unroll=v == 1)[1]["counts"])
+def _reduce_grad(g, a, axes, spec, *, cfg):
+  """A weight's float32 gradient sum -> its gradient as stored, in grad_reduce_dtype: scattered
+  where it is stored split (`_split_dim`), then psum'd over the axes of ALL not in `axes`."""
+  g = g if cfg.grad_reduce_dtype == "float32" else g.astype(cfg.dtype)
+  dim, split = _split_dim(spec)
+  g = g if dim is None else jax.lax.psum_scatter(g, split, scatter_dimension=dim, tiled=True)
+  over = tuple(ax for ax in ALL if ax not in axes)
+  return (jax.lax.psum(g, over) if over else g).astype(a.dtype)
 
-  mask = _stage_mask(cfg, n_stage)
-  per = cfg.n_layer_slots // n_stage // v     # a chunk's rows of the stage's stack
-  # chunk r's rows of a stage-stacked array (the layers, their mask, counts, stats); v = 1: all
-  cut = lambda a, r: a if v == 1 else jax.lax.dynamic_slice_in_dim(a, r * per, per)
-  into = lambda a, r, u: (a + u.astype(a.dtype) if v == 1 else    # add u into chunk r's rows
-                          jax.lax.dynamic_update_slice_in_dim(
-                              a, cut(a, r) + u.astype(a.dtype), r * per, 0))
 
-  def stage_fn(lp, pe, x, tok_m, pos_m, r):   # [b/M, S, D] -> ([b/M, S, D], aux + z terms)
-    # stage 0's first chunk reads its microbatch's tokens through the embedding and the dense
-    # prefix, every other chunk what the stage before sent (a conditional: only stage 0 runs
-    # the prefix)
-    x = jax.lax.cond(first & (r == 0),
+class _Run:
+  """One device's run of a 1f1b table: what every phase reads, set up once in the order the
+  program computes it, and the phases: `vjp` (a chunk's forward), `forward` and `backward` (a
+  phase on the carry), `tick` (both, then the sends). The carry (`carry0`): inboxes of the
+  activations from s-1 and the cotangents from s+1 (each kept in its table slot until its
+  reader runs), a ring of in_flight(table) chunk runs' vjp residuals (not the chunk's weights,
+  which they share), the last stage's d(loss)/d(output) per ring slot, float32 gradient sums."""
+
+  def __init__(self, p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, table,
+               pre_pass):
+    m, v = cfg.microbatches, chunks(cfg)
+    self.cfg, self.m, self.v, self.table, self.n_tokens = cfg, m, v, table, cfg.batch * cfg.seq_len
+    self.stage = jax.lax.axis_index(STAGE)
+    self.first, self.last = self.stage == 0, self.stage == n_stage - 1
+    self.pos, self.tgt = _split(positions, m), _split(targets, m)   # [M, b/M, S]
+    self.home = jax.tree.map(sharding.varying_axes, p)     # the axes each weight varies over
+    pc = _use(p, specs, cfg)          # gathered over data; its gradients are summed explicitly
+    self.layers, self.lay = pc["layers"], _moe_layout(cfg, ep_size)
+    # the batch-wise loss's f needs the step's counts before the first backward: v = 1 unrolled
+    # (a second while loop crashes XLA:CPU when reloaded from the persistent compilation cache);
+    # v > 1 a loop (unrolled, XLA keeps every tick's share live)
+    self.counts = None
+    if pre_pass:
+      self.counts = jax.lax.stop_gradient(
+          _stages(pc, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
+                  unroll=v == 1)[1]["counts"])
+    self.mask = _stage_mask(cfg, n_stage)
+    self.rows = cfg.n_layer_slots // n_stage        # the stage's stored rows, self.per a chunk's
+    self.per = self.rows // v
+    self.pe = {k: pc[k] for k in ("embed", "dense_layers") if k in pc}   # stage 0's phases'
+    self.ph = {k: pc[k] for k in ("final_norm", "unembed")}              # the last stage's
+    self.tok = _split(tokens, m)                                    # [M, b/M, S]
+    self.tab = {k: jnp.asarray(a) for k, a in table.items()}
+    # the residuals' structure, from one traced (unused: compiled away) vjp on inputs typed as
+    # the loop's: which leaves are the chunk's weights (never copied), which go into the ring
+    act0 = sharding.to_varying(jnp.zeros(self.tok.shape[1:] + (cfg.d_model,), cfg.dtype), ALL)
+    (self.y0, self.part0), self.ring0, self.tree, self.weight, self.aux0 = self.vjp(
+        act0, jnp.clip(self.at("F", 0), 0, m - 1), jnp.maximum(self.at("CF", 0), 0))
+    # with v chunks the sends go round the ring: stage P-1's output feeds stage 0's next chunk
+    self.fwd_pairs = [(i, (i + 1) % n_stage) for i in range(n_stage - 1 + (v > 1))]
+    self.bwd_pairs = [((i + 1) % n_stage, i) for i in range(n_stage - 1 + (v > 1))]
+    # a phase is a conditional (a tick costs the longer of the stages' phases, not both);
+    # measure/hlo.py counts its collectives at the share the scope names (TAKEN)
+    self.taken = jax.named_scope(f"pp_phase.taken_{m * v}_of_{len(table['F'])}")
+    self.act, self.ce0 = _zeros_like(self.y0), _vary(jnp.zeros((), jnp.float32), self.y0)
+
+  def at(self, k, t):                         # this stage's entry of table k at tick t
+    return self.tab[k][t, self.stage]
+
+  def cut(self, a, r):                        # chunk r's rows of a stage's stack; v = 1: all
+    return a if self.v == 1 else jax.lax.dynamic_slice_in_dim(a, r * self.per, self.per)
+
+  def into(self, a, r, u):                    # a with u added into chunk r's rows
+    return a + u.astype(a.dtype) if self.v == 1 else jax.lax.dynamic_update_slice_in_dim(
+        a, self.cut(a, r) + u.astype(a.dtype), r * self.per, 0)
+
+  def stage_fn(self, lp, pe, x, tok_m, pos_m, r):
+    """Chunk r of the stage: x [b/M, S, D] -> ((y, its aux + z loss terms), (stats, aux, z)).
+    Stage 0's first chunk reads its microbatch's tokens through the embedding and the dense
+    prefix (a conditional: only stage 0 runs it), every other chunk what the stage before sent."""
+    cfg = self.cfg
+    x = jax.lax.cond(self.first & (r == 0),
                      lambda pe, x: model.dense_prefix(pe["embed"][tok_m], pe, pos_m, cfg,
                                                       model.Layout()),
                      lambda pe, x: x, pe, x)
-    mk = None if mask is None else cut(mask, r)
-    y, st = model.moe_stack(x, lp, pos_m, cfg, lay, mk)            # st: {name: [rows/v, ...]}
-    cnt = None if counts is None else cut(counts, r)
-    aux, z = routing.aux_losses(st if cnt is None else {**st, "counts": cnt}, n_tokens, cfg)
+    mk = None if self.mask is None else self.cut(self.mask, r)
+    y, st = model.moe_stack(x, lp, pos_m, cfg, self.lay, mk)       # st: {name: [rows/v, ...]}
+    cnt = None if self.counts is None else self.cut(self.counts, r)
+    aux, z = routing.aux_losses(st if cnt is None else {**st, "counts": cnt}, self.n_tokens, cfg)
     part = cfg.aux_loss_coef * jnp.sum(aux) + cfg.z_loss_coef * jnp.sum(z)
     return (y, part), (st, aux, z)
 
-  def head(ph, y, t):                         # the last stage: [b/M, S, D] -> its CE sum / T
-    return _ce_sum(_head(y[None], ph, cfg), t[None]) / n_tokens
+  def vjp(self, x, mc, r):
+    """Chunk r's forward on microbatch mc -> ((y, part), its vjp's residuals but the weights,
+    their treedef, {residual: weight} (`_drop_weights`), (stats, aux, z))."""
+    lp = jax.tree.map(lambda a: self.cut(a, r), self.layers)
+    out, vj, aux = jax.vjp(lambda lp, pe, x: self.stage_fn(lp, pe, x, self.tok[mc], self.pos[mc],
+                                                           r),
+                           lp, self.pe, x, has_aux=True)
+    return (out,) + _drop_weights(vj, (lp, self.pe)) + (aux,)
 
-  # embedding and the dense prefix (stage 0's, inside its phases), final norm and head (the
-  # last stage's)
-  pe = {k: pc[k] for k in ("embed", "dense_layers") if k in pc}
-  ph = {k: pc[k] for k in ("final_norm", "unembed")}
-  tok = split(tokens)                                               # [M, b/M, S]
-  tab = {k: jnp.asarray(a) for k, a in table.items()}
-  at = lambda k, t: tab[k][t, stage]                                # this stage's entry
-
-  # the residuals' structure, from one traced (and unused: compiled away) vjp of a stage on
-  # inputs typed as the loop's: which leaves are the chunk's weights (shared by every
-  # microbatch, never copied) and which go into the ring
-  vary = lambda a, like: sharding.to_varying(a, sharding.varying_axes(like))
-  act0 = sharding.to_varying(jnp.zeros(tok.shape[1:] + (cfg.d_model,), cfg.dtype), all_axes)
-
-  def run_forward(x, mc, r):
-    lp = jax.tree.map(lambda a: cut(a, r), layers)
-    out, vj, aux = jax.vjp(lambda lp, pe, x: stage_fn(lp, pe, x, tok[mc], pos[mc], r),
-                           lp, pe, x, has_aux=True)
-    return (out,) + _drop_weights(vj, (lp, pe)) + (aux,)
-
-  (y0, part0), ring0, tree, weight, aux0 = run_forward(
-      act0, jnp.clip(at("F", 0), 0, m - 1), jnp.maximum(at("CF", 0), 0))
-
-  def zeros_like(a, lead=(), also=(), dtype=None):   # zeros typed as `a` (varying also over
-    return sharding.to_varying(jnp.zeros(lead + a.shape, dtype or a.dtype),   # `also`)
-                               sharding.varying_axes(a) | set(also))
-
-  def run_backward(ring, dy, r):
-    lp = jax.tree.map(lambda a: cut(a, r), layers)                  # the chunk, cut again
-    vj = _with_weights(ring, tree, weight, (lp, pe))
-    one = vary(jnp.ones((), jnp.float32), part0)
-    return vj((vary(dy.astype(y0.dtype), y0), one))               # d chunk, d prefix, dx
-
-  # with v chunks the sends go round the ring: stage P-1's output feeds stage 0's next chunk
-  ring_pairs = v > 1
-  fwd_pairs = [(i, (i + 1) % n_stage) for i in range(n_stage - 1 + ring_pairs)]
-  bwd_pairs = [((i + 1) % n_stage, i) for i in range(n_stage - 1 + ring_pairs)]
-  ticks = len(table["F"])
-  upd = lambda buf, i, u: jax.lax.dynamic_update_index_in_dim(buf, u, i, 0)
-  get = lambda buf, i: jax.lax.dynamic_index_in_dim(buf, jnp.maximum(i, 0), keepdims=False)
-  add = lambda acc, u: jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, u)
-
-  def forward(c, x, mc, r, slot):             # chunk r of the stage on microbatch mc
-    (y, part), res, tree_f, weight_f, (st, aux, z) = run_forward(x, mc, r)
-    assert weight_f == weight and tree_f.num_leaves == tree.num_leaves, \
+  def forward(self, c, x, mc, r, slot):
+    """The forward phase: chunk r on microbatch mc, its residuals into ring slot `slot`; the
+    last stage's last chunk then runs the head: its CE, its gradients, d(loss)/dy (into `slot`)."""
+    (y, part), res, tree_f, weight_f, (st, aux, z) = self.vjp(x, mc, r)
+    assert weight_f == self.weight and tree_f.num_leaves == self.tree.num_leaves, \
         "a stage's residuals changed structure between traces"
-    c["ring"] = [upd(buf, slot, u) for buf, u in zip(c["ring"], res)]
+    c["ring"] = [_put(buf, slot, u) for buf, u in zip(c["ring"], res)]
+    head = lambda ph, y, t: _ce_sum(y, t, ph, self.cfg) / self.n_tokens   # CE sum / T
 
-    # the last stage's last chunk ends the forward: the head's loss, its gradients, d(loss)/dy
     def head_step(dys, g):
-      ce, (d_ph, dy) = jax.value_and_grad(head, argnums=(0, 1))(ph, y, tgt[mc])
-      return upd(dys, slot, dy.astype(dys.dtype)), add(g, d_ph), ce
-    c["dy"], c["g_head"], ce = jax.lax.cond(last & (r == v - 1), head_step,
-                                            lambda dys, g: (dys, g, ce0), c["dy"], c["g_head"])
+      ce, (d_ph, dy) = jax.value_and_grad(head, argnums=(0, 1))(self.ph, y, self.tgt[mc])
+      return _put(dys, slot, dy.astype(dys.dtype)), _add(g, d_ph), ce
+    c["dy"], c["g_head"], ce = jax.lax.cond(self.last & (r == self.v - 1), head_step,
+                                            lambda dys, g: (dys, g, self.ce0), c["dy"],
+                                            c["g_head"])
     c["stats"] = {"ce": c["stats"]["ce"] + ce,
-                  **{k: into(c["stats"][k], r, u) for k, u in
+                  **{k: self.into(c["stats"][k], r, u) for k, u in
                      (("aux", aux), ("z", z), ("dropped", st["dropped"]),
                       ("counts", st["counts"]))}}
     return c, y
 
-  def backward(c, dy, r, slot):               # chunk r's vjp from its ring slot
-    ring = [get(buf, slot) for buf in c["ring"]]
-    d_lp, d_pe, dx = run_backward(ring, dy, r)
-    c["g_layers"] = jax.tree.map(lambda g, d: into(g, r, d), c["g_layers"], d_lp)
-    c["g_pre"] = add(c["g_pre"], d_pe)
+  def backward(self, c, dy, r, slot):
+    """The backward phase: chunk r's vjp from its ring slot (the chunk's weights cut again) on
+    dy -> the layers' and the prefix's gradient sums, and dx for the stage before."""
+    ring = [_get(buf, slot) for buf in c["ring"]]
+    lp = jax.tree.map(lambda a: self.cut(a, r), self.layers)
+    vj = _with_weights(ring, self.tree, self.weight, (lp, self.pe))
+    one = _vary(jnp.ones((), jnp.float32), self.part0)
+    d_lp, d_pe, dx = vj((_vary(dy.astype(self.y0.dtype), self.y0), one))
+    c["g_layers"] = jax.tree.map(lambda g, d: self.into(g, r, d), c["g_layers"], d_lp)
+    c["g_pre"] = _add(c["g_pre"], d_pe)
     return c, dx
 
-  # a phase runs only where the table has an entry for this stage (a conditional: a tick costs
-  # the longer of the stages' phases, not both). hlo.py counts a collective inside a
-  # conditional at every run of it, unless the scope says how often its branch is taken
-  # (measure/hlo.py TAKEN): each stage takes its forward (backward) branch M*v times in `ticks`.
-  taken = jax.named_scope(f"pp_phase.taken_{m * v}_of_{ticks}")
-
-  def tick(c, t):
+  def tick(self, c, t):
+    """One tick: this stage's forward and backward phase where the table has them, then the
+    sends both ways, each arrival kept in the inbox slot the table gives it."""
+    m, at = self.m, self.at
     i, r = at("F", t), jnp.maximum(at("CF", t), 0)
     keys = ("ring", "dy", "g_head", "stats")
-    with taken:
-      sub, y = jax.lax.cond(i >= 0, forward, lambda c, *_: (c, act), {k: c[k] for k in keys},
-                            get(c["recv"], at("XF", t)), jnp.clip(i, 0, m - 1), r,
-                            jnp.maximum(at("RF", t), 0))
+    with self.taken:
+      sub, y = jax.lax.cond(i >= 0, self.forward, lambda c, *_: (c, self.act),
+                            {k: c[k] for k in keys}, _get(c["recv"], at("XF", t)),
+                            jnp.clip(i, 0, m - 1), r, jnp.maximum(at("RF", t), 0))
     c.update(sub)
     i, r, slot = at("B", t), jnp.maximum(at("CB", t), 0), jnp.maximum(at("RB", t), 0)
-    dy = jnp.where(at("XB", t) < 0, get(c["dy"], slot), get(c["recv_ct"], at("XB", t)))
+    dy = jnp.where(at("XB", t) < 0, _get(c["dy"], slot), _get(c["recv_ct"], at("XB", t)))
     keys = ("ring", "g_layers", "g_pre")
-    with taken:
-      sub, dx = jax.lax.cond(i >= 0, backward, lambda c, *_: (c, act), {k: c[k] for k in keys},
-                             dy, r, slot)
+    with self.taken:
+      sub, dx = jax.lax.cond(i >= 0, self.backward, lambda c, *_: (c, self.act),
+                             {k: c[k] for k in keys}, dy, r, slot)
     c.update(sub)
-    # the sends; each arrival is kept in the inbox slot the table gives it until its reader runs
-    for k, buf, u, pairs in (("AF", "recv", y, fwd_pairs), ("AB", "recv_ct", dx, bwd_pairs)):
+    for k, buf, u, pairs in (("AF", "recv", y, self.fwd_pairs),
+                             ("AB", "recv_ct", dx, self.bwd_pairs)):
       with jax.named_scope("stage_permute"):
         got = jax.lax.ppermute(u, STAGE, pairs)
-      c[buf] = jnp.where(at(k, t) >= 0, upd(c[buf], jnp.maximum(at(k, t), 0), got), c[buf])
+      c[buf] = jnp.where(at(k, t) >= 0, _put(c[buf], jnp.maximum(at(k, t), 0), got), c[buf])
     return c, None
 
-  act, ce0 = zeros_like(y0), vary(jnp.zeros((), jnp.float32), y0)
-  rows = cfg.n_layer_slots // n_stage
-  stat = lambda a: zeros_like(a[0], (rows,), also=(STAGE,))       # [rows, ..] of [rows/v, ..]
-  carry = {
-      "recv": zeros_like(y0, (int(table["AF"].max()) + 1,)),
-      "recv_ct": zeros_like(y0, (int(table["AB"].max()) + 1,)),
-      "ring": [zeros_like(a, (in_flight(table),), also=(STAGE,)) for a in ring0],
-      "dy": zeros_like(y0, (in_flight(table),)),
-      "g_layers": jax.tree.map(lambda a: zeros_like(a, dtype=jnp.float32), layers),
-      "g_head": jax.tree.map(lambda a: zeros_like(a, dtype=jnp.float32), ph),
-      "g_pre": jax.tree.map(lambda a: zeros_like(a, dtype=jnp.float32), pe),
-      "stats": {"ce": ce0,
-                **{k: stat(a) for k, a in zip(("aux", "z"), aux0[1:])},
-                **{k: stat(aux0[0][k]) for k in ("dropped", "counts")}}}
-  carry, _ = jax.lax.scan(tick, carry, jnp.arange(ticks))
+  def carry0(self):
+    """The carry before the first tick: zeros typed as the loop's."""
+    y0, table, ring = self.y0, self.table, in_flight(self.table)
+    stat = lambda a: _zeros_like(a[0], (self.rows,), also=(STAGE,))  # [rows, ..] of [rows/v, ..]
+    f32 = lambda tree: jax.tree.map(lambda a: _zeros_like(a, dtype=jnp.float32), tree)
+    return {"recv": _zeros_like(y0, (int(table["AF"].max()) + 1,)),
+            "recv_ct": _zeros_like(y0, (int(table["AB"].max()) + 1,)),
+            "ring": [_zeros_like(a, (ring,), also=(STAGE,)) for a in self.ring0],
+            "dy": _zeros_like(y0, (ring,)),
+            "g_layers": f32(self.layers), "g_head": f32(self.ph), "g_pre": f32(self.pe),
+            "stats": {"ce": self.ce0,
+                      **{k: stat(a) for k, a in zip(("aux", "z"), self.aux0[1:])},
+                      **{k: stat(self.aux0[0][k]) for k in ("dropped", "counts")}}}
 
-  grads = {**carry["g_pre"], **carry["g_head"], "layers": carry["g_layers"]}
-  def reduce(g, a, axes, spec):               # scattered where split, summed where replicated
-    g = g if f32_sum else g.astype(cfg.dtype)
-    dim, split = _split_dim(spec)
-    g = g if dim is None else jax.lax.psum_scatter(g, split, scatter_dimension=dim, tiled=True)
-    over = tuple(ax for ax in all_axes if ax not in axes)
-    return (jax.lax.psum(g, over) if over else g).astype(a.dtype)
-  grads = jax.tree.map(reduce, grads, p, home, specs)
 
-  st = carry["stats"]
-  ce = jax.lax.psum(st["ce"], all_axes)
-  aux, z, dropped = (jax.lax.psum(jnp.sum(st[k]), STAGE) for k in ("aux", "z", "dropped"))
-  total = ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
-  return (total, {"loss": total, "ce_loss": ce, "aux_loss": aux, "z_loss": z,
-                  "dropped": dropped, "counts": st["counts"]}), grads
+def _zeros_like(a, lead=(), also=(), dtype=None):   # [*lead, *a.shape], varying as a and `also`
+  return sharding.to_varying(jnp.zeros(lead + a.shape, dtype or a.dtype),
+                             sharding.varying_axes(a) | set(also))
+
+
+def _vary(a, like):                           # a typed varying over the axes `like` varies over
+  return sharding.to_varying(a, sharding.varying_axes(like))
+
+
+def _put(buf, i, u):                          # buf with u at row i (a dynamic index)
+  return jax.lax.dynamic_update_index_in_dim(buf, u, i, 0)
+
+
+def _get(buf, i):                             # buf's row i (a dynamic index; -1 reads row 0)
+  return jax.lax.dynamic_index_in_dim(buf, jnp.maximum(i, 0), keepdims=False)
+
+
+def _add(acc, u):                             # gradient sums acc + u, in acc's dtype
+  return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, u)
 
 
 def _stage_mask(cfg, n_stage):
   """[slots per stage] bool, this device's rows of the padded MoE stack that hold a layer
   (--layer_layout), or None when the stack has no padding."""
   mask = model.slot_mask(cfg)
-  if mask is None:
-    return None
-  return jnp.asarray(mask.reshape(n_stage, -1))[jax.lax.axis_index(STAGE)]
+  return None if mask is None else jnp.asarray(mask.reshape(n_stage, -1))[
+      jax.lax.axis_index(STAGE)]
 
 
 def _drop_weights(vj, layers) -> tuple:
-  """A vjp (jax.vjp's function, a pytree of residuals) -> (its residual leaves that are not the
-  weights `layers`, its treedef, {residual leaf index: weight leaf index} for those that ARE):
-  the weights are kept once by the caller, never copied per microbatch or per tick."""
+  """A vjp (jax.vjp's function, a pytree of residuals) -> (its residual leaves but the weights
+  `layers`, its treedef, {residual leaf index: weight leaf index}): the caller keeps the
+  weights once, never a copy per microbatch or per tick."""
   leaves, tree = jax.tree.flatten(vj)
   w = jax.tree.leaves(layers)
   index = {i: j for i, leaf in enumerate(leaves) for j, v in enumerate(w) if leaf is v}
@@ -1101,38 +637,11 @@ def _with_weights(kept, tree, index, layers):
                                    for i in range(tree.num_leaves)])
 
 
-def permutes(name: str, table: dict) -> tuple[int, int]:
-  """(forward, backward) collective-permutes over stage per step, each of one microbatch's
-  [b/M, S, D]: gpipe's (interleaved's) autodiff sends at every one of its forward ticks, and
-  at every tick of its reverse; `_run_table` sends both ways at every tick of the table."""
-  ticks = len(table["F"])
-  return (ticks // 2,) * 2 if name in ("gpipe", "interleaved") else (ticks,) * 2
-
-
 def activation_shardings(cfg, mesh, opts):
   b = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS)
   return [("microbatch between stages", f"[{b // cfg.microbatches}, {cfg.seq_len}, "
            f"{cfg.d_model}] per device, {cfg.microbatches} microbatches"),
           ("bubble fraction", f"{bubble(cfg, mesh):.2f}")]
-
-
-def counts_pre_pass(cfg, opts) -> bool:
-  """A schedule whose backwards run inside the loop (1f1b) with the batch-wise load-balance loss
-  runs a forward pass over every microbatch first, for the step's counts (the loss's f);
-  gpipe's and interleaved's autodiff see the whole step's forward."""
-  return (opts.schedule not in ("gpipe", "interleaved") and cfg.aux_loss_kind == "batch"
-          and bool(cfg.aux_loss_coef))
-
-
-def stage_passes(cfg, n_stage: int, opts) -> tuple[int, int]:
-  """(the stage passes a device runs per step, those of the counts pre-pass): gpipe and
-  interleaved run one at every tick, v*M + P - 1 (a bubble tick's on zeros), 1f1b its M*v
-  table entries (the other ticks skip the phase); the pre-pass, where `counts_pre_pass`, one
-  at every tick of the GPipe forward loop. A pass runs one of the stage's v chunks."""
-  v = chunks(cfg)
-  ticks = v * cfg.microbatches + n_stage - 1
-  steps = cfg.microbatches * v if opts.schedule == "1f1b" else ticks
-  return steps, ticks * counts_pre_pass(cfg, opts)
 
 
 def cost(cfg, mesh, opts):
@@ -1152,9 +661,8 @@ def cost(cfg, mesh, opts):
   # autodiff's time loop (gpipe, interleaved) XLA hoists its all-reduce out: one per step
   hoist = cfg.capacity_factor == 0 and opts.schedule != "1f1b"
   stats = (cost_lib.stats_values(cfg) + (not hoist)) * cost_lib.F32
-  # the non-expert matrices gathered whole once per step (outside any remat'd layer): a stacked
-  # leaf keeps its L dim as stored (the MoE stack's over stage: gathered over data; the dense
-  # prefix's whole: over (stage, data)), embed and unembed over (stage, data)
+  # the non-expert matrices gathered once per step: a stacked leaf keeps its L dim as stored
+  # (the MoE stack's over stage: gathered over data; the prefix's: over (stage, data))
   kept_l = lambda spec: (P(*spec[:1]), AXES)
   gathered = {**{role: kept_l for role in model.D_DIM if role not in ("expert_in", "expert_out")},
               "embed": (P(), AXES), "unembed": (P(), AXES)}

@@ -24,9 +24,10 @@ from layout import mesh as mesh_lib
 from modeling import convert, model
 from modeling.config import Config
 import strategies
+from tests import pipeline
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
-RTOL = 1e-5                                   # of the largest |logit| (the issue's bound)
+RTOL = 1e-5                                   # of the largest |logit| (docs/models.md's bound)
 CASES = [("mixtral", "reference", None), ("mixtral", "ep", "expert:2"),
          ("mixtral", "tp", "tensor:2"), ("mixtral", "pp", "stage:2,expert:2"),
          ("deepseek_v3", "reference", None), ("deepseek_v3", "ep", "expert:2"),
@@ -51,7 +52,7 @@ def load(name: str):
 
 def logits(name: str, cfg, params, batch, mesh_spec):
   """The suite's logits [B, S, V] for `params` under strategy `name` (its Layout; pp: its
-  pipeline's own logits entry point; cp: its load-balanced token order, undone after)."""
+  pipeline, tests/pipeline.py's logits; cp: its load-balanced token order, undone after)."""
   strat = strategies.get(name)
   n = math.prod(mesh_lib.parse_mesh_spec(mesh_spec).values()) if mesh_spec else None
   mesh = mesh_lib.for_strategy(strat, mesh_spec, n)
@@ -68,7 +69,7 @@ def logits(name: str, cfg, params, batch, mesh_spec):
       order = strat.prepare_batch({"i": order[None]}, cfg, mesh)["i"][0]
     b = {k: jax.device_put(v[:, order], NamedSharding(mesh, bspec)) for k, v in batch.items()}
     if name == "pp":
-      fn = lambda p, b: strat.logits(p, b, cfg=cfg, mesh=mesh)
+      fn = lambda p, b: pipeline.logits(strat, p, b, cfg=cfg, mesh=mesh)
     else:
       lay = strat.layout(cfg, mesh, strat.Options())
       fn = lambda p, b: model.forward(p, b, cfg, lay)[0]

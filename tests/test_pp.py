@@ -1,23 +1,23 @@
 """pp beyond the shared table (tests/test_strategies.py, which holds parity for stage:2 and
 stage:4, M = 2, 4 and 8, with data and expert axes, tiny and deepseek-test, a capacity factor):
 the collective-permute bytes are exact, the aux loss is the step's (not a mean of microbatch
-losses), Muon runs on the stage-sharded layers, and the schedule tables: valid, drawn by the
-docstring, equal to the compiled permutes, 1f1b within min(M, P)/M of gpipe's activations, and
-interleaved's round-robin storage: every layer once, in depth order; and the balanced layout pp
-picks by itself where the stages do not divide the MoE layers (a run of it, and the one-line
-error where no layout exists)."""
+losses), Muon runs on the stage-sharded layers, and the schedule tables (layout/schedule.py):
+valid (tests/pipeline.py replays them), drawn by its docstring, equal to the compiled permutes,
+1f1b within min(M, P)/M of gpipe's activations, and interleaved's round-robin storage: every
+layer once, in depth order; and the balanced layout pp picks by itself where the stages do not
+divide the MoE layers (a run of it, and the one-line error where no layout exists)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from layout import mesh as mesh_lib
+from layout import mesh as mesh_lib, schedule as sched
 from measure import hlo
 from modeling import model
 from modeling.config import get_config
 from runtime import data, train
 import strategies
-from tests import parity
+from tests import parity, pipeline
 
 PP = strategies.get("pp")
 CASES = [("tiny", dict(batch=16, microbatches=4), "stage:2,expert:4"),
@@ -100,11 +100,11 @@ def test_schedule_tables_run_every_microbatch_once_in_order(name):
   sends both ways at each."""
   for p in range(1, 6):
     for m in range(1, 10):
-      table = PP.schedule(name, p, m)
-      PP.check_schedule(table, m)
-      assert PP.in_flight(table) == (min(m, p) if name == "1f1b" else m), (p, m)
+      table = sched.schedule(name, p, m)
+      pipeline.check_schedule(table, m)
+      assert sched.in_flight(table) == (min(m, p) if name == "1f1b" else m), (p, m)
       assert len(table["F"]) == 2 * (m + p - 1)
-      assert sum(PP.permutes(name, table)) == 2 * (m + p - 1) * (2 if name == "1f1b" else 1)
+      assert sum(sched.permutes(name, table)) == 2 * (m + p - 1) * (2 if name == "1f1b" else 1)
       if name == "1f1b":
         assert not ((table["F"] >= 0) & (table["B"] >= 0)).any()
 
@@ -117,13 +117,13 @@ def test_interleaved_tables_run_every_chunk_once_in_order():
   for p in range(1, 5):
     for v in (2, 3):
       for m in range(p, 3 * p + 1, p):
-        table = PP.schedule("interleaved", p, m, v)
-        PP.check_schedule(table, m)
+        table = sched.schedule("interleaved", p, m, v)
+        pipeline.check_schedule(table, m)
         fwd = table["F"][:len(table["F"]) // 2]
         assert len(fwd) == v * m + p - 1
         idle = 1 - (fwd >= 0).sum() / fwd.size
         np.testing.assert_allclose(idle, (p - 1) / (v * m + p - 1))
-        assert PP.permutes("interleaved", table) == (v * m + p - 1,) * 2
+        assert sched.permutes("interleaved", table) == (v * m + p - 1,) * 2
 
 
 def test_interleaved_1f1b_tables_run_every_chunk_once_in_order():
@@ -135,16 +135,16 @@ def test_interleaved_1f1b_tables_run_every_chunk_once_in_order():
   for p in range(2, 6):
     for v in (2, 3):
       for m in range(p, 4 * p + 1, p):
-        table = PP.schedule("1f1b", p, m, v)
-        PP.check_schedule(table, m)
-        assert len(table["F"]) < v * len(PP.schedule("1f1b", p, m)["F"]), (p, v, m)
-  assert len(PP.schedule("1f1b", 4, 16, 2)["F"]) == 70
+        table = sched.schedule("1f1b", p, m, v)
+        pipeline.check_schedule(table, m)
+        assert len(table["F"]) < v * len(sched.schedule("1f1b", p, m)["F"]), (p, v, m)
+  assert len(sched.schedule("1f1b", 4, 16, 2)["F"]) == 70
 
 
 def test_check_schedule_refuses_broken_interleaved_tables():
   """The checker fails an interleaved table whose stage runs a chunk out of turn or drops one."""
-  good = PP.schedule("interleaved", 2, 2, 2)
-  PP.check_schedule(good, 2)
+  good = sched.schedule("interleaved", 2, 2, 2)
+  pipeline.check_schedule(good, 2)
   swapped = {k: v.copy() for k, v in good.items()}
   swapped["C"][[2, 3], 1] = swapped["C"][[3, 2], 1]      # stage 1: F1b, then F0a: out of turn
   dropped = {k: v.copy() for k, v in good.items()}
@@ -152,14 +152,14 @@ def test_check_schedule_refuses_broken_interleaved_tables():
   dropped["B"][-2, 0] = -1
   for bad in (swapped, dropped):
     with pytest.raises(AssertionError):
-      PP.check_schedule(bad, 2)
+      pipeline.check_schedule(bad, 2)
 
 
 def test_check_schedule_refuses_broken_tables():
   """The checker fails a table that drops a forward, repeats a backward, or delays a stage's
   forwards by a tick (the activation it reads was overwritten: a broken hop)."""
-  good = PP.schedule("1f1b", 3, 4)                    # 12 ticks, stage 1's F0 at tick 1
-  PP.check_schedule(good, 4)
+  good = sched.schedule("1f1b", 3, 4)                 # 12 ticks, stage 1's F0 at tick 1
+  pipeline.check_schedule(good, 4)
   dropped = {k: v.copy() for k, v in good.items()}
   dropped["F"][1, 1] = -1
   repeated = {k: v.copy() for k, v in good.items()}
@@ -168,14 +168,15 @@ def test_check_schedule_refuses_broken_tables():
   late["F"][:, 1] = np.roll(late["F"][:, 1], 1)
   for bad in (dropped, repeated, late):
     with pytest.raises(AssertionError):
-      PP.check_schedule(bad, 4)
+      pipeline.check_schedule(bad, 4)
 
 
 def test_docstring_draws_the_tables_it_runs():
-  assert PP.diagram(PP.schedule("gpipe", 4, 4)) in PP.__doc__
-  assert PP.diagram(PP.schedule("1f1b", 4, 8)) in PP.__doc__
-  assert PP.diagram(PP.schedule("interleaved", 3, 3, 2)) in PP.__doc__
-  assert PP.diagram(PP.schedule("1f1b", 2, 4, 2)) in PP.__doc__
+  """layout/schedule.py's docstring draws the tables pp runs."""
+  assert pipeline.diagram(sched.schedule("gpipe", 4, 4)) in sched.__doc__
+  assert pipeline.diagram(sched.schedule("1f1b", 4, 8)) in sched.__doc__
+  assert pipeline.diagram(sched.schedule("interleaved", 3, 3, 2)) in sched.__doc__
+  assert pipeline.diagram(sched.schedule("1f1b", 2, 4, 2)) in sched.__doc__
 
 
 @pytest.mark.parametrize("case", [c for c in PP.COST_CASES
@@ -189,16 +190,16 @@ def test_scheduled_permutes_are_the_tables(case):
   j = parity.job("pp", cfg, case.mesh, case.opts)
   got = hlo.collective_stats_by_axes(j.hlo, j.mesh)[("collective-permute", frozenset({"stage"}))]
   p, m, name = j.mesh.shape["stage"], cfg.microbatches, case.opts.schedule
-  want = sum(PP.permutes(name, PP.schedule(name, p, m, PP.chunks(cfg))))
-  v = PP.chunks(cfg)
-  want += (v * m + p - 1 - (v == 1)) * PP.counts_pre_pass(cfg, case.opts)
+  v = sched.chunks(cfg)
+  want = sum(sched.permutes(name, sched.schedule(name, p, m, v)))
+  want += (v * m + p - 1 - (v == 1)) * sched.counts_pre_pass(cfg, case.opts)
   b = cfg.batch // (j.mesh.shape["data"] * j.mesh.shape["expert"]) // m
   assert got["count"] == want
   assert got["bytes"] == want * b * cfg.seq_len * cfg.d_model * 4
 
 
 def test_1f1b_holds_at_most_p_microbatches():
-  """The issue's bound, compile-only XLA temp, one sequence per microbatch per device (S = 512,
+  """Megatron's bound, compile-only XLA temp, one sequence per microbatch per device (S = 512,
   stage:2,expert:4, M = 4P = 8): gpipe grows by a = (g(8) - g(2)) / 6 per microbatch, its
   activation share (M+P-1) a; 1f1b's share is its temp less its constant (its M = 1 temp, one
   microbatch held, less a). 1f1b's share <= min(M, P)/M x gpipe's + 10% (measured 31.4 MiB
@@ -315,7 +316,7 @@ def test_fewer_moe_layers_than_stages_is_a_one_line_error(model_name, n_layers, 
 
 
 def test_run_picks_the_balanced_layout_by_itself(tmp_path):
-  """The command line of issue #51 (item 5): 3 MoE layers on stage:2 without --layer_layout
+  """The command line: 3 MoE layers on stage:2 without --layer_layout
   trains on the balanced 2,1, printed once as a note, with finite losses (before: exit 2,
   'n_layers - first_k_dense_replace=3 is not divisible by mesh axis stage=2')."""
   import json
