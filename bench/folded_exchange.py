@@ -1,4 +1,4 @@
-"""Issue #25's comparison: per-device bytes of ep_tp's two routed-MoE exchanges (ring: AG-RS of
+"""Per-device bytes of ep_tp's two routed-MoE exchanges (ring: AG-RS of
 the tokens; folded: ep's all-to-all of the sequence-parallel tokens) and of tensor-parallel
 experts (tp), compile only, each (kind, axes) from the compiled HLO beside the cost model. The
 columns sum the result bytes of the collectives over the model axis alone (expert; tp: tensor):

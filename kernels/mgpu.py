@@ -1,5 +1,5 @@
 """Hopper grouped-matmul kernels for modeling/gmm.py's "mgpu" backend (registered as "mgpu" when this
-module is imported: run.py imports it for --gmm=mgpu, bench/ always).
+module is imported: command_line.py imports it for --gmm=mgpu, bench/ always).
 
   kernel "mgpu"  jax.experimental.pallas.ops.gpu.ragged_dot_mgpu: forward x @ w and dx = dy @ w^T
                  (transpose_rhs where the kernel has it, else a transposed copy of w)
@@ -10,11 +10,12 @@ Elsewhere, for other dtypes or for shapes that the tiles do not divide, each fal
 modeling.gmm's ragged_dot kernel / ragged_dot_general wgrad.
 
 Tiles per kernel call: mgpu_config, from the per-shape table TILES_FILE (kernels/mgpu_tiles.json)
-that `python bench/gmm.py --autotune` writes on a Hopper GPU (autotune below), else MGPU_CONFIG.
+that `python bench/gmm.py --autotune` writes on a Hopper GPU (autotune below; no table is in the
+repo), else MGPU_CONFIG.
 
-Performance (measured by someone else on an H100): lax.ragged_dot wastes work proportional to
-the number of groups, about 100 TFLOP/s at E=8 but about 6 TFLOP/s at E=64, while
-ragged_dot_mgpu ran at 608 (E=8) / 254 (E=64) TFLOP/s forward.
+Performance (an outside measurement on an H100, not repeated here; docs/gpu.md holds this suite's
+own): lax.ragged_dot wastes work proportional to the number of groups, about 100 TFLOP/s at E=8
+but about 6 TFLOP/s at E=64, while ragged_dot_mgpu ran at 608 (E=8) / 254 (E=64) TFLOP/s forward.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ _valid_rows = gmm_lib.valid_rows
 # Tile config where the tile table has no entry for a call's shape
 # (needs K % block_k == 0 and N % block_n == 0; the weight gradient K % block_m == 0).
 MGPU_CONFIG = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4)
-# Per-shape tiles, written by `python bench/gmm.py --autotune` on a Hopper GPU (absent until a
-# session with one runs it): {tile_key(...): {block_m, block_n, block_k, max_concurrent_steps}}.
+# Per-shape tiles, written by `python bench/gmm.py --autotune` on a Hopper GPU (absent until it
+# runs there): {tile_key(...): {block_m, block_n, block_k, max_concurrent_steps}}.
 TILES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mgpu_tiles.json")
 TILE_CANDIDATES = [dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=st)
                    for bm in (64, 128) for bn in (128, 256) for bk in (64, 128) for st in (2, 4)]

@@ -42,7 +42,7 @@ Backends:
                 [M, N] live. For compile-only memory studies on CPU (its ragged_dot
                 lowering keeps an [E, M, K] buffer, see _scan_kernel).
   "mgpu"        "custom" with the Hopper kernel and wgrad "mgpu" (kernels/mgpu.py, which
-                the caller imports: run.py does for --gmm=mgpu). Opt-in: no GPU run
+                the caller imports: command_line.py does for --gmm=mgpu). Opt-in: no GPU run
                 has held it to the suite's contracts yet.
   "auto"        "ragged_dot", the default, checked on CPU by every strategy's tests.
 

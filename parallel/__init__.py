@@ -3,6 +3,7 @@ gather / Megatron f) and reduce_scatter (g), varying / reduced typing inside sha
 pytrees on a mesh. Imports no other package of the suite.
 
 Layers, bottom to top (each imports only the ones below it; tests/test_imports.py holds it):
-  parallel  -> modeling -> layout -> measure -> strategies -> runtime -> compare, report, run.py
+  parallel  -> modeling -> layout -> measure -> strategies -> runtime -> the top: compare,
+  report, command_line, run.py and planning/
   (kernels/ sits beside runtime: it imports modeling.gmm and registers with it; bench/ on top)
 """

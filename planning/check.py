@@ -2,7 +2,7 @@
 per-device memory (params + optimizer + the temp model vs params + optimizer + XLA's temp
 bytes) and bytes per (kind, axes) (the cost model vs the HLO, measure.hlo). On CPU the step is
 compiled with --gmm=scan: XLA:CPU lowers ragged_dot through an [E, M, K] buffer no accelerator
-holds (README, "Does it fit?"), and the temp model is calibrated on scan's programs.
+holds (docs/planner.md, "Does it fit?"), and the temp model is calibrated on scan's programs.
 """
 from __future__ import annotations
 

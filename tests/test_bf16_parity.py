@@ -142,7 +142,7 @@ def test_worst_names_the_leaf():
 
 # --------------------------------------------------------------------------- the command line
 def test_cli_bf16_full_parity_passes_with_drops(tmp_path):
-  """The command of issue #51: ep and ep_tp in bf16 at capacity factor 0.5 PASS the bfloat16
+  """--compare --full_parity in bf16: ep and ep_tp at capacity factor 0.5 PASS the bfloat16
   rule, with the header stating it; both drop assignments, as many as the reference at every
   step, and table.json holds each row's worst gradient, parameter and update errors with their
   leaves, within the rule's bounds."""

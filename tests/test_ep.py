@@ -1,6 +1,6 @@
 """ep beyond the shared table (tests/test_strategies.py): the all-to-all count and exact bytes, no
-expert weight moving over `expert`, the capacity rule sizing the exchange, and the #4179
-dispatch fix (buffer specs without running the model; what dispatch=none compiles to)."""
+expert weight moving over `expert`, the capacity rule sizing the exchange, and MaxText
+#4179's dispatch fix (buffer specs without running the model; what dispatch=none compiles to)."""
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -66,10 +66,11 @@ def test_capacity_factor_sizes_the_exchange():
 # ----------------------------------------------------------------------------- MaxText #4179
 @pytest.mark.parametrize("mesh", ["expert:8", "data:2,expert:4", "fsdp:2,expert:4"])
 def test_dispatch_buffer_batch_does_not_steal_expert(mesh):
-  """Pure sharding check (ep.buffer_type, nothing traced): the experts' input as one global
-  [N_src, EP, C, D] array. Default: each device's block is moe_body's recv, rows from the EP
-  sources of its group for its own experts; the flag: local_moe_body's send, its own rows for
-  every EP shard's experts (tests/test_dispatch.py shows both bodies' rows)."""
+  """Pure sharding check (strategies.ep.buffer_type, nothing traced): the experts' input as one
+  global [N_src, EP, C, D] array. Default: each device's block is the recv of
+  strategies.ep.a2a_exchange, rows from the EP sources of its group for its own experts; the
+  flag (dispatch=none): the send of strategies.ep.local_exchange, its own rows for every EP
+  shard's experts (tests/test_dispatch.py shows both transports' rows)."""
   cfg, m = _cfg("tiny"), _mesh(mesh)
   ep = m.shape["expert"]
   c = dispatch.send_rows(cfg, 1, cfg.seq_len, ep)                      # one sequence per device

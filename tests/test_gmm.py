@@ -135,8 +135,9 @@ def test_kernel_registry(monkeypatch):
 
 
 def test_kernels_are_opt_in():
-  """modeling.gmm never imports the `kernels` package: "mgpu" is registered only when a caller
-  imports kernels.mgpu (run.py for --gmm=mgpu), and on CPU that imports no Pallas GPU module."""
+  """modeling.gmm never imports the `kernels` package: "mgpu" is registered only when a
+  caller imports kernels.mgpu (command_line.py for --gmm=mgpu), and on CPU that imports no
+  Pallas GPU module."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   code = ("import sys; from modeling import gmm\n"
           "print(gmm.available_kernels(), sorted(gmm._KERNELS), sorted(gmm._WGRADS))\n"
