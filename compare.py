@@ -102,17 +102,7 @@ def candidate_meshes(strat, cfg, n: int, opts=None) -> list[dict]:
   bytes/dev: what each device sends)}]."""
   axes, out, shapes = strat.AXES, [], model.init_params_shapes(cfg)
 
-  def splits(left: int, k: int):
-    if k == 1:
-      yield (left,)
-      return
-    d = 1
-    while d <= left:
-      if left % d == 0:
-        for rest in splits(left // d, k - 1):
-          yield (d,) + rest
-      d *= 2
-  for sizes in splits(n, len(axes)):
+  for sizes in mesh_lib.splits(n, len(axes), powers_of_two=True):
     mesh = mesh_lib.make_mesh(dict(zip(axes, sizes)))
     try:
       strat.check(cfg, mesh, opts)

@@ -28,16 +28,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from layout import dispatch
+
 
 def buffer_rows(tokens: int, top_k: int, n_local: int, fraction: float = 0.0, seqs: int = 0,
                 slots: int = 0) -> int:
-  """Static buffer size M: worst case T*min(K, e), or ceil(fraction * worst) if fraction > 0.
-  With the capacity rule (slots = C_e per sequence and expert, `seqs` sequences among the T
-  tokens) at most seqs*e*C_e copies are kept for e local experts: M is at most that, with no
-  extra drop (layout/dispatch.rows_bound, the same bound)."""
-  worst = tokens * min(top_k, n_local)
-  if slots > 0:
-    worst = min(worst, seqs * n_local * slots)
+  """Static buffer size M: the bound layout.dispatch.rows_bound gives for the T tokens (their K
+  copies to e local experts, under the capacity rule's slots when set), or ceil(fraction x
+  that) if fraction > 0."""
+  worst = dispatch.rows_bound(tokens, top_k, n_local, seqs=seqs, slots=slots)
   if fraction <= 0:
     return worst
   return max(1, min(worst, math.ceil(fraction * worst)))

@@ -7,7 +7,7 @@ import jax
 from jax.sharding import AxisType
 
 from modeling.config import ConfigError
-from parallel.sharding import dim_axes
+from parallel.sharding import axis_size, dim_axes  # noqa: F401  (axis_size: mesh_lib.axis_size)
 
 # Mesh axis names used anywhere in the suite.
 DATA, FSDP, TENSOR, EXPERT, CONTEXT, STAGE = "data", "fsdp", "tensor", "expert", "context", "stage"
@@ -66,10 +66,6 @@ def abstract_mesh(shape: dict[str, int]) -> jax.sharding.AbstractMesh:
                                    axis_types=(AxisType.Explicit,) * len(shape))
 
 
-def axis_size(mesh, *names) -> int:
-  return math.prod(mesh.shape[n] for n in names if n in mesh.shape)
-
-
 def require_divisible(dim_name: str, dim: int, mesh, axes) -> None:
   """One-line error when `dim` is not divisible by the product of mesh `axes`."""
   axes = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -117,3 +113,19 @@ def order_note(strat, spec: str | None) -> str | None:
     return None
   return (f"mesh axes are laid out in {strat.NAME}'s order ({', '.join(strat.AXES)}), not as given "
           f"({', '.join(given)}): the last axis varies fastest over devices (inside a host)")
+
+
+def splits(n: int, k: int, powers_of_two: bool = False):
+  """Every ordered k-tuple of positive integers whose product is n: the ways to lay n devices
+  over k mesh axes; with powers_of_two, the first k - 1 sizes are powers of two (the last takes
+  what is left)."""
+  if k == 1:
+    yield (n,)
+    return
+  d = 1
+  while d <= n:
+    if n % d == 0:
+      for rest in splits(n // d, k - 1, powers_of_two):
+        yield (d,) + rest
+    d = d * 2 if powers_of_two else d + 1
+

@@ -30,7 +30,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from measure import hlo
-from parallel.sharding import dim_axes, entry_axes, spec_axes, spec_shards
+from parallel.sharding import axis_size, dim_axes, entry_axes, spec_axes, spec_shards
 
 F32 = 4
 
@@ -60,7 +60,7 @@ def term(mesh, kind: str, phase: str, what: str, nbytes: float, axes, remat=(),
   axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.shape[a] > 1)
   if not axes or not nbytes:
     return []
-  return [Term(kind, phase, what, nbytes, axes, math.prod(mesh.shape[a] for a in axes), remat,
+  return [Term(kind, phase, what, nbytes, axes, axis_size(mesh, *axes), remat,
                params)]
 
 
@@ -485,7 +485,7 @@ def _tuple(axes) -> tuple[str, ...]:
 
 
 def _size(mesh, axes) -> int:
-  return math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
+  return axis_size(mesh, *axes)
 
 
 STATS = "router stats"

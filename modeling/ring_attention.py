@@ -51,7 +51,6 @@ gradients leave unreduced).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +94,7 @@ def _specs(tree):
 
 def _ring_size(q, axes) -> int:
   mesh = jax.typeof(q).sharding.mesh
-  return math.prod(mesh.shape[a] for a in axes)
+  return sharding.axis_size(mesh, *axes)
 
 
 def _send(tree, axes, n):

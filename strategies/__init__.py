@@ -32,6 +32,19 @@ Every strategy module exposes the same small functional interface:
   TEST_CASES, COST_CASES, BAD_INPUT -> the strategy's rows of the one table that drives
                                  tests/test_strategies.py (parity and contract per TEST_CASES
                                  row, the cost model per COST_CASES row, one-line errors)
+  BF16_CASE                   -> its bf16 mixed-precision row (a Case): tests/test_precision.py
+  PLAN_GRID, PLAN_EXTRA       -> optional: {option: values} whose every combination the planner
+                                 enumerates, and option sets beyond that product
+                                 (planning/plan.py option_sets); none: the defaults only
+  LAYOUTS                     -> optional: (preset, (mesh, mesh, ...)[, overrides]): layouts of
+                                 one model that must give the same losses
+                                 (tests/test_strategies.py::test_layout_invariance)
+Optional hooks (read with getattr; absent = the plain behaviour):
+  stored_config(cfg, mesh, opts)  -> the model as the options store it (pp: its layer layout,
+                                 the interleaved stack); strategies.stored_config calls it
+  layout_note(cfg, mesh, opts)    -> a line for the run's header about a layout it picked (pp)
+  LAYER_LAYOUT = True             -> it runs --layer_layout's padded MoE stack (pp, reference)
+  bubble(cfg, mesh)               -> a pipeline's idle fraction, shown in the mesh cell (pp)
 The reference has AXES = () and runs on one device with no mesh.
 
 Adding a strategy: write strategies/NAME.py to this interface, add NAME to NAMES below, and put

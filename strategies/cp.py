@@ -35,8 +35,9 @@ Collectives per layer (c = context, f = fsdp, d = data; kv bytes = B_(d,f)*S*KV*
                then all-reduce over (d, c) of the 1/f shard
             6. norm-scale gradients: all-reduce over c, then over (d, f)
 
-HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_cp.py enforces both ways,
-and the cost model's (kind, axes) set must equal it):
+HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_strategies.py enforces both
+ways, and the cost model's (kind, axes) set must equal it; tests/test_cp.py adds the balanced
+placement, the exact K/V all-gather bytes and the ring's skipped blocks):
   all-gather over context: K, V, kv_pos (and the capacity rule's ints)
   all-gather over fsdp: weight matrices before use
   reduce-scatter over fsdp: weight-matrix gradients
@@ -108,6 +109,10 @@ TEST_CASES = [Case("tiny", "context:4,data:2"), Case("tiny", "fsdp:2,context:2,d
               Case("deepseek-test", "context:8", dict(capacity_factor=1.0),
                    Options(kv_exchange="ring"))]
 COST_CASES = TEST_CASES
+# bf16 mixed precision (tests/test_precision.py): the row holding its richest composition
+BF16_CASE = Case("deepseek-test", "data:2,context:4")
+# the options the planner varies (planning/plan.py: every combination)
+PLAN_GRID = {"kv_exchange": ("allgather", "ring")}
 LAYOUTS = ("tiny", ("context:4,data:2", "fsdp:2,context:2,data:2"))
 BAD_INPUT = [BadInput(dict(seq_len=36), "context:4,data:2", Options(),
                       "seq_len=36 is not divisible by 2*context=8"),

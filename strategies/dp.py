@@ -14,8 +14,8 @@ Collectives per step (all over data; XLA combines them into a few tuple all-redu
             statistics: [L, E] counts and prob sums, z, dropped (global aux loss) and loss sums
   backward: all-reduce of every parameter gradient (the router bias has none), at full size
 
-HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_dp.py enforces it both ways,
-and the cost model's (kind, axes) set must equal it):
+HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_strategies.py enforces it
+both ways, and the cost model's (kind, axes) set must equal it):
   all-reduce over data: every parameter gradient, router statistics, loss sums, grad norm
 
 Pick it when the model and its optimizer state fit on one device; it is the baseline every
@@ -42,6 +42,8 @@ COMPARE_MESH = None
 Options = NoOptions
 TEST_CASES = [Case("tiny", "data:8"), Case("deepseek-test", "data:8")]
 COST_CASES = TEST_CASES
+# bf16 mixed precision (tests/test_precision.py): the row holding its richest composition
+BF16_CASE = Case("tiny", None)
 BAD_INPUT = [BadInput(dict(batch=12), "data:8", Options(),
                       "batch=12 is not divisible by mesh axis data=8")]
 
@@ -71,7 +73,7 @@ def layout(cfg, mesh, opts):
 
 
 def activation_shardings(cfg, mesh, opts):
-  b = cfg.batch // mesh.shape[DATA]
+  b = cfg.batch // mesh_lib.axis_size(mesh, DATA)
   return [("residual x [B, S, D]", f"[{cfg.batch}@data, {cfg.seq_len}, {cfg.d_model}]"),
           ("MoE tokens per device", f"{b * cfg.seq_len} x top_{cfg.top_k}, all {cfg.n_experts} experts local")]
 

@@ -34,7 +34,7 @@ bytes. C, rows per destination shard (dispatch.send_rows):
     sequence and expert (the capacity rule already drops past them): about cf*T_loc*K/EP
 
 Collectives per layer (d/f/x = the data/fsdp/expert axes; C as above; e = E/EP local experts):
-  forward : 1. all-gather over f of attn wq/wk/wv/wo, router, shared wi_0/wi_1/wo  (fsdp_use)
+  forward : 1. all-gather over f of attn wq/wk/wv/wo, router, shared wi_0/wi_1/wo (layout.fsdp.use)
             2. all-gather over f of wi_0, wi_1, wo ([E/EP, D, F] each)
             3. scalar/[E] all-reduce over (d, f, x) of the router statistics
             4. "dispatch_a2a": all-to-all over x of the counts [EP, e] (int32) and of the
@@ -46,7 +46,7 @@ Collectives per layer (d/f/x = the data/fsdp/expert axes; C as above; e = E/EP l
             8. expert grads: reduce-scatter over f of [E/EP, D, F], all-reduce over d of the shard
   once per step: embed / final_norm / unembed like one layer's non-expert weights; loss scalars
             and [L, E] counts all-reduced over (d, f, x).
-With fsdp = 1 the f collectives vanish (7 becomes a plain all-reduce over (d, e)).
+With fsdp = 1 the f collectives vanish (7 becomes a plain all-reduce over (d, x)).
 Pick it when the experts do not fit on one device (E*3*D*F*4 B per layer), the global batch is at
 least the device count and E divides by EP; cost: 4 token all-to-alls of EP*C*D per layer (fwd +
 bwd), on the critical path, and worst-case padding unless ragged.
@@ -63,7 +63,8 @@ because shard_map in_specs must match exactly. Same losses; EP x the expert byte
 layer instead of the token exchange.
 
 HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
-(kind, axes) set equals it, and tests/test_ep.py holds both to the program, both ways):
+(kind, axes) set equals it, and tests/test_strategies.py holds both to the program, both ways;
+tests/test_ep.py adds the all-to-alls' count and exact bytes and the dispatch buffers' specs):
   all-gather over fsdp: weight matrices and experts (fwd)
   reduce-scatter over fsdp: their gradients
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
@@ -128,6 +129,8 @@ TEST_CASES = [Case("tiny", "expert:8"),
               Case("deepseek-test", "fsdp:2,expert:4"),
               Case("tiny", "data:2,expert:4", opts=Options(dispatch="none"))]
 COST_CASES = TEST_CASES                          # accumulation: measure/cost.step_terms
+# bf16 mixed precision (tests/test_precision.py): the row holding its richest composition
+BF16_CASE = Case("tiny", "data:2,expert:4", dict(remat="block", microbatches=2, batch=16))
 BAD_INPUT = [
     BadInput(dict(n_experts=6, top_k=2), "expert:4,data:2", Options(),
              "n_experts=6 is not divisible by mesh axis expert=4"),
@@ -359,22 +362,22 @@ def cost(cfg, mesh, opts, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
   return terms + exchange_terms(cfg, mesh, opts.dispatch, b_loc, t_loc)
 
 
-def exchange_terms(cfg, mesh, dispatch_name, b_loc, t_loc):
-  """The token exchange over `expert` per step (moe_body with that transport; also ep_x_tp's):
-  b_loc sequences and t_loc tokens routed per device."""
-  e = mesh_lib.axis_size(mesh, EXPERT)
+def exchange_terms(cfg, mesh, dispatch_name, b_loc, t_loc, axes=(EXPERT,)):
+  """The token exchange over `axes` (one EP group) per step (moe_body with that transport; also
+  ep_x_tp's and shard_exp_on_fsdp's): b_loc sequences and t_loc tokens routed per device."""
+  e = mesh_lib.axis_size(mesh, *axes)
   c = dispatch.send_rows(cfg, b_loc, t_loc // b_loc, e)
   act, term = cost_lib.act_bytes(cfg), functools.partial(cost_lib.term, mesh)
   if dispatch_name == "a2a":
     buf = e * c * cfg.d_model * act                              # [EP, C, D]
     return (term("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, e] (int32)",
-                 cfg.n_moe_layers * (2 * buf + cfg.n_experts * 4), EXPERT, cost_lib.RECOMPUTED)
-            + term("all-to-all", "bwd", "their transposes", cfg.n_moe_layers * 2 * buf, EXPERT))
+                 cfg.n_moe_layers * (2 * buf + cfg.n_experts * 4), axes, cost_lib.RECOMPUTED)
+            + term("all-to-all", "bwd", "their transposes", cfg.n_moe_layers * 2 * buf, axes))
   if dispatch_name == "ragged":                    # output buffers: [EP*C, D] and [T*K, D]
     rows = (e * c + t_loc * cfg.top_k) * cfg.d_model * act
     return (term("all-gather", "fwd", "counts [EP, EP, e] (int32)", cfg.n_moe_layers * e * cfg.n_experts * 4,
-                 EXPERT, cost_lib.RECOMPUTED)
+                 axes, cost_lib.RECOMPUTED)
             + term("ragged-all-to-all", "fwd", "dispatch + combine rows", cfg.n_moe_layers * rows,
-                   EXPERT, cost_lib.RECOMPUTED)
-            + term("ragged-all-to-all", "bwd", "their transposes", cfg.n_moe_layers * rows, EXPERT))
+                   axes, cost_lib.RECOMPUTED)
+            + term("ragged-all-to-all", "bwd", "their transposes", cfg.n_moe_layers * rows, axes))
   return []

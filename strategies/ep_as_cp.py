@@ -38,7 +38,8 @@ Pick it for long sequences, or a global batch smaller than the device count (str
 cost vs ep.py: the K/V all-gathers, and attention work that no longer shrinks with EP.
 
 HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
-(kind, axes) set equals it, and tests/test_ep_as_cp.py holds both to the program, both ways):
+(kind, axes) set equals it, and tests/test_strategies.py holds both to the program, both ways;
+tests/test_ep_as_cp.py adds what moves over `expert`: tokens and K/V, no weight):
   all-gather over fsdp: weight matrices and experts (fwd)
   reduce-scatter over fsdp: their gradients
   all-gather over expert: K, V, kv_pos (fwd); expert ids + positions (capacity_factor > 0)
@@ -89,12 +90,16 @@ COMPARE_MESH = None
 COMPARE_VARIANTS = ("kv_exchange=ring",)
 Options = context.Options                     # kv_exchange=allgather|ring, as cp.py's
 contract_variant = context.contract_variant
-SEED_MESH = "fsdp:2,expert:2,data:2"          # MaxText #3656's FSDP=2 + EP-as-CP=2 (+ data=2)
+MAXTEXT_3656_MESH = "fsdp:2,expert:2,data:2"   # MaxText #3656's FSDP=2 + EP-as-CP=2 (+ data=2)
 # tiny batch 2: 2 sequences on 8 devices, a quarter of a sequence each, with the capacity rule,
 # which needs the whole sequence (expert ids and positions all-gathered over expert)
-TEST_CASES = [Case("deepseek-test", SEED_MESH),
+TEST_CASES = [Case("deepseek-test", MAXTEXT_3656_MESH),
               Case("tiny", "fsdp:2,expert:4", dict(batch=2, capacity_factor=1.0))]
 COST_CASES = TEST_CASES
+# bf16 mixed precision (tests/test_precision.py): the row holding its richest composition
+BF16_CASE = Case("deepseek-test", "data:2,expert:4", opts=Options(kv_exchange="ring"))
+# the options the planner varies (planning/plan.py: every combination)
+PLAN_GRID = {"kv_exchange": ("allgather", "ring")}
 BAD_INPUT = [
     BadInput(dict(seq_len=36), "expert:8", Options(), "seq_len=36 is not divisible by 2*expert=16"),
     BadInput(dict(batch=3), "fsdp:2,expert:4", Options(),

@@ -1,7 +1,7 @@
 """ep_tp — the expert axis is tensor parallelism for attention / shared expert, and expert
 parallelism for the routed MoE, which uses the AG-RS ("ring of experts") exchange: no all-to-all.
 MaxText #3600 (POC), plus the fix its text asks for: sort/permute/gmm sized by routed tokens.
-Option exchange=folded (issue #25; MaxText #4910, Megatron's parallel folding): the routed MoE
+Option exchange=folded (MaxText #4910, Megatron's parallel folding): the routed MoE
 is ep.py's all-to-all over the same axis, on the sequence-parallel tokens (below).
 
 Mesh axes: (data, expert). EP = |expert|, e = E / EP local experts, T = (B/|data|)*S tokens of a
@@ -70,7 +70,8 @@ Collectives per layer ([T, D] = one data shard's activations, f32; named scopes 
             input) over (data, expert); norm scales [D] (gather_weight's reduced type cannot
             meet an elementwise product) in XLA's split: over expert, then over data.
 HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
-(kind, axes) set equals it, and tests/test_ep_tp.py holds both to the program, both ways):
+(kind, axes) set equals it, and tests/test_strategies.py holds both to the program, both ways;
+tests/test_ep_tp.py adds the op counts per layer of both exchanges and the compaction's sizes):
   all-gather over expert: normed h, routing ids / weights, cotangents of the reduce-scatters
   reduce-scatter over expert: attn wo, MoE + shared outputs, cotangents of gathered h / weights
   all-reduce over expert: norm-scale grads [D] (first half of XLA's split); no activation is
@@ -180,6 +181,11 @@ TEST_CASES = [Case("tiny", "data:2,expert:4", dict(n_kv_heads=4)),
                    FOLDED),
               Case("mixtral-test", "data:4,expert:2", opts=FOLDED)]
 COST_CASES = TEST_CASES
+# bf16 mixed precision (tests/test_precision.py): the row holding its richest composition
+BF16_CASE = Case("deepseek-test", "data:2,expert:4", dict(remat="block", microbatches=2),
+                 FOLDED)
+# the options the planner varies (planning/plan.py: every combination)
+PLAN_GRID = {"exchange": ("ring", "folded")}
 BAD_INPUT = [
     BadInput({}, "data:2,expert:4", Options(), "n_kv_heads=2 is not divisible by mesh axis expert=4"),
     BadInput(dict(n_heads=8, n_kv_heads=8, n_experts=4), "expert:8", Options(),
@@ -234,8 +240,8 @@ def batch_spec(cfg, mesh):
 
 def buffer_rows(cfg, mesh, opts) -> int:
   """M, the per-device row budget of the compacted MoE buffer."""
-  seqs = cfg.batch // mesh.shape[DATA]                              # gathered: whole sequences
-  n_local = cfg.n_experts // mesh.shape[EXPERT]
+  seqs = cfg.batch // mesh_lib.axis_size(mesh, DATA)                              # gathered: whole sequences
+  n_local = cfg.n_experts // mesh_lib.axis_size(mesh, EXPERT)
   return compact.buffer_rows(seqs * cfg.seq_len, cfg.top_k, n_local, opts.capacity,
                              seqs=seqs, slots=routing.expert_slots(cfg, cfg.seq_len))
 
@@ -271,7 +277,7 @@ def moe_local_experts(p, x, positions, cfg, n_local: int, rows: int):
 
 
 def layout(cfg, mesh, opts):
-  n_local = cfg.n_experts // mesh.shape[EXPERT]
+  n_local = cfg.n_experts // mesh_lib.axis_size(mesh, EXPERT)
   rows = buffer_rows(cfg, mesh, opts)
 
   def moe_fn(p, x, positions):                                         # x [B, S, D] gathered h
@@ -302,14 +308,14 @@ def layout(cfg, mesh, opts):
 
 
 def activation_shardings(cfg, mesh, opts):
-  t = cfg.batch // mesh.shape[DATA] * cfg.seq_len
+  t = cfg.batch // mesh_lib.axis_size(mesh, DATA) * cfg.seq_len
   out = [("residual x [B, S, D]", "(data, expert, None)  sequence-parallel"),
          ("gathered h [B, S, D]", "(data, None, None) reduced over expert"),
          ("q [B, S, H, Dh]", "(data, None, expert, None)")]
   if opts.exchange == "folded":
     c = send_rows(cfg, mesh)
     return out + [("dispatch buffer [EP, C, D] per device", f"C={c} rows per destination "
-                   f"(routed copies T/EP*K={t // mesh.shape[EXPERT] * cfg.top_k})")]
+                   f"(routed copies T/EP*K={t // mesh_lib.axis_size(mesh, EXPERT) * cfg.top_k})")]
   return out + [("moe buffer xs [M, D] per device",
                  f"M={buffer_rows(cfg, mesh, opts)} rows (all copies T*K={t * cfg.top_k})")]
 
@@ -317,14 +323,14 @@ def activation_shardings(cfg, mesh, opts):
 def send_rows(cfg, mesh) -> int:
   """exchange=folded: C, ep's rows per destination shard for the T/EP local tokens (b sequences
   of the data shard, S/EP positions of each)."""
-  return dispatch.send_rows(cfg, cfg.batch // mesh.shape[DATA], cfg.seq_len // mesh.shape[EXPERT],
-                            mesh.shape[EXPERT])
+  ep = mesh_lib.axis_size(mesh, EXPERT)
+  return dispatch.send_rows(cfg, cfg.batch // mesh_lib.axis_size(mesh, DATA), cfg.seq_len // ep, ep)
 
 
 def cost(cfg, mesh, opts):
   """Per-device collective bytes per step (measure/cost.py; the docstring's schedule)."""
   n_moe, folded = cfg.n_moe_layers, opts.exchange == "folded"
-  b = cfg.batch // mesh.shape[DATA]
+  b = cfg.batch // mesh_lib.axis_size(mesh, DATA)
   t = b * cfg.seq_len
   # the layers whose MLP gathers h and reduce-scatters its output: all (ring); the dense ones
   # and, with a shared expert, the MoE ones (folded: the shared expert's own)
@@ -345,9 +351,9 @@ def cost(cfg, mesh, opts):
            + term("all-gather", "fwd", "routing ids + weights (ring's MoE layers)",
                   0 if folded else n_moe * ids + route, EXPERT, cost_lib.RECOMPUTED)
            + term("reduce-scatter", "bwd", "cotangents of the routing weights",
-                  route / mesh.shape[EXPERT], EXPERT))
+                  route / mesh_lib.axis_size(mesh, EXPERT), EXPERT))
   if folded:
     # ep's exchange of the T/EP local tokens: [EP, C, D] out and back, the counts [EP, e]
-    terms += (ep.exchange_terms(cfg, mesh, "a2a", b, t // mesh.shape[EXPERT])
+    terms += (ep.exchange_terms(cfg, mesh, "a2a", b, t // mesh_lib.axis_size(mesh, EXPERT))
               + cost_lib.capacity_gather_terms(cfg, mesh, EXPERT, t))
   return terms

@@ -133,8 +133,8 @@ float32 sum.
 Pick it when the experts need EP but attention or each expert is too wide for one device, with
 t inside a node (its activation all-reduces are on the critical path) and EP across what is
 left; cost: ep's 4 exchanges of EP*C*D per layer plus tp's 4 all-reduces of T*D per layer.
-Megatron-Core reports EP8 x TP1 faster than EP4 x TP2 for Mixtral 8x7B (README, "Published
-setups"): both are meshes of this file.
+Megatron-Core reports EP8 x TP1 faster than EP4 x TP2 for Mixtral 8x7B (docs/planner.md,
+"Published setups"): both are meshes of this file.
 
   python run.py --strategy=ep_x_tp --mesh=data:2,expert:2,tensor:2 --devices=8 --steps=3 --hlo_stats
   python run.py --strategy=ep_x_tp --mesh=expert:4,tensor:2 --opt=sequence_parallel=true --hlo_stats
@@ -198,6 +198,11 @@ TEST_CASES = [Case("tiny", "data:2,expert:2,tensor:2", _TINY8),
               Case("deepseek-test", "data:2,expert:2,tensor:2", dict(optimizer="muon"),
                    Options(sequence_parallel=True, zero1=True))]
 COST_CASES = TEST_CASES
+# bf16 mixed precision (tests/test_precision.py): the row holding its richest composition
+BF16_CASE = Case("deepseek-test", "data:2,expert:2,tensor:2", dict(microbatches=2),
+                 Options(sequence_parallel=True, zero1=True))
+# the options the planner varies (planning/plan.py: every combination)
+PLAN_GRID = {"sequence_parallel": (False, True), "zero1": (False, True)}
 BAD_INPUT = [
     BadInput(dict(n_heads=8, n_kv_heads=2), "expert:2,tensor:4", Options(),
              "n_kv_heads=2 is not divisible by mesh axis tensor=4"),

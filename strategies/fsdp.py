@@ -34,8 +34,9 @@ Collectives per layer (fsdp = f, data = d):
             all-reduced over every axis, runtime.train.global_norm).
 No all-to-all: tokens never leave their device.
 
-HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_fsdp.py enforces both ways,
-and the cost model's (kind, axes) set must equal it):
+HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_strategies.py enforces both
+ways, and the cost model's (kind, axes) set must equal it; tests/test_fsdp.py adds the bytes: each
+weight matrix gathered once per step, its gradient reduce-scattered to 1/f):
   all-gather over fsdp: weight matrices before use
   reduce-scatter over fsdp: weight-matrix gradients
   all-reduce over data: the 1/f weight-gradient shards after the scatter
@@ -66,6 +67,8 @@ TEST_CASES = [Case("tiny", "fsdp:8"), Case("tiny", "data:2,fsdp:4"),
               # gradient accumulation, the sequence-wise loss (no pass 1)
               Case("deepseek-test", "data:2,fsdp:4", dict(batch=16, microbatches=2))]
 COST_CASES = TEST_CASES                          # accumulation: measure/cost.step_terms
+# bf16 mixed precision (tests/test_precision.py): the row holding its richest composition
+BF16_CASE = Case("tiny", "data:2,fsdp:4")        # gradient sums over two axes
 LAYOUTS = ("tiny", ("fsdp:8", "data:2,fsdp:4"))   # one model, two layouts: the same losses
 BAD_INPUT = [BadInput(dict(batch=6), "fsdp:8", Options(),
                       "batch=6 is not divisible by mesh axis dataxfsdp=8"),

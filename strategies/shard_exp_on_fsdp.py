@@ -39,7 +39,7 @@ Option `mode` (--opt=mode=gather|ep), T = B*S/N local tokens:
      expert axis and pays the weight traffic over fsdp instead.
 
 Collectives per layer (f = fsdp, x = expert)
-  forward : all-gather over (f, x) of attn / shared / router weights (fsdp_use);
+  forward : all-gather over (f, x) of attn / shared / router weights (layout.fsdp.use);
             gather: all-gather over f of wi_0, wi_1, wo, all-to-all over x of the counts,
             dispatch and combine buffers;  ep: the all-to-alls over (x, f), no expert gather;
             all-reduce over (f, x) of router statistics
@@ -48,7 +48,8 @@ Collectives per layer (f = fsdp, x = expert)
   optimizer (Muon): all-gather over (f, x) of attn / shared matrices (Newton-Schulz needs them
             whole); nothing for the experts
 HLO contract (gather mode; every collective of the compiled step; size-1 axes drop out; the cost
-model's (kind, axes) set equals it, and tests/test_shard_exp_on_fsdp.py holds both to the program):
+model's (kind, axes) set equals it, and tests/test_strategies.py holds both to the program;
+tests/test_shard_exp_on_fsdp.py adds the two modes' weight traffic and Muon's expert update):
   all-gather over (fsdp, expert): non-expert weight matrices before use (and Muon's matrices)
   reduce-scatter over (fsdp, expert): their gradients
   all-gather over fsdp: experts [E/N, D, F] -> [E/EP, D, F]
@@ -70,12 +71,12 @@ import dataclasses
 
 from jax.sharding import PartitionSpec as P
 
-from layout import dispatch, fsdp, mesh as mesh_lib, options
+from layout import fsdp, mesh as mesh_lib, options
 from layout.precision import cast_stored, precision
 from measure import cost as cost_lib
 from modeling import model
 from parallel.sharding import gather_weight
-from strategies import BadInput, Case
+from strategies import BadInput, Case, ep
 from strategies.ep import buffer_type, moe_ep
 
 NAME = "shard_exp_on_fsdp"
@@ -100,6 +101,10 @@ TEST_CASES = [Case("tiny", F2E4), Case("deepseek-test", F8),
               Case("deepseek-test", F2E4, dict(optimizer="muon")),
               Case("tiny", F2E4, opts=Options(mode="ep"))]
 COST_CASES = TEST_CASES
+# bf16 mixed precision (tests/test_precision.py): the row holding its richest composition
+BF16_CASE = Case("tiny", "fsdp:2,expert:4")
+# the options the planner varies (planning/plan.py: every combination)
+PLAN_GRID = {"mode": ("gather", "ep")}
 BAD_INPUT = [
     BadInput(dict(n_experts=4, top_k=2), F2E4, Options(),
              "n_experts=4 is not divisible by mesh axis expertxfsdp=8"),
@@ -174,11 +179,5 @@ def cost(cfg, mesh, opts):
            # Newton-Schulz on whole matrices: the D-split ones gathered, the experts (split on E
            # only) not
            + cost_lib.muon_terms(cfg, mesh, specs, TOKENS))
-  ep = ep_axes(opts)
-  n_ep = mesh_lib.axis_size(mesh, *ep)
-  c = dispatch.send_rows(cfg, cfg.batch // mesh_lib.axis_size(mesh, *TOKENS), cfg.seq_len, n_ep)
-  buf = n_ep * c * cfg.d_model * cost_lib.act_bytes(cfg)         # one [EP, C, D]
-  return (terms
-          + cost_lib.term(mesh, "all-to-all", "fwd", "dispatch + combine, counts [EP, e]",
-                          cfg.n_moe_layers * (2 * buf + cfg.n_experts * 4), ep, cost_lib.RECOMPUTED)
-          + cost_lib.term(mesh, "all-to-all", "bwd", "their transposes", cfg.n_moe_layers * 2 * buf, ep))
+  b_loc = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS)
+  return terms + ep.exchange_terms(cfg, mesh, "a2a", b_loc, b_loc * cfg.seq_len, ep_axes(opts))

@@ -38,8 +38,9 @@ Collectives per layer (t = tensor, d = data; x bytes = B_d*S*D*4, all on the cri
             6. all-reduce over d of every weight gradient (XLA combines them)
 No all-gather, no all-to-all: no weight ever moves over tensor (but Muon's directions, below).
 
-HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_tp.py enforces both ways,
-and the cost model's (kind, axes) set must equal it):
+HLO contract (kind over mesh axes; size-1 axes drop out; tests/test_strategies.py enforces both
+ways, and the cost model's (kind, axes) set must equal it; tests/test_tp.py adds the count and
+bytes of the activation all-reduces):
   all-reduce over tensor: activations and their gradients (above)
   all-reduce over data: weight gradients, the CE sum
   all-reduce over (data, tensor): router grads, router statistics, grad norm
@@ -76,6 +77,8 @@ _TINY8 = dict(n_heads=8, n_kv_heads=4)   # 8 / 4 heads: the same model on tensor
 TEST_CASES = [Case("tiny", "tensor:2,data:4", _TINY8), Case("tiny", "data:2,tensor:4", _TINY8),
               Case("deepseek-test", "tensor:2,data:4", dict(optimizer="muon"))]
 COST_CASES = TEST_CASES
+# bf16 mixed precision (tests/test_precision.py): the row holding its richest composition
+BF16_CASE = Case("deepseek-test", "data:4,tensor:2")
 LAYOUTS = ("tiny", ("tensor:2,data:4", "data:2,tensor:4"), _TINY8)
 BAD_INPUT = [
     BadInput(dict(n_heads=6, n_kv_heads=2), "data:2,tensor:4", Options(),

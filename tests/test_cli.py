@@ -210,7 +210,8 @@ def test_metrics_file(tmp_path):
 
 
 def test_cli_losses_match_reference(tmp_path):
-  # the end-to-end contract, for one strategy (the rest: README "Checking a strategy")
+  # the end-to-end contract (losses equal the reference's), for one strategy (the rest:
+  # docs/testing.md, "Checking a strategy from the command line")
   def losses(*args):
     path = tmp_path / "m.jsonl"
     r = _run(*args, "--steps=2", f"--metrics_file={path}")

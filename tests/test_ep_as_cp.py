@@ -13,12 +13,12 @@ import strategies
 from tests import parity
 
 EPCP = strategies.get("ep_as_cp")
-SEED_MESH = "fsdp:2,expert:2,data:2"
+MAXTEXT_3656_MESH = "fsdp:2,expert:2,data:2"
 # tiny-batch2: 2 sequences on 8 devices, a quarter of a sequence each; with the capacity rule,
 # which needs the whole sequence (expert ids and positions all-gathered over expert).
-CASES = [("deepseek-test", {}, SEED_MESH),
+CASES = [("deepseek-test", {}, MAXTEXT_3656_MESH),
          ("tiny", dict(batch=2, capacity_factor=1.0), "fsdp:2,expert:4")]
-IDS = ["deepseek-seed-mesh", "tiny-batch2"]
+IDS = ["deepseek-maxtext-3656-mesh", "tiny-batch2"]
 
 
 def _cfg(model, **over):
@@ -41,10 +41,10 @@ def test_fractional_per_device_batch():
 
 
 def test_matches_cp_fsdp2_cp2():
-  """#3656's correctness check: same model and data, FSDP=2 + CP=2 (cp.py on context) vs
+  """MaxText #3656's correctness check: same model and data, FSDP=2 + CP=2 (cp.py on context) vs
   FSDP=2 + EP-as-CP=2 (ep_as_cp.py on expert); both load-balance the same way."""
   cp = parity.run("cp", get_config("deepseek-test"), "fsdp:2,context:2,data:2", 3)
-  epcp = parity.run("ep_as_cp", _cfg("deepseek-test"), SEED_MESH, 3)
+  epcp = parity.run("ep_as_cp", _cfg("deepseek-test"), MAXTEXT_3656_MESH, 3)
   for i, (a, b) in enumerate(zip(cp, epcp)):
     for k in ("loss", "ce_loss", "aux_loss", "grad_norm"):
       np.testing.assert_allclose(b[k], a[k], rtol=parity.LOSS_RTOL, atol=parity.LOSS_ATOL,

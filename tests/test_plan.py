@@ -23,10 +23,11 @@ NODE4 = clusters.Cluster("node4", H100.peak_flops, H100.hbm_bytes, 4, H100.intra
 
 
 def test_splits_and_placements():
-  assert sorted(plan.splits(8, 1)) == [(8,)]
-  triples = list(plan.splits(8, 3))
+  assert sorted(mesh_lib.splits(8, 1)) == [(8,)]
+  triples = list(mesh_lib.splits(8, 3))
   assert len(triples) == 10 and len(set(triples)) == 10          # C(3 + 2, 2) ordered triples
   assert all(math.prod(t) == 8 for t in triples)
+  assert sorted(mesh_lib.splits(12, 2, powers_of_two=True)) == [(1, 12), (2, 6), (4, 3)]
   assert plan.placements({"data": 2, "expert": 4}, 8) == [("data", "expert")]
   assert plan.placements({"data": 2, "expert": 4}, 4) == [("data",), ("expert",)]
   assert plan.placements({"data": 16, "expert": 1}, 8) == [()]    # data:16 spans two nodes
@@ -103,7 +104,8 @@ def test_pp_on_stages_that_do_not_divide_the_layers_runs_the_balanced_layout():
 def test_one_f_ticks_closed_form_is_the_table():
   """The planner's 1f1b tick counts: v = 1's closed form (P forward-only ticks, 2M + P - 2 with
   a backward, a ring of min(M, P)) is what pp's table gives; v = 2 is read off the table, and
-  its ring is ((v + 1) P - 1) / v stage-microbatches at most (README, interleaved 1F1B)."""
+  its ring is ((v + 1) P - 1) / v stage-microbatches at most (docs/strategies-and-pipelines.md,
+  "Interleaved 1F1B")."""
   pp = strategies.get("pp")
   plan.one_f_ticks.cache_clear()
   for p, m in ((2, 2), (2, 6), (4, 4), (4, 8), (8, 8)):
@@ -196,10 +198,10 @@ def test_a_tpu_slice_is_one_node_of_ici_and_slices_meet_over_dcn():
 
 
 def test_ranks_a_thousand_real_candidates_quickly(monkeypatch):
-  """The speed the README claims, loosely (a shared 2-core host): Mixtral-8x7B on 64 devices
-  enumerates over a thousand candidates in well under a minute, without a device mesh. What
-  keeps it fast: the parameter tree is built once per model config, not per candidate (its
-  6,960 candidates hold 72 configs)."""
+  """The speed docs/planner.md claims ("Speed"), loosely (a shared 2-core host): Mixtral-8x7B
+  on 64 devices enumerates over a thousand candidates in well under a minute, without a device
+  mesh. What keeps it fast: the parameter tree is built once per model config, not per
+  candidate (its 6,960 candidates hold 72 configs)."""
   built, tree = [], model._param_tree
 
   def counted(cfg, leaf):
@@ -222,8 +224,8 @@ def test_ranks_a_thousand_real_candidates_quickly(monkeypatch):
 # models), at the calibration's depth and length (4 layers, S = 1024), where they come out at
 # 0.996, 1.003 and 0.988 (the third accumulating, M = 2) on jax 0.12.0.1, and ep_x_tp's zero1
 # with accumulation at 0.992 (its temp term is set from buffer assignments, not fitted). zero1
-# without accumulation is over-predicted on this small shape (README, "Planner").
-# XLA's temp has a part the model does not scale down, so the issue's 10% holds at this scale,
+# without accumulation is over-predicted on this small shape (docs/planner.md, "Honesty").
+# XLA's temp has a part the model does not scale down, so 10% holds at this scale,
 # not on shallower and shorter models.
 MEMORY_RTOL = 0.10
 SMALL = dict(d_model=512, n_heads=8, n_kv_heads=8, head_dim=64, d_ff=1024, n_layers=4,
@@ -408,7 +410,7 @@ PLAN = ["--plan", "--model=mixtral-8x7b", "--devices=64", "--cluster=h100", "--p
         "--plan_top=100000"]
 PRESET = "max of the preset's 64 and --devices=64"
 CONSTRAINED = {
-    "dropless": ["--capacity_factor=0"],                       # the issue's command
+    "dropless": ["--capacity_factor=0"],                       # docs/planner.md's example
     "cf_off_grid": ["--capacity_factor=2", "--strategy=ep", "--batch=128"],
     "remat": ["--remat=none", "--strategy=ep_x_tp"],
     "microbatches": ["--microbatches=4", "--compare=tp,pp"],
@@ -494,7 +496,7 @@ def _error(results, key: str, status: int) -> str:
 
 
 def test_plan_capacity_factor_constraint(constrained):
-  """--capacity_factor: only that value, the grid's (0, dropless: the issue's command) or not
+  """--capacity_factor: only that value, the grid's (0, dropless) or not
   (2.0); --batch is named as the batch's source."""
   rows = _layouts(constrained, "dropless")
   assert len(rows) > 1000 and all(re.search(r" cf=0 node\[", r) for r in rows), rows[:3]

@@ -7,36 +7,21 @@ import numpy as np
 import pytest
 
 from measure import hlo
-from modeling.config import get_config
 import strategies
 from tests import parity
 
-# (strategy, model, mesh, options): every registered strategy, each on its richest composition.
-# The strategies that split attention (cp, ep_as_cp, tp, ep_tp, ep_x_tp) and pp run deepseek-test
-# (MLA, a dense layer, groups, a shared expert, the bias update); dp, fsdp, ep and
-# shard_exp_on_fsdp tiny. fsdp, cp and ep_as_cp have a data axis too, so their gradient sums span
-# two axes; pp one, so its stage weights are gathered over data in bf16 and their gradients
-# reduce-scattered in float32. ep, ep_tp (its folded exchange) recompute (--remat=block) and
-# accumulate microbatches; ep_x_tp runs sequence parallelism with zero1 (its gathers move bf16,
-# its reduce-scatters sum the microbatches' float32 gradients once per step); ep_as_cp its ring
-# K/V exchange (MLA's latent around the ring in bf16); cp its all-gather; pp its 1f1b schedule
-# (its explicit per-stage vjp; interleaved with remat: tests/test_pp.py).
-TINY = get_config("tiny")
-DEEPSEEK = get_config("deepseek-test")
-_PP, _EP_TP, _EP_X_TP = (strategies.get(n) for n in ("pp", "ep_tp", "ep_x_tp"))
-ROWS = {
-    "dp": (TINY, None, None),
-    "fsdp": (TINY, "data:2,fsdp:4", None),
-    "cp": (DEEPSEEK, "data:2,context:4", None),
-    "ep": (TINY.replace(remat="block", microbatches=2, batch=16), "data:2,expert:4", None),
-    "ep_as_cp": (DEEPSEEK, "data:2,expert:4",
-                 strategies.get("ep_as_cp").Options(kv_exchange="ring")),
-    "tp": (DEEPSEEK, "data:4,tensor:2", None),
-    "shard_exp_on_fsdp": (TINY, "fsdp:2,expert:4", None),
-    "ep_tp": (DEEPSEEK.replace(remat="block", microbatches=2), "data:2,expert:4", _EP_TP.FOLDED),
-    "ep_x_tp": (DEEPSEEK.replace(microbatches=2), "data:2,expert:2,tensor:2",
-                _EP_X_TP.Options(sequence_parallel=True, zero1=True)),
-    "pp": (DEEPSEEK, "stage:2,data:2,expert:2", _PP.ONE_F)}
+# (model, mesh, options) per strategy: each strategy's BF16_CASE, declared in its file, on its
+# richest composition. The strategies that split attention (cp, ep_as_cp, tp, ep_tp, ep_x_tp) and
+# pp run deepseek-test (MLA, a dense layer, groups, a shared expert, the bias update); dp, fsdp,
+# ep and shard_exp_on_fsdp tiny. fsdp, cp and ep_as_cp have a data axis too, so their gradient
+# sums span two axes; pp one, so its stage weights are gathered over data in bf16 and their
+# gradients reduce-scattered in float32. ep, ep_tp (its folded exchange) recompute
+# (--remat=block) and accumulate microbatches; ep_x_tp runs sequence parallelism with zero1 (its
+# gathers move bf16, its reduce-scatters sum the microbatches' float32 gradients once per step);
+# ep_as_cp its ring K/V exchange (MLA's latent around the ring in bf16); cp its all-gather; pp its
+# 1f1b schedule (its explicit per-stage vjp; interleaved with remat: tests/test_pp.py).
+ROWS = {n: (c.config(), c.mesh, c.opts) for n in strategies.NAMES
+        if (c := getattr(strategies.get(n), "BF16_CASE", None)) is not None}
 IDS = [n for n in strategies.NAMES if n != "reference"]
 assert sorted(ROWS) == sorted(IDS)
 
