@@ -202,7 +202,7 @@ class Candidate:
     out = f"{self.strategy} {self.mesh_str}"
     for k, v in sorted(_varied(self.strategy, self.opts).items()):
       out += f" {k}={v}"
-    if self.strategy == "pp" or self.microbatches > 1:
+    if _pipelined(self.strategy) or self.microbatches > 1:
       out += f" M={self.microbatches}"
       if self.layer_layout:
         counts = [int(c) for c in self.layer_layout.split(",")]
@@ -289,8 +289,8 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   # pp runs a pass on one microbatch at a time: its working set is a microbatch's tokens, and
   # so is the head's under 1f1b (its vjp in the same phase); gpipe's and interleaved's autodiff
   # of the head's map keeps every microbatch's logits
-  t_pass = t / cfg.microbatches if name == "pp" else t
-  t_head = t_pass if name == "pp" and _one_f(opts) else t
+  t_pass = t / cfg.microbatches if _pipelined(name) else t
+  t_head = t_pass if _pipelined(name) and _one_f(opts) else t
   specs = strat.param_specs(cfg, mesh, opts)
   v_loc = cfg.vocab / _dim_shards(specs["unembed"], 1, mesh)
   f_axes = dim_axes(specs["layers"]["moe"]["wi_0"], 3)           # the axes splitting F
@@ -322,7 +322,7 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   ordered = lay.kv is None
   blocks = chunk / cfg.seq_len if cfg.attention_impl == "chunked" and ordered else 1
   return {"logits": t_head * v_loc * 4, "gathered": gathered,
-          "gathered_head": sum(head) * (name != "pp"),
+          "gathered_head": sum(head) * (not _pipelined(name)),
           "attn_chunk": t_pass * heads * chunk * 4 * blocks,
           "saved_block": held * t * cfg.d_model * cost.act_bytes(cfg) * block,
           "saved_none_res": held * res * none,
@@ -336,9 +336,15 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
           "grads": param_bytes - scattered, "grad_accum": (param_bytes - scattered) * accumulates}
 
 
+def _pipelined(name: str) -> bool:
+  """A strategy that runs its microbatches in its own pipeline over `stage` (its PIPELINE
+  declaration: pp), where the others accumulate gradients over them."""
+  return getattr(strategies.get(name), "PIPELINE", False)
+
+
 def _accumulates(name: str, cfg) -> bool:
   """Gradient accumulation: M > 1 outside pp (pp runs its microbatches in its pipeline)."""
-  return cfg.microbatches > 1 and name != "pp"
+  return cfg.microbatches > 1 and not _pipelined(name)
 
 
 def per_microbatch(name: str, cfg):
@@ -360,22 +366,22 @@ def _pp_weight_bytes(name: str, cfg, mesh, opts) -> float:
   """pp_weights (module docstring): each value a stage uses, a compute-dtype copy plus its
   gradient sum: float32 for those _use gathers (strategies/pp.py), and for the others under
   1f1b; the compute dtype for the others under autodiff's time loop. 0 outside pp."""
-  if name != "pp":
+  if not _pipelined(name):
     return 0.0
-  gathered, local = _pp_gathered(cfg.replace(microbatches=1, capacity_factor=0.0, remat="none"),
-                                 tuple(dict(mesh.shape).items()))
+  gathered, local = _pp_gathered(name, cfg.replace(microbatches=1, capacity_factor=0.0,
+                                                   remat="none"), tuple(dict(mesh.shape).items()))
   act = cost.act_bytes(cfg)
   return gathered * (act + 4) + local * (act + (4 if _one_f(opts) else act))
 
 
 @functools.lru_cache(maxsize=256)
-def _pp_gathered(cfg, shape: tuple) -> tuple[float, float]:
+def _pp_gathered(name: str, cfg, shape: tuple) -> tuple[float, float]:
   """pp: (the values a device holds gathered by _use: each leaf stored split over data, or
   (stage, data), at its size times those shards; the values of the other leaves, which _use
   only casts)."""
   import jax
   from jax.sharding import PartitionSpec
-  strat = strategies.get("pp")
+  strat = strategies.get(name)
   mesh = mesh_lib.abstract_mesh(dict(shape))
   leaves = jax.tree.leaves(model.init_params_shapes(cfg), is_leaf=lambda l: hasattr(l, "role"))
   specs = jax.tree.leaves(strat.param_specs(cfg, mesh),
@@ -400,13 +406,9 @@ def _routed_rows(name: str, cfg, shape: dict, t: float, terms, opts=None) -> flo
   if a2a:
     calls = 2 * cfg.n_layer_slots * _runs(name, cfg, shape, opts)  # dispatch + combine per call
     return a2a / calls / (cfg.d_model * cost.act_bytes(cfg))
-  if name == "ep_tp":
-    from layout import dispatch
-    from modeling import routing
-    b = cfg.batch // shape.get("data", 1)
-    e = cfg.n_experts // shape.get("expert", 1)
-    return dispatch.rows_bound(b * cfg.seq_len, cfg.top_k, e, seqs=b,
-                               slots=routing.expert_slots(cfg, cfg.seq_len))
+  hook = getattr(strategies.get(name), "routed_rows", None)
+  if hook is not None:
+    return hook(cfg, shape)
   return t * cfg.top_k
 
 
@@ -426,9 +428,9 @@ def _runs(name: str, cfg, shape: dict, opts=None) -> float:
   """How many exchanges of one layer the forward a2a terms add up, per MoE layer of the model:
   pp runs each of a stage's layers once per stage pass (layout/schedule.py's stage_passes, the
   counts pre-pass's included), a pass one chunk of the stage's v."""
-  if name != "pp":
+  if not _pipelined(name):
     return 1
-  opts = strategies.get("pp").Options() if opts is None else opts
+  opts = strategies.get(name).Options() if opts is None else opts
   steps, pre = pp_schedule.stage_passes(cfg, shape["stage"], opts)
   return (steps + pre) / (shape["stage"] * _chunks(cfg))
 
@@ -463,7 +465,7 @@ def _in_flight(cfg, shape: dict, opts) -> float:
 
 def _layers_held(name: str, cfg, shape: dict, opts=None) -> float:
   """Layers whose saved activations a device holds through the backward (module docstring)."""
-  if name != "pp":
+  if not _pipelined(name):
     return cfg.n_layers
   # 1f1b: stage 0 runs the prefix inside its phases, its residuals in the ring too
   prefix = _in_flight(cfg, shape, opts) if _one_f(opts) else 1
@@ -491,10 +493,10 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float) -> None:
   n = math.prod(s for _, s in c.sizes)
   # forward + backward = 3 forwards; remat block recomputes one, and gradient accumulation's
   # pass 1 runs one more under the batch-wise aux loss (measure.cost.counts_pass)
-  extra = (cfg.remat == "block") + (c.strategy != "pp" and cost.counts_pass(cfg))
+  extra = (cfg.remat == "block") + (not _pipelined(c.strategy) and cost.counts_pass(cfg))
   work = model_flops / n * (3 + extra) / 3
   shape = dict(c.sizes)
-  if c.strategy == "pp":
+  if _pipelined(c.strategy):
     p, m = shape["stage"], cfg.microbatches
     if _one_f(c.opts):
       # lockstep: its forward-only ticks and those that hold a backward (b forwards long),
@@ -560,7 +562,7 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
           o_error = str(e)
         o_layers = o_cfg.layer_layout
         for m in ([microbatches] if microbatches else
-                  _pp_microbatches(cfg, shape, pp_max_microbatches) if name == "pp" else
+                  _pp_microbatches(cfg, shape, pp_max_microbatches) if _pipelined(name) else
                   _accum_microbatches(cfg, strat, mesh, accum_max_microbatches)):
           for cf in capacity_factors:
             base = o_cfg.replace(microbatches=m, capacity_factor=cf)
@@ -607,7 +609,7 @@ def _layer_layout(name: str, cfg, shape: dict) -> str:
   """pp on a stage count that does not divide the MoE layers: the balanced uneven layout
   (modeling.config.balanced_layout; the larger stages first). "" otherwise."""
   p = shape.get("stage", 1)
-  if name != "pp" or cfg.layer_layout or cfg.n_moe_layers % p == 0 or p > cfg.n_moe_layers:
+  if not _pipelined(name) or cfg.layer_layout or cfg.n_moe_layers % p == 0 or p > cfg.n_moe_layers:
     return cfg.layer_layout
   from modeling.config import balanced_layout
   return balanced_layout(cfg.n_moe_layers, p)

@@ -45,6 +45,10 @@ Optional hooks (read with getattr; absent = the plain behaviour):
   layout_note(cfg, mesh, opts)    -> a line for the run's header about a layout it picked (pp)
   LAYER_LAYOUT = True             -> it runs --layer_layout's padded MoE stack (pp, reference)
   bubble(cfg, mesh)               -> a pipeline's idle fraction, shown in the mesh cell (pp)
+  PIPELINE = True                 -> it runs its microbatches in its own pipeline over `stage`
+                                 (pp): the planner prices its passes, not gradient accumulation
+  routed_rows(cfg, shape)         -> the planner's rows of one MoE layer's expert computation on
+                                 a device, where no all-to-all term gives them (ep_tp)
 The reference has AXES = () and runs on one device with no mesh.
 
 Adding a strategy: write strategies/NAME.py to this interface, add NAME to NAMES below, and put

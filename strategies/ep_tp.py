@@ -320,6 +320,14 @@ def activation_shardings(cfg, mesh, opts):
                  f"M={buffer_rows(cfg, mesh, opts)} rows (all copies T*K={t * cfg.top_k})")]
 
 
+def routed_rows(cfg, shape: dict) -> int:
+  """The planner's hook (planning/plan.py): rows of one MoE layer's expert computation on a
+  device, the compaction bound over the data shard's gathered tokens."""
+  b = cfg.batch // shape.get(DATA, 1)
+  return dispatch.rows_bound(b * cfg.seq_len, cfg.top_k, cfg.n_experts // shape.get(EXPERT, 1),
+                             seqs=b, slots=routing.expert_slots(cfg, cfg.seq_len))
+
+
 def send_rows(cfg, mesh) -> int:
   """exchange=folded: C, ep's rows per destination shard for the T/EP local tokens (b sequences
   of the data shard, S/EP positions of each)."""

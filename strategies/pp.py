@@ -165,9 +165,9 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
                    ONE_F_INTERLEAVED)]
 COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7] + TEST_CASES[8:]
 BF16_CASE = Case("deepseek-test", "stage:2,data:2,expert:2", opts=ONE_F)    # its explicit vjp
+PIPELINE = True     # runs its microbatches in its own pipeline (the planner: no accumulation)
 PLAN_GRID = {"schedule": ("gpipe", "1f1b")}
-PLAN_EXTRA = ({"schedule": "interleaved", "virtual_stages": 2},       # 2 chunks per stage
-              {"schedule": "1f1b", "virtual_stages": 2})
+PLAN_EXTRA = tuple(dict(schedule=s, virtual_stages=2) for s in ("interleaved", "1f1b"))
 BAD_INPUT = [
     BadInput(dict(n_layers=3), "stage:2,expert:4", Options(),
              "n_layers=3 is not divisible by mesh axis stage=2"),
