@@ -217,6 +217,7 @@ def _parse_flags(argv):
   """absl's parse, with its two exits made this tool's: a bad flag value is a one-line error
   (exit 2, where absl exits 1 with a usage banner), and asked-for help exits 0."""
   command.retired(argv)
+  argv = [argv[0]] + ["--help" if a == "-h" else a for a in argv[1:]]
   try:
     return F(argv)
   except flags.Error as e:

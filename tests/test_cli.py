@@ -464,8 +464,9 @@ def test_compare_exit_status(args, code, says):
     assert r.stderr.strip().splitlines()[-1].startswith(says), r.stderr
 
 
-def test_help_exits_0():
-  r = _run("--help")
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_exits_0(flag):
+  r = _run(flag)
   assert r.returncode == 0 and "--hbm_gb" in r.stdout + r.stderr, r.stderr
 
 
