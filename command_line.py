@@ -17,8 +17,8 @@ from modeling.config import ConfigError
 MAX_DEVICES = 4096
 
 # Flags that strategy options replaced: each is refused with its --opt form.
-RETIRED = {"dispatch": "--opt=dispatch=VALUE (ep)",
-           "dispatch_batch_on_expert": "--opt=dispatch=none (ep)",
+RETIRED = {"dispatch": "--opt=exchange=VALUE (ep)",
+           "dispatch_batch_on_expert": "--opt=exchange=none (ep)",
            "expert_fsdp_mode": "--opt=mode=VALUE (shard_exp_on_fsdp)",
            "ep_tp_capacity": "--opt=capacity=VALUE (ep_tp)",
            "context_sharding": "nothing: cp shards the sequence over `context`, ep_as_cp over "

@@ -8,7 +8,7 @@
       --coordinator_address=127.0.0.1:1234 --num_processes=2 --process_id=0   # and =1
   python run.py --strategy=ep --steps=3 --checkpoint_dir=ck                # then, any strategy:
   python run.py --strategy=fsdp --steps=2 --checkpoint_dir=ck --restore=latest
-  python run.py --strategy=ep --opt=dispatch=none                          # a strategy's options
+  python run.py --strategy=ep --opt=exchange=none                          # a strategy's options
   python run.py --plan --model=mixtral-8x7b --devices=64 --cluster=h100   # rank layouts (planning/)
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ flags.DEFINE_string("gmm", "ragged_dot", "grouped-matmul backend: ragged_dot (= 
                     "custom | scan (exact, one expert at a time: for compile-only memory studies "
                     "on CPU) | mgpu (Hopper kernels, opt-in: unmeasured on hardware)")
 flags.DEFINE_string("opt", None, "the strategy's own options, key=value,... (each strategy's "
-                    "Options in strategies/NAME.py; e.g. ep: dispatch=a2a|ragged|none, "
+                    "Options in strategies/NAME.py; e.g. ep: exchange=a2a|ragged|none, "
                     "shard_exp_on_fsdp: mode=gather|ep, ep_tp: capacity=0..1)")
 flags.DEFINE_string("metrics_file", None, "write JSON lines: one per step, then a summary")
 flags.DEFINE_bool("describe", False, "print the model's total and activated-per-token parameter "

@@ -60,7 +60,7 @@ def main() -> None:
   ref = strategies.get("reference")
   one = types.SimpleNamespace(**{k: getattr(ref, k) for k in dir(ref) if not k.startswith("__")})
   one.__name__, one.NAME = "one_device", "one_device"
-  one.layout = lambda cfg, mesh, opts: model.Layout(
+  one.layout = lambda cfg, mesh, opts: model.Parallelism(
       moe=lambda p, x, pos: moe.moe_local(p, x, pos, cfg))     # sorted tokens, grouped matmul
   t0 = time.perf_counter()
   job = train.build(one, cfg, None)

@@ -69,8 +69,8 @@ def prepare_batch(b: dict, cfg, mesh, cp_axis: str) -> dict:
 
 
 def kv_specs(batch_axes) -> tuple[P, P]:
-  """(Layout.kv, Layout.kv_pos): K/V [B, T, KV, Dh] and kv_pos [B, T] whole along T, i.e. an
-  all-gather over the CP axis (whichever axis splits S in Layout.x)."""
+  """(Parallelism.kv, Parallelism.kv_pos): K/V [B, T, KV, Dh] and kv_pos [B, T] whole along T, i.e. an
+  all-gather over the CP axis (whichever axis splits S in Parallelism.x)."""
   return P(batch_axes, None, None, None), P(batch_axes, None)
 
 

@@ -1,6 +1,6 @@
 """Index helpers of the expert-parallel (EP) token exchange, each with hand-worked tests
 (tests/test_dispatch.py). The exchange itself is strategies/ep.py's shard_map body, moe_body,
-with its transports (padded all-to-all, ragged, none); ep_as_cp, shard_exp_on_fsdp and pp call it.
+with its exchanges (padded all-to-all, ragged, none); ep_as_cp, shard_exp_on_fsdp and pp call it.
 
   rows_bound / send_rows -> C, make_plan -> Plan, pack, unpack, segment_ids, ragged_params.
 

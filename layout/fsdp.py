@@ -1,5 +1,5 @@
 """FSDP pieces shared by the strategies that shard weights on their model dim D: the role ->
-PartitionSpec table, the gather-before-use `Layout.use`, the all-experts-local MoE, and ZeRO-1's
+PartitionSpec table, the gather-before-use `Parallelism.use`, the all-experts-local MoE, and ZeRO-1's
 storage (`over`) and once-per-step gather (`gather_once`, ep_x_tp's zero1).
 
 FSDP dim per weight (the model dim D; MLA's up-projections have none: their rank). Replicated: the router bias (the step updates
@@ -46,7 +46,7 @@ def over(specs: dict, axis: str, roles) -> dict:
 
 
 def gather_once(cfg, axis: str, grad_axes) -> Callable:
-  """Layout.params for ZeRO-1: every leaf stored split over `axis` is cast to the compute dtype
+  """Parallelism.params for ZeRO-1: every leaf stored split over `axis` is cast to the compute dtype
   and all-gathered over it once per step, before the forward, typed reduced over
   grad_axes(role) (the axes the step's tokens split it over); its gradient comes back
   reduce-scattered over `axis` and all-reduced over the rest of them, once
@@ -71,7 +71,7 @@ def check(cfg, mesh, fsdp_axes) -> None:
 
 
 def use(grad_axes, cfg):
-  """Layout.use: all-gather a D-sharded weight (backward: reduce-scatter over the gathered axes,
+  """Parallelism.use: all-gather a D-sharded weight (backward: reduce-scatter over the gathered axes,
   all-reduce over the other grad axes — see parallel.sharding.gather_weight); norms pass. Mixed
   precision: the bf16 cast comes first, the all-gather moves bf16 (layout.precision)."""
   return lambda role, w: (gather_weight(w, P(), grad_axes, **precision(cfg, role))
@@ -79,7 +79,7 @@ def use(grad_axes, cfg):
 
 
 def moe_all_local(cfg, x_spec: P, grad_axes, cp_axis: str | None = None):
-  """Layout.moe for strategies whose MoE needs no token exchange: gather every expert weight
+  """Parallelism.moe for strategies whose MoE needs no token exchange: gather every expert weight
   (FSDP all-gather), then the single-device MoE on each device's own tokens in a full-manual
   shard_map. x_spec: the [B, S, D] residual spec; grad_axes: every mesh axis tokens are split
   over (router stats are psum'd over them); cp_axis: the axis splitting S (capacity rule needs

@@ -3,7 +3,7 @@ as `--opt=key=value,key=value` and parsed against that dataclass here.
 
   @dataclasses.dataclass(frozen=True)
   class Options:
-    dispatch: str = options.choice("a2a", ("a2a", "ragged", "none"), "the token exchange")
+    exchange: str = options.choice("a2a", ("a2a", "ragged", "none"), "the token exchange")
     capacity: float = options.number(0.0, "buffer fraction", lo=0.0, hi=1.0)
 
 A field's metadata says which values it takes (`choices`, or `lo`/`hi` for a number; bools take

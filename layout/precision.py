@@ -37,7 +37,7 @@ def cast_stored(w, role: str, cfg, grad_axes):
 
 
 def stored_use(cfg, grad_axes):
-  """Layout.use for weights used as stored (dp, tp, ep_tp): cast_stored on every role."""
+  """Parallelism.use for weights used as stored (dp, tp, ep_tp): cast_stored on every role."""
   return lambda role, w: cast_stored(w, role, cfg, grad_axes)
 
 

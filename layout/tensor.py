@@ -1,5 +1,5 @@
 """Megatron tensor-parallel pieces: the column / row role table (tp, ep_x_tp) and sequence
-parallelism's Layout hooks (ep_tp, ep_x_tp's sequence_parallel).
+parallelism's model.Parallelism hooks (ep_tp, ep_x_tp's sequence_parallel).
 
   attn wq [D, H@t, Dh]  wk/wv [D, KV@t, Dh]  (column)      attn wo [H@t, Dh, D]  (row)
   MLA wq_b [Rq, H@t, qk]  wkv_b [Rkv, H@t, nope + v]  (column; wq_a / wkv_a replicated)
@@ -30,7 +30,7 @@ def table(axis: str) -> dict:
 
 def sequence_parallel(cfg, residual: P, gathered: P, axis: str, token_axes, grad_axes,
                       replicated, rs_scope: str = "seq_rs"):
-  """Megatron's sequence parallelism as model.Layout hooks -> (gather_in, scatter_out, use):
+  """Megatron's sequence parallelism as model.Parallelism hooks -> (gather_in, scatter_out, use):
     gather_in    the normed h [B, S@axis, D] (residual) all-gathered over `axis` to `gathered`
                  before the tensor-parallel blocks ("seq_ag"; backward: reduce-scatter)
     scatter_out  a row-parallel output [B, S, D], unreduced over `axis`, reduce-scattered back

@@ -123,7 +123,7 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
   """step_terms of gradient accumulation from the cost of one microbatch's step (B/M sequences,
   without remat's copies): M of its forward and backward terms with their recompute, pass 1's
   forwards under the batch-wise aux loss, and its once-per-step "opt" terms. mesh, lay: the
-  step's mesh and the strategy's model.Layout (runtime.train.accumulated_grads).
+  step's mesh and the strategy's model.Parallelism (runtime.train.accumulated_grads).
   Under the batch-wise loss:
     pass 1 wants the router counts alone: XLA removes the head (its weights' gathers, HEAD_ROLES)
       and the other statistics, so its forwards all-reduce the counts [L, E] (COUNTS);

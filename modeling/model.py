@@ -10,7 +10,8 @@
   softmax(q k^T) v core is modeling/attention.py's `attend`, cfg.attention_impl (--attention):
   xla's materialised scores, the chunked online softmax (memory linear in S), or cuDNN.
 
-A strategy does not rewrite the model. It hands `forward` a `Layout`:
+A strategy does not rewrite the model. Its `layout(cfg, mesh, opts)` hands `forward` a
+`Parallelism`, how the strategy runs the model on its mesh:
   x      out_sharding of the residual stream [B, S, D] (needed where a contraction dim is sharded,
          e.g. the row-parallel attention output under TP)
   kv     sharding K/V [B, T, KV, Dh] and kv_pos [B, T] are resharded to before attention (CP
@@ -40,7 +41,7 @@ A strategy does not rewrite the model. It hands `forward` a `Layout`:
          gather_in's, and returns y in that layout; only the shared expert goes through
          gather_in / row_out / scatter_out (ep_tp's exchange=folded: the MoE exchanges the
          sequence-parallel tokens itself).
-The reference passes Layout() with moe=the dense oracle and no shardings.
+The reference passes Parallelism() with moe=the dense oracle and no shardings.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def _identity(a):
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Parallelism:
   x: Any = None
   kv: Any = None
   kv_pos: Any = None
@@ -91,8 +92,8 @@ class Layout:
     """Whether `params` gathers the weights once per step (ZeRO-1), rather than per use."""
     return self.params is not _identity
 
-  def given(self) -> "Layout":
-    """This Layout with its forward taking the parameters as given: already `params`' output
+  def given(self) -> "Parallelism":
+    """This Parallelism with its forward taking the parameters as given: already `params`' output
     (gradient accumulation gathers once for every microbatch: runtime.train)."""
     return dataclasses.replace(self, params=_identity)
 
@@ -307,7 +308,7 @@ def abstract_params(cfg: Config, specs, mesh) -> dict:
 KEEP_F32 = NORMS + ("router", "bias")
 
 
-def use(lay: Layout, role: str, w, dtype):
+def use(lay: Parallelism, role: str, w, dtype):
   """A weight as the model reads it: the strategy's lay.use (its gather), then cast to `dtype`
   unless it is in KEEP_F32. A strategy that casts before gathering (sharding.gather_weight's
   dtype: the all-gather then moves bf16) makes this cast a no-op; the reference relies on it."""
@@ -365,8 +366,8 @@ def _mla_expand(lat, w, r: int, nope: int):
 
 class Positions(NamedTuple):
   """A batch's positions [B, S] (int32) in each layout a layer reads them: q as the batch (the
-  queries, the MoE's tokens), x as the residual (Layout.x: MLA's token-local RoPE key, the
-  folded MoE), k as the keys (Layout.kv_pos: cp's whole sequence, all-gathered). Made once per
+  queries, the MoE's tokens), x as the residual (Parallelism.x: MLA's token-local RoPE key, the
+  folded MoE), k as the keys (Parallelism.kv_pos: cp's whole sequence, all-gathered). Made once per
   step before the layer scans, outside their remat (layer_positions), so that no layer reshards
   them: inside a scanned, rematted block XLA hoists such a reshard out of the loop in some
   programs and repeats it per layer in others (bf16), which would put its bytes at its whim."""
@@ -375,7 +376,7 @@ class Positions(NamedTuple):
   k: Any
 
 
-def layer_positions(positions, lay: Layout) -> Positions:
+def layer_positions(positions, lay: Parallelism) -> Positions:
   """positions [B, S] in the batch's layout -> Positions (a Positions passes through)."""
   if isinstance(positions, Positions):
     return positions
@@ -384,9 +385,9 @@ def layer_positions(positions, lay: Layout) -> Positions:
   return Positions(positions, x, k)
 
 
-def attention(p, x, pos: Positions, cfg: Config, lay: Layout):
+def attention(p, x, pos: Positions, cfg: Config, lay: Parallelism):
   """Causal self-attention of cfg.attention. x [B, S, D], the normed residual in its own layout
-  (Layout.x) -> [B, S, D]; the attention gathers what it reads (lay.gather_in)."""
+  (Parallelism.x) -> [B, S, D]; the attention gathers what it reads (lay.gather_in)."""
   return (mla if cfg.mla else gqa)(p, x, pos, cfg, lay)
 
 
@@ -399,7 +400,7 @@ def _split_heads(w, pattern: str, g_axis: int, kv: int):
   return einops.rearrange(w, pattern, k=kv)
 
 
-def gqa(p, x, pos: Positions, cfg: Config, lay: Layout):
+def gqa(p, x, pos: Positions, cfg: Config, lay: Parallelism):
   """Causal GQA attention. x [B, S, D] -> [B, S, D]; q, k and v all read the gathered x."""
   positions = pos.q
   x = lay.gather_in(x)
@@ -429,7 +430,7 @@ def gqa(p, x, pos: Positions, cfg: Config, lay: Layout):
 LATENT_NORM_EPS = 1e-6   # MLA's q / kv latent RMSNorms: a constant in DeepSeek's and HF's code
 
 
-def mla(p, x, pos: Positions, cfg: Config, lay: Layout):
+def mla(p, x, pos: Positions, cfg: Config, lay: Parallelism):
   """Causal Multi-head Latent Attention (DeepSeek-V2/V3). x [B, S, D] -> [B, S, D].
 
     q      = x @ wq  or  rms_norm(x @ wq_a) @ wq_b            [B, S, H, nope | rope]
@@ -437,10 +438,10 @@ def mla(p, x, pos: Positions, cfg: Config, lay: Layout):
     k_n, v = rms_norm(c) @ wkv_b                              [B, T, H, nope | v]
     scores = (q_n . k_n + rope(q_r) . rope(k_r)) / sqrt(nope + rope): k_r is one key for all
              heads (the decoupled RoPE key), its rotation shared.
-  The down-projections are token-local: they run in the residual layout (Layout.x), and what the
-  heads read is gathered after them. lay.gather_in takes the latents: normed c_Q (or x when
+  The down-projections are token-local: they run in the residual layout (Parallelism.x), and
+  what the heads read is gathered after them. lay.gather_in takes the latents: normed c_Q (or x when
   q_lora_rank = 0), normed c_KV and rotated k_r, Rq + Rkv + rope = 2,112 values per token at
-  DeepSeek-V3's shape against D = 7,168 (tp, ep_tp). Layout.kv's gather over the sequence (CP)
+  DeepSeek-V3's shape against D = 7,168 (tp, ep_tp). Parallelism.kv's gather over the sequence (CP)
   takes normed c_KV and k_r only: Rkv + rope = 576 per token, against H x (nope + v) + rope =
   32,832 for the up-projected K and V. K and V are up-projected from the gathered latent, typed
   reduced over the sequence axes (sharding.partial_einsum): their cotangents stay partial sums
@@ -487,7 +488,7 @@ def mla(p, x, pos: Positions, cfg: Config, lay: Layout):
                     out_sharding=lay.row)                                      # [B, S, D]
 
 
-def swiglu(p, x, lay: Layout, roles=("shared_in", "shared_out")):
+def swiglu(p, x, lay: Parallelism, roles=("shared_in", "shared_out")):
   """Dense SwiGLU FFN (the shared expert, a dense layer's FFN). x [B, S, D] -> [B, S, D]."""
   r_in, r_out = roles
   w0, w1, wo = (use(lay, r, p[n], x.dtype) for n, r in (("wi_0", r_in), ("wi_1", r_in),
@@ -496,7 +497,7 @@ def swiglu(p, x, lay: Layout, roles=("shared_in", "shared_out")):
   return jnp.einsum("bsf,fd->bsd", h, wo, out_sharding=lay.row)
 
 
-def block(x, lp, pos: Positions, cfg: Config, lay: Layout):
+def block(x, lp, pos: Positions, cfg: Config, lay: Parallelism):
   """One decoder layer. x [B, S, D], lp: one layer's params -> (x [B, S, D], its router stats);
   a dense layer (lp has "mlp", no "moe") returns no stats."""
   h = rms_norm(x, lay.use("attn_norm", lp["attn_norm"]), cfg.norm_eps)      # residual layout
@@ -526,7 +527,7 @@ def remat(body, cfg: Config):
   return jax.checkpoint(body, policy=policy, prevent_cse=False)
 
 
-def dense_prefix(x, params, positions, cfg: Config, lay: Layout):
+def dense_prefix(x, params, positions, cfg: Config, lay: Parallelism):
   """The leading dense layers (none unless cfg.first_k_dense_replace): x [B, S, D] -> [B, S, D].
   positions: [B, S] or their Positions."""
   if "dense_layers" not in params:
@@ -543,7 +544,7 @@ def slot_mask(cfg: Config):
   return None if (slots >= 0).all() else slots >= 0
 
 
-def moe_stack(x, layers, positions, cfg: Config, lay: Layout, mask=None):
+def moe_stack(x, layers, positions, cfg: Config, lay: Parallelism, mask=None):
   """x [B, S, D] through a stack of MoE layers (stacked params `layers`, one `block` scanned)
   -> (x, router stats {name: [rows, ...]}). mask [rows] bool (default: slot_mask(cfg), for the
   whole stack): a False row is a padding slot, its block computed and discarded (x passes
@@ -563,7 +564,7 @@ def moe_stack(x, layers, positions, cfg: Config, lay: Layout, mask=None):
   return jax.lax.scan(masked, x, (layers, jnp.asarray(mask)))
 
 
-def forward(params, batch, cfg: Config, lay: Layout):
+def forward(params, batch, cfg: Config, lay: Parallelism):
   """-> (logits [B, S, V], router stats {name: [L_moe, ...]}). Each kind of layer is one `block`
   scanned over its stacked params (the dense prefix, then the MoE layers): compile time does not
   grow with depth."""
@@ -585,7 +586,7 @@ def forward(params, batch, cfg: Config, lay: Layout):
   return head(x, params, cfg, lay), stats                                        # [B, S, V]
 
 
-def head(x, params, cfg: Config, lay: Layout):
+def head(x, params, cfg: Config, lay: Parallelism):
   """The final RMSNorm and the unembedding: x [.., D] -> logits [.., V] in x's dtype."""
   x = rms_norm(x, lay.use("final_norm", params["final_norm"]), cfg.norm_eps)
   return jnp.einsum("...d,dv->...v", x, use(lay, "unembed", params["unembed"], x.dtype))
@@ -605,7 +606,7 @@ def loss_total(ce, aux, z, cfg: Config) -> tuple:
   return loss, {"loss": loss, "ce_loss": ce, "aux_loss": aux, "z_loss": z}
 
 
-def loss_fn(params, batch, cfg: Config, lay: Layout, counts=None, n_tokens=None):
+def loss_fn(params, batch, cfg: Config, lay: Parallelism, counts=None, n_tokens=None):
   """-> (loss, metrics). Mean next-token CE over all tokens + aux_coef*aux + z_coef*z.
 
   One microbatch of a step (runtime.train, gradient accumulation): n_tokens is the step's tokens
@@ -627,6 +628,6 @@ def loss_fn(params, batch, cfg: Config, lay: Layout, counts=None, n_tokens=None)
                 "counts": stats["counts"]}                                     # counts [L, E]
 
 
-def reference_layout(cfg: Config) -> Layout:
+def reference_layout(cfg: Config) -> Parallelism:
   """Single device, no shardings, dense MoE oracle."""
-  return Layout(moe=lambda p, x, pos: moe_lib.moe_dense(p, x, pos, cfg))
+  return Parallelism(moe=lambda p, x, pos: moe_lib.moe_dense(p, x, pos, cfg))

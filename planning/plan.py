@@ -7,7 +7,7 @@ policy, capacity factor, which axes lie inside a node). OPTION_GRID names the op
 the K/V exchange of cp and ep_as_cp, ep_tp's routed exchange, shard_exp_on_fsdp's mode, pp's
 schedule (gpipe, 1f1b, and OPTION_EXTRA's interleaved and interleaved 1F1B with 2 chunks per
 stage, their stack stored round-robin: pp.stored_config); the rest stay at their defaults
-(ep's dispatch=ragged needs a GPU's ragged_all_to_all, dispatch=none is a demonstration of a
+(ep's exchange=ragged needs a GPU's ragged_all_to_all, exchange=none is a demonstration of a
 bug). The temp model was calibrated at the default options, and pp's 1f1b. Microbatches: pp's
 pipeline M, every divisor of the sequences a (data, expert) shard holds, up to
 PP_MAX_MICROBATCHES; elsewhere gradient accumulation's M, every divisor of the sequences a

@@ -64,7 +64,7 @@ def microbatches(batch: dict, m: int) -> dict:
   return jax.tree.map(lambda a: einops.rearrange(a, "(b m) s -> m b s", m=m), batch)
 
 
-def accumulated_grads(params, batch, cfg, lay: model.Layout):
+def accumulated_grads(params, batch, cfg, lay: model.Parallelism):
   """Gradient accumulation over cfg.microbatches = M: -> (metrics as model.loss_fn, grads), the
   same values as one pass over the whole batch (up to summation order).
   pass 1: forward of every microbatch (no grad) -> the step's router counts [L, E];
@@ -124,7 +124,7 @@ def _zero_grad(u):
                                                             unreduced=spec.reduced))
 
 
-def make_train_step(cfg, lay: model.Layout, opt: optim.Optimizer, with_grads: bool = False):
+def make_train_step(cfg, lay: model.Parallelism, opt: optim.Optimizer, with_grads: bool = False):
   """Pure step: loss+grads (accumulated over cfg.microbatches), AdamW/Muon update, aux-loss-free
   router-bias update."""
   def step(params, opt_state, batch):

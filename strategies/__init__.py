@@ -12,7 +12,8 @@ Every strategy module exposes the same small functional interface:
                                  array per role; the stacked [L] dim is unsharded, or split over
                                  pipeline stages)
   batch_spec(cfg, mesh)       -> PartitionSpec of tokens/targets/positions [B, S]
-  layout(cfg, mesh, opts)     -> modeling.model.Layout (shardings + the routed-MoE implementation)
+  layout(cfg, mesh, opts)     -> modeling.model.Parallelism: how it runs the model on its mesh
+                                 (shardings + the routed-MoE implementation)
   prepare_batch(b, cfg, mesh) -> optional: reorder the global numpy batch (CP load balancing)
   cost(cfg, mesh, opts)       -> list of measure.cost.Term, each over named mesh axes: the
                                  weight traffic from measure.cost.weight_terms (stored vs used
@@ -36,8 +37,8 @@ Every strategy module exposes the same small functional interface:
   PLAN_GRID, PLAN_EXTRA       -> optional: {option: values} whose every combination the planner
                                  enumerates, and option sets beyond that product
                                  (planning/plan.py option_sets); none: the defaults only
-  LAYOUTS                     -> optional: (preset, (mesh, mesh, ...)[, overrides]): layouts of
-                                 one model that must give the same losses
+  INVARIANT_MESHES            -> optional: (preset, (mesh, mesh, ...)[, overrides]): meshes on
+                                 which one model must give the same losses
                                  (tests/test_strategies.py::test_layout_invariance)
 Optional hooks (read with getattr; absent = the plain behaviour):
   stored_config(cfg, mesh, opts)  -> the model as the options store it (pp: its layer layout,

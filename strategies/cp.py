@@ -113,7 +113,7 @@ COST_CASES = TEST_CASES
 BF16_CASE = Case("deepseek-test", "data:2,context:4")
 # the options the planner varies (planning/plan.py: every combination)
 PLAN_GRID = {"kv_exchange": ("allgather", "ring")}
-LAYOUTS = ("tiny", ("context:4,data:2", "fsdp:2,context:2,data:2"))
+INVARIANT_MESHES = ("tiny", ("context:4,data:2", "fsdp:2,context:2,data:2"))
 BAD_INPUT = [BadInput(dict(seq_len=36), "context:4,data:2", Options(),
                       "seq_len=36 is not divisible by 2*context=8"),
              BadInput(dict(batch=3), "context:4,data:2", Options(),
@@ -142,7 +142,7 @@ def prepare_batch(b, cfg, mesh):
 def layout(cfg, mesh, opts):
   x_spec = P(BATCH, CP, None)                                       # [B, S, D] @ (.., context, None)
   kv, kv_pos = context.kv_specs(BATCH)                              # [B, T, KV, Dh] @ (.., None, ..)
-  return model.Layout(x=x_spec, kv=kv, kv_pos=kv_pos, kv_ring=opts.kv_exchange == "ring",
+  return model.Parallelism(x=x_spec, kv=kv, kv_pos=kv_pos, kv_ring=opts.kv_exchange == "ring",
                       use=fsdp.use(TOKENS, cfg), moe=fsdp.moe_all_local(cfg, x_spec, TOKENS, cp_axis=CP))
 
 

@@ -69,7 +69,7 @@ def layout(cfg, mesh, opts):
     return jax.shard_map(
         body, in_specs=(p_specs, P(DATA, None, None), P(DATA, None)),
         out_specs=(P(DATA, None, None), P()))(p, x, positions)       # y [B, S, D] @ (data,), stats P()
-  return model.Layout(x=P(DATA, None, None), use=stored_use(cfg, (DATA,)), moe=moe_fn)
+  return model.Parallelism(x=P(DATA, None, None), use=stored_use(cfg, (DATA,)), moe=moe_fn)
 
 
 def activation_shardings(cfg, mesh, opts):

@@ -16,8 +16,8 @@ Mesh axes: (data, fsdp, expert)   (MaxText's default "EP as FSDP/DP": every axis
 |   and combine buffer                     |   on (data, fsdp) only, expert dim on expert (#4179) |
 
 MoE: moe_ep, one full-manual shard_map whose body (moe_body, below) routes the local tokens,
-plans where each of their K copies goes (layout/dispatch.py) and hands them to a transport, the
-option `dispatch` (--opt=dispatch=...):
+plans where each of their K copies goes (layout/dispatch.py) and hands them to an exchange, the
+option `exchange` (--opt=exchange=...):
   a2a (default)  packs the copies by destination shard into send [EP, C, D]; "dispatch_a2a":
                  all_to_all over expert (rows and the counts [EP, e]); "expert_gmm": sort the
                  received rows by local expert, SwiGLU gmm on the e = E/EP local experts;
@@ -26,7 +26,7 @@ option `dispatch` (--opt=dispatch=...):
                  it, so it is opt-in and its contract below is unmeasured until a GPU run holds it)
   none           MaxText #4179's mis-sharding (below): no exchange at all
 then combines the returned copies with the routing weights. ep_as_cp and shard_exp_on_fsdp call
-moe_ep with the a2a transport. The padded a2a moves EP*min(K,e)/K (<= EP) times the ragged
+moe_ep with the a2a exchange. The padded a2a moves EP*min(K,e)/K (<= EP) times the ragged
 bytes. C, rows per destination shard (dispatch.send_rows):
   capacity_factor 0 (dropless): T_loc*min(K, e), the exact worst case (tiny, EP 8: 4x the routed
     T_loc*K/EP; DeepSeek-V3 shape, EP 64: 32x)
@@ -52,10 +52,10 @@ least the device count and E divides by EP; cost: 4 token all-to-alls of EP*C*D 
 bwd), on the critical path, and worst-case padding unless ragged.
 
 Dispatch fix (MaxText #4179), `dispatch_buffer_type` shows it without running the model:
-  dispatch=a2a    [N_src@(data,fsdp), EP@expert, C, D]   (the a2a transport's recv)
-  dispatch=none   [N_src@(data,fsdp,expert), EP, C, D]   (local_exchange's send)
+  exchange=a2a    [N_src@(data,fsdp), EP@expert, C, D]   (the a2a exchange's recv)
+  exchange=none   [N_src@(data,fsdp,expert), EP, C, D]   (local_exchange's send)
 The literal mis-sharding P((data,fsdp,expert), expert, ..) raises DuplicateSpecError in JAX;
-dispatch=none builds what Flax's rule resolution made of it (batch keeps `expert`, E loses it):
+exchange=none builds what Flax's rule resolution made of it (batch keeps `expert`, E loses it):
 no token moves (local_exchange packs the send buffer and keeps it), every device needs every
 expert, so the experts are all-gathered over fsdp, then expert, and their grads
 reduce-scattered back — the AllGather+ReduceScatter fallback of #4179, here written explicitly
@@ -71,7 +71,7 @@ tests/test_ep.py adds the all-to-alls' count and exact bytes and the dispatch bu
   all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
   all-reduce over data: expert grad shards
   all-reduce over (data, fsdp, expert): router stats, loss sums, norm-scale grads, grad norm
-HLO contract, dispatch=none (no all-to-all at all):
+HLO contract, exchange=none (no all-to-all at all):
   all-gather over fsdp: weight matrices and experts [E/EP, D/f, F] -> [E/EP, D, F] (fwd)
   reduce-scatter over fsdp: their gradients
   all-gather over expert: then the experts [E/EP, D, F] -> [E, D, F], whole on every device
@@ -79,7 +79,7 @@ HLO contract, dispatch=none (no all-to-all at all):
   all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
   all-reduce over data: expert grad shards
   all-reduce over (data, fsdp, expert): router stats, loss sums, norm-scale grads, grad norm
-HLO contract, dispatch=ragged (GPU/TPU; not yet measured on hardware):
+HLO contract, exchange=ragged (GPU/TPU; not yet measured on hardware):
   all-gather over fsdp: weight matrices and experts (fwd)
   reduce-scatter over fsdp: their gradients
   all-gather over expert: the counts [EP_src, EP_dst, e] (int32) per layer
@@ -89,7 +89,7 @@ HLO contract, dispatch=ragged (GPU/TPU; not yet measured on hardware):
   all-reduce over (data, fsdp, expert): router stats, loss sums, norm-scale grads, grad norm
 
   python run.py --strategy=ep --mesh=data:2,expert:4 --devices=8 --steps=3 --hlo_stats
-  python run.py --strategy=ep --mesh=fsdp:2,expert:4 --opt=dispatch=none --hlo_stats
+  python run.py --strategy=ep --mesh=fsdp:2,expert:4 --opt=exchange=none --hlo_stats
 """
 import dataclasses
 import functools
@@ -117,7 +117,7 @@ EXPERT_WEIGHTS = ("wi_0", "wi_1", "wo")
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  dispatch: str = options.choice("a2a", ("a2a", "ragged", "none"),
+  exchange: str = options.choice("a2a", ("a2a", "ragged", "none"),
                                  "the token exchange: padded all-to-all, ragged_all_to_all "
                                  "(GPU/TPU), none (MaxText #4179's mis-sharding)")
 
@@ -127,7 +127,7 @@ TEST_CASES = [Case("tiny", "expert:8"),
               # gradient accumulation's two passes (runtime/train.py: the batch-wise f from pass 1)
               Case("tiny", "data:2,expert:4", dict(batch=16, microbatches=2)),
               Case("deepseek-test", "fsdp:2,expert:4"),
-              Case("tiny", "data:2,expert:4", opts=Options(dispatch="none"))]
+              Case("tiny", "data:2,expert:4", opts=Options(exchange="none"))]
 COST_CASES = TEST_CASES                          # accumulation: measure/cost.step_terms
 # bf16 mixed precision (tests/test_precision.py): the row holding its richest composition
 BF16_CASE = Case("tiny", "data:2,expert:4", dict(remat="block", microbatches=2, batch=16))
@@ -136,22 +136,22 @@ BAD_INPUT = [
              "n_experts=6 is not divisible by mesh axis expert=4"),
     BadInput(dict(batch=12), "data:2,expert:4", Options(),
              "batch=12 is not divisible by mesh axis dataxfsdpxexpert=8"),
-    BadInput({}, "expert:8", Options(dispatch="ragged"),
-             "dispatch=ragged needs ragged_all_to_all, which XLA:CPU does not implement; use "
-             "dispatch=a2a (the default)"),
+    BadInput({}, "expert:8", Options(exchange="ragged"),
+             "exchange=ragged needs ragged_all_to_all, which XLA:CPU does not implement; use "
+             "exchange=a2a (the default)"),
 ]
 
 
 def contract_variant(opts):
   """Which HLO contract block of the docstring this exchange compiles to."""
-  return None if opts.dispatch == "a2a" else f"dispatch={opts.dispatch}"
+  return None if opts.exchange == "a2a" else f"exchange={opts.exchange}"
 
 
 def check(cfg, mesh, opts):
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)
   fsdp.check(cfg, mesh, FSDP)
-  check_transport(opts.dispatch)
+  check_exchange(opts.exchange)
 
 
 def param_specs(cfg, mesh, opts=None):
@@ -168,7 +168,7 @@ def batch_spec(cfg, mesh):
 def moe_weights(p, token_axes, cfg, whole=False):
   """Router gathered whole (float32); experts gathered over fsdp only -> [E@expert, D, F] (typed
   reduced over the batch axes; cfg.dtype, cast before the gather), or with whole=True
-  (dispatch=none) over fsdp and expert -> [E, D, F]."""
+  (exchange=none) over fsdp and expert -> [E, D, F]."""
   e_entry, e_grad = (None, token_axes) if whole else (
       EXPERT, tuple(a for a in token_axes if a != EXPERT))
   out = {"router": gather_weight(p["router"], P(), token_axes), "bias": p["bias"]}
@@ -180,16 +180,16 @@ def moe_weights(p, token_axes, cfg, whole=False):
 
 def layout(cfg, mesh, opts):
   x_spec = P(TOKENS, None, None)                                    # [B, S, D] @ ((d, f, x),)
-  whole = opts.dispatch == "none"
+  whole = opts.exchange == "none"
 
   def moe_fn(p, x, positions):
     return moe_ep(moe_weights(p, TOKENS, cfg, whole), x, positions, cfg, ep_axes=(EXPERT,),
-                  transport=TRANSPORTS[opts.dispatch])
-  return model.Layout(x=x_spec, use=fsdp.use(TOKENS, cfg), moe=moe_fn)
+                  exchange=EXCHANGES[opts.exchange])
+  return model.Parallelism(x=x_spec, use=fsdp.use(TOKENS, cfg), moe=moe_fn)
 
 
 # ----------------------------------------------------------------------------- the EP exchange
-def moe_ep(p, x, positions, cfg, *, ep_axes, transport=None, gather_sequence=None):
+def moe_ep(p, x, positions, cfg, *, ep_axes, exchange=None, gather_sequence=None):
   """The routed MoE with experts sharded over the mesh axes `ep_axes`, as one full-manual
   shard_map (also ep_as_cp's and shard_exp_on_fsdp's MoE). Call in explicit-sharding mode.
   An EP group = the devices that differ only along ep_axes; shard index = their linear index
@@ -198,13 +198,13 @@ def moe_ep(p, x, positions, cfg, *, ep_axes, transport=None, gather_sequence=Non
        that order, D and F whole (moe_weights gathers the FSDP shards).
     x [B, S, D], positions [B, S]: any token sharding whose axes include ep_axes, e.g.
        [B, S, D] @ ((data, fsdp, expert), None, None) or ((data, fsdp), expert, None) (ep_as_cp).
-    transport: how the copies reach their experts and come back (a2a_exchange by default).
+    exchange: how the copies reach their experts and come back (a2a_exchange by default).
     gather_sequence: the capacity rule's whole-sequence gather when S is sharded.
   -> (y with x's sharding, router stats summed over every token axis)."""
   mesh, x_spec = jax.typeof(x).sharding.mesh, _spec(x)
   ep_axes = tuple(ep_axes)
   body = functools.partial(moe_body, cfg=cfg, ep_axes=ep_axes, ep=mesh_lib.axis_size(mesh, *ep_axes),
-                           token_axes=_token_axes(x_spec), transport=transport or a2a_exchange,
+                           token_axes=_token_axes(x_spec), exchange=exchange or a2a_exchange,
                            gather_sequence=gather_sequence, seq_axes=dim_axes(x_spec, 1))
   y, stats = jax.shard_map(body, mesh=mesh,
                            in_specs=(jax.tree.map(_spec, p), x_spec, P(*tuple(x_spec)[:2])),
@@ -212,18 +212,18 @@ def moe_ep(p, x, positions, cfg, *, ep_axes, transport=None, gather_sequence=Non
   return y.astype(x.dtype), stats
 
 
-def moe_body(p, x, positions, *, cfg, ep_axes, ep, token_axes, transport, gather_sequence=None,
+def moe_body(p, x, positions, *, cfg, ep_axes, ep, token_axes, exchange, gather_sequence=None,
              seq_axes=()):
   """One device: local tokens x [b, s, D] -> (y [b, s, D], stats summed over token_axes; seq_axes:
   those of them splitting S, for the sequence-wise loss).
-  route -> plan -> transport (the copies through their experts and back) -> weighted combine."""
+  route -> plan -> exchange (the copies through their experts and back) -> weighted combine."""
   b, s, d = x.shape
   t, k = b * s, cfg.top_k
   r, keep, stats = moe.route_tokens(p, x, positions, cfg, experts_all=gather_sequence,
                                     seq_axes=seq_axes)                   # [T, K]
   c = dispatch.send_rows(cfg, b, s, ep)                 # C: rows for one shard, never exceeded
   plan = dispatch.make_plan(r.experts, keep, cfg.n_experts, ep)          # copy (t, k) -> dst, slot
-  ycopy = transport(p, x.reshape(t, d), plan, c, cfg=cfg, ep_axes=ep_axes, ep=ep)  # [T*K, D]
+  ycopy = exchange(p, x.reshape(t, d), plan, c, cfg=cfg, ep_axes=ep_axes, ep=ep)  # [T*K, D]
   ycopy = einops.rearrange(ycopy, "(t k) d -> t k d", k=k)               # 0 where not sent
   y = jnp.einsum("tkd,tk->td", ycopy, r.weights.astype(ycopy.dtype))     # weights 0 if dropped
   return y.reshape(b, s, d), jax.tree.map(lambda v: jax.lax.psum(v, token_axes), stats)
@@ -277,7 +277,7 @@ def ragged_exchange(p, x, plan, c, *, cfg, ep_axes, ep, ragged_fn=jax.lax.ragged
 
 
 def local_exchange(p, x, plan, c, *, cfg, ep_axes, ep):
-  """dispatch=none (MaxText #4179): the send buffer [EP, C, D] is never exchanged (its batch dim
+  """exchange=none (MaxText #4179): the send buffer [EP, C, D] is never exchanged (its batch dim
   keeps `expert`): every device runs its own rows through every expert, so p's experts must be
   whole [E, D, F] (moe_weights(whole=True) gathers them over expert too)."""
   del ep_axes
@@ -291,14 +291,14 @@ def local_exchange(p, x, plan, c, *, cfg, ep_axes, ep):
   return dispatch.unpack(out, plan)                                      # [T*K, D]
 
 
-TRANSPORTS = {"a2a": a2a_exchange, "ragged": ragged_exchange, "none": local_exchange}
+EXCHANGES = {"a2a": a2a_exchange, "ragged": ragged_exchange, "none": local_exchange}
 
 
-def check_transport(name: str, platform: str | None = None) -> None:
+def check_exchange(name: str, platform: str | None = None) -> None:
   """ragged_all_to_all does not compile on XLA:CPU: refuse it there, before any compile."""
   if name == "ragged" and (platform or jax.default_backend()) == "cpu":
-    raise ConfigError("dispatch=ragged needs ragged_all_to_all, which XLA:CPU does not "
-                      "implement; use dispatch=a2a (the default)")
+    raise ConfigError("exchange=ragged needs ragged_all_to_all, which XLA:CPU does not "
+                      "implement; use exchange=a2a (the default)")
 
 
 def _spec(a):
@@ -319,7 +319,7 @@ def buffer_spec(token_axes, ep_axes, batch_on_expert: bool = False) -> P:
   return P(entry(rest), entry(ep_axes), None, None)
 
 
-def buffer_type(cfg, mesh, x_spec, ep_axes, *, dispatch_name="a2a", dtype=jnp.float32):
+def buffer_type(cfg, mesh, x_spec, ep_axes, *, exchange_name="a2a", dtype=jnp.float32):
   """The experts' input buffer as one global array [N_src, EP, rows, D] (ShapeDtypeStruct with
   its sharding; N_src = token shards, dim 0 = who sent the rows, dim 1 = whose experts they are
   for): each device's body holds one block of it, a2a's recv [EP_src, C, D] (ragged:
@@ -329,14 +329,14 @@ def buffer_type(cfg, mesh, x_spec, ep_axes, *, dispatch_name="a2a", dtype=jnp.fl
   b_loc = cfg.batch // mesh_lib.axis_size(mesh, *dim_axes(x_spec, 0))
   s_loc = cfg.seq_len // mesh_lib.axis_size(mesh, *dim_axes(x_spec, 1))
   c = dispatch.send_rows(cfg, b_loc, s_loc, ep)
-  shape = (n // ep, ep, ep * c, cfg.d_model) if dispatch_name == "ragged" else (n, ep, c, cfg.d_model)
+  shape = (n // ep, ep, ep * c, cfg.d_model) if exchange_name == "ragged" else (n, ep, c, cfg.d_model)
   return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(
-      mesh, buffer_spec(token_axes, ep_axes, dispatch_name == "none")))
+      mesh, buffer_spec(token_axes, ep_axes, exchange_name == "none")))
 
 
 def dispatch_buffer_type(cfg, mesh, opts):
   """The experts' input buffer (ShapeDtypeStruct with its sharding) for this cfg and mesh."""
-  return buffer_type(cfg, mesh, P(TOKENS, None, None), (EXPERT,), dispatch_name=opts.dispatch)
+  return buffer_type(cfg, mesh, P(TOKENS, None, None), (EXPERT,), exchange_name=opts.exchange)
 
 
 def activation_shardings(cfg, mesh, opts):
@@ -350,7 +350,7 @@ def cost(cfg, mesh, opts, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
   traffic from moe_weights / fsdp.use; the exchange; router statistics. batch_axes: the axes
   splitting B (ep_as_cp: (data, fsdp); the rest of token_axes split S); grads: overrides of
   cost.weight_terms' gradient axes (ep_as_cp's norms)."""
-  whole = opts.dispatch == "none"
+  whole = opts.exchange == "none"
   expert_use = (P(), token_axes) if whole else (
       P(EXPERT, None, None), tuple(a for a in token_axes if a != EXPERT))
   gathered = {**cost_lib.fsdp_gathered(token_axes), **dict.fromkeys(model.EXPERTS, expert_use)}
@@ -359,21 +359,21 @@ def cost(cfg, mesh, opts, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
                                   tuple(a for a in token_axes if a not in batch_axes)))
   b_loc = cfg.batch // mesh_lib.axis_size(mesh, *batch_axes)
   t_loc = cfg.batch * cfg.seq_len // mesh_lib.axis_size(mesh, *token_axes)
-  return terms + exchange_terms(cfg, mesh, opts.dispatch, b_loc, t_loc)
+  return terms + exchange_terms(cfg, mesh, opts.exchange, b_loc, t_loc)
 
 
-def exchange_terms(cfg, mesh, dispatch_name, b_loc, t_loc, axes=(EXPERT,)):
-  """The token exchange over `axes` (one EP group) per step (moe_body with that transport; also
+def exchange_terms(cfg, mesh, exchange_name, b_loc, t_loc, axes=(EXPERT,)):
+  """The token exchange over `axes` (one EP group) per step (moe_body with that exchange; also
   ep_x_tp's and shard_exp_on_fsdp's): b_loc sequences and t_loc tokens routed per device."""
   e = mesh_lib.axis_size(mesh, *axes)
   c = dispatch.send_rows(cfg, b_loc, t_loc // b_loc, e)
   act, term = cost_lib.act_bytes(cfg), functools.partial(cost_lib.term, mesh)
-  if dispatch_name == "a2a":
+  if exchange_name == "a2a":
     buf = e * c * cfg.d_model * act                              # [EP, C, D]
     return (term("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, e] (int32)",
                  cfg.n_moe_layers * (2 * buf + cfg.n_experts * 4), axes, cost_lib.RECOMPUTED)
             + term("all-to-all", "bwd", "their transposes", cfg.n_moe_layers * 2 * buf, axes))
-  if dispatch_name == "ragged":                    # output buffers: [EP*C, D] and [T*K, D]
+  if exchange_name == "ragged":                    # output buffers: [EP*C, D] and [T*K, D]
     rows = (e * c + t_loc * cfg.top_k) * cfg.d_model * act
     return (term("all-gather", "fwd", "counts [EP, EP, e] (int32)", cfg.n_moe_layers * e * cfg.n_experts * 4,
                  axes, cost_lib.RECOMPUTED)

@@ -136,7 +136,7 @@ def layout(cfg, mesh, opts):
   def moe_fn(p, x, positions):                                      # ep.py's exchange, S split
     return ep.moe_ep(ep.moe_weights(p, TOKENS, cfg), x, positions, cfg, ep_axes=(EXPERT,),
                      gather_sequence=gather_seq)
-  return model.Layout(x=x_spec, kv=kv, kv_pos=kv_pos, kv_ring=opts.kv_exchange == "ring",
+  return model.Parallelism(x=x_spec, kv=kv, kv_pos=kv_pos, kv_ring=opts.kv_exchange == "ring",
                       use=fsdp.use(TOKENS, cfg), moe=moe_fn)
 
 

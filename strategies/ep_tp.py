@@ -95,7 +95,7 @@ HLO contract, exchange=folded:
 
 Folded exchange (--opt=exchange=folded). Attention (and the shared expert) stay tensor-parallel
 as above; the routed MoE never gathers: model.block hands it the normed h in the residual layout
-(Layout.moe_in_residual), and ep.moe_ep routes each device's T/EP local tokens, packs their
+(Parallelism.moe_in_residual), and ep.moe_ep routes each device's T/EP local tokens, packs their
 copies by destination shard into send [EP, C, D] ("dispatch_a2a": all-to-all over expert),
 runs the e local experts ("expert_gmm"), returns them ("combine_a2a") and combines them into
 y [B, S@expert, D], already in the residual layout: no all-gather of tokens or routing, no
@@ -113,7 +113,7 @@ Per-device wire bytes of the routed exchange per MoE layer, forward (the backwar
   folded/ring = pad*K/EP: before padding folded moves less when EP > K. These padded buffers
   have pad = min(EP*min(K, e)/K, cf*EP) (the per-sequence bound does not shrink with S/EP), so
   here folded moves min(K, e) (dropless) or min(K, e, cf*K) times ring's bytes; an exchange of
-  the routed rows only (ep's ragged transport, GPU/TPU) would have pad = 1. With a shared
+  the routed rows only (ep's ragged exchange, GPU/TPU) would have pad = 1. With a shared
   expert ring's AG-RS is needed anyway (the MoE shares it): folded's all-to-alls come on top.
 
 When to use: few tokens per step (inference-like) with many experts: no all-to-all, each
@@ -302,7 +302,7 @@ def layout(cfg, mesh, opts):
                      gather_sequence=gather_seq)
 
   folded = opts.exchange == "folded"
-  return model.Layout(x=X_SPEC, use=use, moe=moe_folded if folded else moe_fn,
+  return model.Parallelism(x=X_SPEC, use=use, moe=moe_folded if folded else moe_fn,
                       gather_in=gather_in, scatter_out=scatter_out, row_out=ROW,
                       moe_in_residual=folded)
 

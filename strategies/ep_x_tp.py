@@ -23,7 +23,7 @@ b = B / (|data| |expert|) local sequences, T = b*S tokens per device.
 |   float32 master and optimizer state     |   Dh], embed [V, D@d]; gathered once per step   |
 
 MoE (one full-manual shard_map): every tensor rank routes the same T local tokens and sends
-their copies through ep.py's padded all-to-all over `expert` (ep.moe_body, a2a transport); the
+their copies through ep.py's padded all-to-all over `expert` (ep.moe_body, a2a exchange); the
 receiving rank runs its e local experts on its F_t slice, so what comes back is a partial sum
 over tensor; the weighted combine is linear, so ONE psum over tensor of y [T, D] finishes it
 (as tp.py: T*D, not the K copies).
@@ -105,7 +105,7 @@ requires for MoE with TP > 1): the residual is [B@(d,x), S@t, D], so the norms, 
 the CE run on each tensor rank's own S/t positions. Attention and the dense / shared SwiGLUs
 all-gather the normed h over tensor ("seq_ag") and reduce-scatter their row-parallel outputs
 ("seq_rs") in place of tp's all-reduces: the same wire bytes, activations at 1/t. The routed MoE
-reads the residual layout (model.Layout.moe_in_residual): each tensor rank routes its own T/t
+reads the residual layout (model.Parallelism.moe_in_residual): each tensor rank routes its own T/t
 tokens and sends them through the all-to-all over expert (C for T/t tokens), then "tensor_ag" all-gathers the received rows over tensor, so each rank runs its F_t
 slice of the e local experts on the t ranks' rows, and "tensor_rs" reduce-scatters the partial
 outputs back to the rows this rank received; "combine_a2a" returns them. Per MoE layer and
@@ -117,7 +117,7 @@ sequence's slots of an expert), so its padded buffers stay the same size.
 ZeRO-1 (--opt=zero1=true, Megatron's --use-distributed-optimizer): every matrix but the router
 is stored split over data on D, with its float32 master and optimizer state (1/|data| of them
 per device). Once per step, before the forward, each is cast to the compute dtype and
-all-gathered over data (Layout.params, layout/fsdp.gather_once); the gathered copy lives through
+all-gathered over data (Parallelism.params, layout/fsdp.gather_once); the gathered copy lives through
 the step, and its gradient is reduce-scattered over data once, after the backward, then
 all-reduced over the rest of its token axes at 1/|data| of the size. In float32 the wire bytes
 are those of the all-reduce over data they replace (a reduce-scatter plus an all-gather); under
@@ -254,7 +254,7 @@ def param_specs(cfg, mesh, opts=None):
 
 
 def _zero1(cfg, opts, use, replicated=()):
-  """(model.Layout's params hook as keyword arguments, Layout.use, the roles gathered) under
+  """(model.Parallelism's params hook as keyword arguments, Parallelism.use, the roles gathered) under
   zero1: the matrices gathered over data once per step (layout/fsdp.gather_once), their
   gradients summed over the axes their tokens split them over (experts: data; `replicated`:
   every axis; the rest (data, expert)), then used as gathered; the other weights through `use`.
@@ -299,7 +299,7 @@ def layout(cfg, mesh, opts):
       xv = jax.lax.pcast(x, TENSOR, to="varying")         # cotangent summed once in gather_in
       # route, all-to-all over x, the e local experts on F_t, all-to-all back, combine
       y, stats = ep.moe_body(p, xv, pos, cfg=cfg, ep_axes=(EXPERT,), ep=n_ep, token_axes=(),
-                             transport=ep.a2a_exchange)   # y [b, S, D] {U_t}
+                             exchange=ep.a2a_exchange)   # y [b, S, D] {U_t}
       # one psum over t; the stats counted by t rank 0, summed over (d, x, t)
       y, stats = tensor.finish_moe(y, stats, TENSOR, TOKENS)   # y [b, S, D]
       return y.astype(x.dtype), stats
@@ -309,7 +309,7 @@ def layout(cfg, mesh, opts):
                          out_specs=(x_spec, P()))(p, x, positions)   # y [B, S, D] @ ((d, x),)
   gather_in = lambda h: sharding.gather_weight(h, x_spec, (TENSOR,))  # [B, S, D] -> h_spec
   zero1, use, moe_gathered = _zero1(cfg, opts, stored_use(cfg, BATCH))
-  return model.Layout(x=x_spec, use=use, moe=moe_fn, gather_in=gather_in, **zero1)
+  return model.Parallelism(x=x_spec, use=use, moe=moe_fn, gather_in=gather_in, **zero1)
 
 
 def _sequence_parallel_layout(cfg, mesh, opts):
@@ -327,9 +327,9 @@ def _sequence_parallel_layout(cfg, mesh, opts):
     p, _ = moe_stored(p, cfg, (DATA,), moe_gathered)      # experts [E@x, D, F@t]
     pos = jax.reshard(positions, P(BATCH, TENSOR))        # [B, S@t]: a local slice
     return ep.moe_ep(p, h, pos, cfg, ep_axes=(EXPERT,), gather_sequence=gather_seq,
-                     transport=_tensor_exchange)          # y [B, S@t, D]
+                     exchange=_tensor_exchange)          # y [B, S@t, D]
 
-  return model.Layout(x=X_SP, use=use, moe=moe_fn, gather_in=gather_in, scatter_out=scatter_out,
+  return model.Parallelism(x=X_SP, use=use, moe=moe_fn, gather_in=gather_in, scatter_out=scatter_out,
                       row_out=ROW_SP, moe_in_residual=True, **zero1)
 
 

@@ -69,7 +69,7 @@ TEST_CASES = [Case("tiny", "fsdp:8"), Case("tiny", "data:2,fsdp:4"),
 COST_CASES = TEST_CASES                          # accumulation: measure/cost.step_terms
 # bf16 mixed precision (tests/test_precision.py): the row holding its richest composition
 BF16_CASE = Case("tiny", "data:2,fsdp:4")        # gradient sums over two axes
-LAYOUTS = ("tiny", ("fsdp:8", "data:2,fsdp:4"))   # one model, two layouts: the same losses
+INVARIANT_MESHES = ("tiny", ("fsdp:8", "data:2,fsdp:4"))   # one model, two meshes: same losses
 BAD_INPUT = [BadInput(dict(batch=6), "fsdp:8", Options(),
                       "batch=6 is not divisible by mesh axis dataxfsdp=8"),
              BadInput(dict(d_model=36), "fsdp:8", Options(),
@@ -93,7 +93,7 @@ def batch_spec(cfg, mesh):
 
 def layout(cfg, mesh, opts):
   x_spec = P(TOKENS, None, None)                                    # [B, S, D] @ ((data, fsdp),)
-  return model.Layout(x=x_spec, use=fsdp.use(TOKENS, cfg),
+  return model.Parallelism(x=x_spec, use=fsdp.use(TOKENS, cfg),
                       moe=fsdp.moe_all_local(cfg, x_spec, TOKENS))
 
 

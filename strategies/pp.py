@@ -215,8 +215,8 @@ def batch_spec(cfg, mesh):
 
 def layout(cfg, mesh, opts):
   if opts.schedule in ("gpipe", "interleaved"):
-    return model.Layout(loss=functools.partial(loss, cfg=cfg, mesh=mesh))
-  return model.Layout(loss=functools.partial(_scheduled_loss, cfg=cfg, mesh=mesh,
+    return model.Parallelism(loss=functools.partial(loss, cfg=cfg, mesh=mesh))
+  return model.Parallelism(loss=functools.partial(_scheduled_loss, cfg=cfg, mesh=mesh,
                                              name=opts.schedule))
 
 
@@ -254,13 +254,13 @@ def _split(a, m):
 
 def _moe_layout(cfg, ep_size):
   """The stage's MoE: ep.py's moe_body with its padded all-to-all over expert."""
-  return model.Layout(moe=functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
-                                            token_axes=TOKENS, transport=ep.a2a_exchange))
+  return model.Parallelism(moe=functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
+                                            token_axes=TOKENS, exchange=ep.a2a_exchange))
 
 
 def _ce_sum(y, tgt, ph, cfg):
   """The last stage's head on one microbatch: y [b/M, S, D], tgt [b/M, S] -> its CE sum."""
-  logits = model.head(y[None], ph, cfg, model.Layout()).astype(jnp.float32)   # [1, b/M, S, V]
+  logits = model.head(y[None], ph, cfg, model.Parallelism()).astype(jnp.float32)   # [1, b/M, S, V]
   return jnp.sum(model.cross_entropy(logits, tgt[None]))
 
 
@@ -306,7 +306,7 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
   # every microbatch's stage-0 input, [M, b/M, S, D]: the embedding and the leading dense layers
   # (DeepSeek's) on every device for its own rows (stages > 0 discard theirs: a zero gradient),
   # one microbatch at a time (lax.map: the working set of b/M rows, not of b)
-  x0 = jax.lax.map(lambda tp: model.dense_prefix(p["embed"][tp[0]], p, tp[1], cfg, model.Layout()),
+  x0 = jax.lax.map(lambda tp: model.dense_prefix(p["embed"][tp[0]], p, tp[1], cfg, model.Parallelism()),
                    (_split(tokens, m), pos))
   lay = _moe_layout(cfg, ep_size)
   mask = _stage_mask(cfg, n_stage)
@@ -500,7 +500,7 @@ class _Run:
     cfg = self.cfg
     x = jax.lax.cond(self.first & (r == 0),
                      lambda pe, x: model.dense_prefix(pe["embed"][tok_m], pe, pos_m, cfg,
-                                                      model.Layout()),
+                                                      model.Parallelism()),
                      lambda pe, x: x, pe, x)
     mk = None if self.mask is None else self.cut(self.mask, r)
     y, st = model.moe_stack(x, lp, pos_m, cfg, self.lay, mk)       # st: {name: [rows/v, ...]}

@@ -156,7 +156,7 @@ def layout(cfg, mesh, opts):
 
   def moe_fn(p, x, positions):                                      # ep.py's exchange
     return moe_ep(moe_weights(p, cfg, opts), x, positions, cfg, ep_axes=ep_axes(opts))
-  return model.Layout(x=x_spec, use=fsdp.use(TOKENS, cfg), moe=moe_fn)
+  return model.Parallelism(x=x_spec, use=fsdp.use(TOKENS, cfg), moe=moe_fn)
 
 
 def activation_shardings(cfg, mesh, opts):

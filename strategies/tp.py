@@ -79,7 +79,7 @@ TEST_CASES = [Case("tiny", "tensor:2,data:4", _TINY8), Case("tiny", "data:2,tens
 COST_CASES = TEST_CASES
 # bf16 mixed precision (tests/test_precision.py): the row holding its richest composition
 BF16_CASE = Case("deepseek-test", "data:4,tensor:2")
-LAYOUTS = ("tiny", ("tensor:2,data:4", "data:2,tensor:4"), _TINY8)
+INVARIANT_MESHES = ("tiny", ("tensor:2,data:4", "data:2,tensor:4"), _TINY8)
 BAD_INPUT = [
     BadInput(dict(n_heads=6, n_kv_heads=2), "data:2,tensor:4", Options(),
              "n_heads=6 is not divisible by mesh axis tensor=4"),
@@ -131,7 +131,7 @@ def layout(cfg, mesh, opts):
                          out_specs=(x_spec, P()))(p, x, positions)  # y [B, S, D] @ (data,)
   # x_spec as out_sharding of the row-parallel matmuls (attention wo, shared wo) = the all-reduce
   gather_in = lambda h: sharding.gather_weight(h, x_spec, (TENSOR,))     # [B, S, D] -> h_spec; bwd psum over t
-  return model.Layout(x=x_spec, use=stored_use(cfg, (DATA,)), moe=moe_fn,
+  return model.Parallelism(x=x_spec, use=stored_use(cfg, (DATA,)), moe=moe_fn,
                       gather_in=gather_in)
 
 

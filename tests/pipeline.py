@@ -126,7 +126,7 @@ def logits(pp, params, batch, *, cfg, mesh):
     p = pp._use(p, specs, cfg)
     outs, _ = pp._stages(p, tokens, positions, cfg=cfg, n_stage=n_stage,
                          ep_size=mesh.shape[pp.EXPERT])
-    out = model.head(outs, p, cfg, model.Layout()).astype(jnp.float32)   # [M, b/M, S, V]
+    out = model.head(outs, p, cfg, model.Parallelism()).astype(jnp.float32)   # [M, b/M, S, V]
     last = jax.lax.axis_index(pp.STAGE) == n_stage - 1
     out = jax.lax.psum(jnp.where(last, out, 0.0), pp.STAGE)
     return einops.rearrange(out, "m mb s v -> (m mb) s v")              # [b, S, V]

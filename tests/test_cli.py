@@ -35,20 +35,20 @@ BAD_FLAGS = [
      "seq_len=36 is not divisible by 2*context=8"),
     (["--strategy=ep", "--mesh=expert:8", "--batch=4"],
      "batch=4 is not divisible by mesh axis dataxfsdpxexpert=8"),
-    (["--strategy=ep", "--mesh=expert:8", "--opt=dispatch=ragged"],
-     "dispatch=ragged needs ragged_all_to_all"),
+    (["--strategy=ep", "--mesh=expert:8", "--opt=exchange=ragged"],
+     "exchange=ragged needs ragged_all_to_all"),
     # the flags strategy options replaced: each names its --opt form
-    (["--strategy=ep", "--dispatch=a2a"], "--dispatch is retired: give --opt=dispatch=VALUE (ep)"),
+    (["--strategy=ep", "--dispatch=a2a"], "--dispatch is retired: give --opt=exchange=VALUE (ep)"),
     (["--strategy=ep", "--dispatch_batch_on_expert"],
-     "--dispatch_batch_on_expert is retired: give --opt=dispatch=none (ep)"),
+     "--dispatch_batch_on_expert is retired: give --opt=exchange=none (ep)"),
     (["--strategy=shard_exp_on_fsdp", "--expert_fsdp_mode=ep"],
      "--expert_fsdp_mode is retired: give --opt=mode=VALUE (shard_exp_on_fsdp)"),
     (["--strategy=ep_tp", "--ep_tp_capacity=0.5"],
      "--ep_tp_capacity is retired: give --opt=capacity=VALUE (ep_tp)"),
     (["--strategy=cp", "--context_sharding=context"], "--context_sharding is retired: give nothing"),
     # a strategy option of another strategy (the rest: test_options_one_line_errors, in-process)
-    (["--strategy=tp", "--opt=dispatch=a2a"],
-     "strategy 'tp' has no option 'dispatch' (it is an option of ep); its options: none"),
+    (["--strategy=tp", "--opt=exchange=a2a"],
+     "strategy 'tp' has no option 'exchange' (it is an option of ep, ep_tp); its options: none"),
     (["--strategy=ep_tp", "--mesh=data:2,expert:4"], "n_kv_heads=2 is not divisible by mesh axis expert=4"),
     (["--strategy=shard_exp_on_fsdp", "--mesh=fsdp:2,expert:4", "--batch=4"],
      "batch=4 is not divisible by mesh axis fsdpxexpert=8"),
@@ -352,14 +352,14 @@ def _check_in_process(*args):
 
 @pytest.mark.parametrize("args,message", [
     (["--strategy=dp", "--capacity_factor=nan"], "--capacity_factor=nan must be a finite number >= 0"),
-    (["--strategy=pp", "--opt=dispatch=ragged"], "strategy 'pp' has no option 'dispatch'"),
-    (["--strategy=ep", "--opt=speed=fast"], "strategy 'ep' has no option 'speed'; its options: dispatch"),
-    (["--strategy=ep", "--opt=dispatch=fast"], "ep option dispatch='fast': choose from a2a, ragged, none"),
+    (["--strategy=pp", "--opt=exchange=ragged"], "strategy 'pp' has no option 'exchange'"),
+    (["--strategy=ep", "--opt=speed=fast"], "strategy 'ep' has no option 'speed'; its options: exchange"),
+    (["--strategy=ep", "--opt=exchange=fast"], "ep option exchange='fast': choose from a2a, ragged, none"),
     (["--strategy=ep_tp", "--opt=capacity=1.5"], "ep_tp option capacity=1.5: must be a finite number in [0, 1]"),
     (["--strategy=ep_tp", "--opt=capacity=x"], "ep_tp option capacity='x': expected a number"),
     (["--strategy=shard_exp_on_fsdp", "--opt=mode=both"],
      "shard_exp_on_fsdp option mode='both': choose from gather, ep"),
-    (["--strategy=ep", "--opt=dispatch"], "bad --opt entry 'dispatch': expected key=value"),
+    (["--strategy=ep", "--opt=exchange"], "bad --opt entry 'exchange': expected key=value"),
     (["--compare=dp,tp", "--opt=mode=ep"],
      "--opt key 'mode' belongs to none of the compared strategies (an option of shard_exp_on_fsdp)"),
     (["--compare=cp,cp:kv_exchange"], "comparison entry 'cp:kv_exchange': after the strategy"),
@@ -384,12 +384,12 @@ def test_options_reach_the_strategies_that_have_them():
   import command_line as command
   import strategies
   run.F.unparse_flags()
-  run.F(["run.py", "--compare=ep,ep_tp,dp", "--opt=dispatch=none,capacity=0.5"])
+  run.F(["run.py", "--compare=ep:exchange=none,ep_tp,dp", "--opt=capacity=0.5"])
   try:
     opts = command.strategy_options(run.F, command.strategy_names(run.F))
   finally:
     run.F.unparse_flags()
-  assert opts == {"ep": strategies.get("ep").Options(dispatch="none"),
+  assert opts == {"ep:exchange=none": strategies.get("ep").Options(exchange="none"),
                   "ep_tp": strategies.get("ep_tp").Options(capacity=0.5),
                   "dp": strategies.get("dp").Options()}
 
@@ -400,7 +400,7 @@ def test_compare_entries_carry_their_own_options():
   import command_line as command
   import strategies
   run.F.unparse_flags()
-  run.F(["run.py", "--compare=cp,cp:kv_exchange=ring,ep", "--opt=dispatch=none"])
+  run.F(["run.py", "--compare=cp,cp:kv_exchange=ring,ep", "--opt=exchange=none"])
   try:
     opts = command.strategy_options(run.F, command.strategy_names(run.F))
     run.F.unparse_flags()
@@ -410,7 +410,7 @@ def test_compare_entries_carry_their_own_options():
     run.F.unparse_flags()
   cp = strategies.get("cp").Options
   assert opts == {"cp": cp(), "cp:kv_exchange=ring": cp(kv_exchange="ring"),
-                  "ep": strategies.get("ep").Options(dispatch="none")}
+                  "ep": strategies.get("ep").Options(exchange="none")}
   assert every == [e for n in strategies.available() for e in strategies.compare_entries(n)]
   assert "cp:kv_exchange=ring" in every and "ep_as_cp:kv_exchange=ring" in every
 

@@ -1,6 +1,6 @@
 """layout/dispatch.py's index helpers, hand-worked (send plans, buffers, ragged offsets, the
 buffer bound), and the exchange that uses them (strategies/ep.py's moe_body with each
-transport: a2a_exchange; local_exchange, dispatch=none; ragged_exchange through a dense emulation
+exchange: a2a_exchange; local_exchange, exchange=none; ragged_exchange through a dense emulation
 of ragged_all_to_all, since XLA:CPU cannot run the real op) with routing and experts replaced by
 stand-ins: the rows each expert receives on 2 and 3 shards, the round trip of every kept copy,
 worst-case exactness, padding never read; then the whole EP MoE against moe_local."""
@@ -37,7 +37,7 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
   return output
 
 
-TRANSPORTS = {A2A: EP.a2a_exchange,
+EXCHANGES = {A2A: EP.a2a_exchange,
               "ragged": functools.partial(EP.ragged_exchange, ragged_fn=emulated_ragged_all_to_all),
               "local": EP.local_exchange}
 
@@ -65,7 +65,7 @@ def exchange(monkeypatch, xs, experts, keep, n_experts, body=A2A):
 
   def run(x, e, kp):                                           # x [1, T, D]: b = 1, s = T
     y, _ = EP.moe_body({"experts": e[0], "keep": kp[0]}, x, None, cfg=cfg, ep_axes=("expert",),
-                       ep=ep, token_axes=("expert",), transport=TRANSPORTS[body])
+                       ep=ep, token_axes=("expert",), exchange=EXCHANGES[body])
     return seen["rows"][None], seen["gs"][None], y
 
   _need(ep)
@@ -170,7 +170,7 @@ def test_round_trip_never_reads_padding(monkeypatch, body):
 
 
 def test_no_exchange_keeps_rows_local(monkeypatch):
-  """dispatch=none (local_exchange): the send buffer stays put and every device's
+  """exchange=none (local_exchange): the send buffer stays put and every device's
   own rows go through all E experts (E = padding)."""
   rows, gs, y = exchange(monkeypatch, X2, E2, K2, 4, "local")
   np.testing.assert_array_equal(rows[0, :, 0], [11, 10, 12, 10, 12, 11] + [0] * 6)
@@ -200,14 +200,14 @@ def test_capacity_bound():
   assert dispatch.rows_bound(10, 4, 8) == 40       # L>=K: all K copies can go to one shard
 
 
-def test_transport_choice():
-  """The default is the a2a transport, checked on CPU; ragged is opt-in and refused on CPU."""
-  assert EP.Options().dispatch == A2A
-  assert EP.TRANSPORTS == {A2A: EP.a2a_exchange, "ragged": EP.ragged_exchange,
+def test_exchange_choice():
+  """The default is the a2a exchange, checked on CPU; ragged is opt-in and refused on CPU."""
+  assert EP.Options().exchange == A2A
+  assert EP.EXCHANGES == {A2A: EP.a2a_exchange, "ragged": EP.ragged_exchange,
                            "none": EP.local_exchange}
-  EP.check_transport("ragged", "gpu")
-  with pytest.raises(ConfigError, match=r"^dispatch=ragged needs ragged_all_to_all"):
-    EP.check_transport("ragged", "cpu")
+  EP.check_exchange("ragged", "gpu")
+  with pytest.raises(ConfigError, match=r"^exchange=ragged needs ragged_all_to_all"):
+    EP.check_exchange("ragged", "cpu")
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,7 +226,7 @@ def _need(n: int) -> None:
     pytest.skip(f"needs {n} devices, this host has {jax.device_count()}")
 
 
-def _moe_ep(transport, mesh=None, ep_axes=("expert",)):
+def _moe_ep(exchange, mesh=None, ep_axes=("expert",)):
   """Jitted ep.moe_ep on a mesh with tokens over every axis and experts over ep_axes."""
   cfg, p, x, pos = _moe_case()
   if mesh is None:
@@ -236,7 +236,7 @@ def _moe_ep(transport, mesh=None, ep_axes=("expert",)):
   e_entry = ep_axes[0] if len(ep_axes) == 1 else ep_axes
   with jax.set_mesh(mesh):
     pp = {k: jax.device_put(v, P(e_entry, None, None) if v.ndim == 3 else P()) for k, v in p.items()}
-    f = jax.jit(lambda p, x, pos: EP.moe_ep(p, x, pos, cfg, ep_axes=ep_axes, transport=transport))
+    f = jax.jit(lambda p, x, pos: EP.moe_ep(p, x, pos, cfg, ep_axes=ep_axes, exchange=exchange))
     args = (pp, jax.device_put(x, P(tok, None, None)), jax.device_put(pos, P(tok, None)))
     return f, args
 
@@ -252,7 +252,7 @@ def test_moe_ep_matches_moe_local(body, mesh, ep_axes):
   cfg, p, x, pos = _moe_case()
   want, want_stats = moe.moe_local(p, jnp.asarray(x), jnp.asarray(pos), cfg)
   _need(8)
-  f, args = _moe_ep(TRANSPORTS[body], mesh_lib.make_mesh(mesh) if mesh else None, ep_axes)
+  f, args = _moe_ep(EXCHANGES[body], mesh_lib.make_mesh(mesh) if mesh else None, ep_axes)
   y, stats = f(*args)
   np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(stats["counts"]), np.asarray(want_stats["counts"]))

@@ -1,6 +1,6 @@
 """ep beyond the shared table (tests/test_strategies.py): the all-to-all count and exact bytes, no
 expert weight moving over `expert`, the capacity rule sizing the exchange, and MaxText
-#4179's dispatch fix (buffer specs without running the model; what dispatch=none compiles to)."""
+#4179's dispatch fix (buffer specs without running the model; what exchange=none compiles to)."""
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -17,7 +17,7 @@ EP = strategies.get("ep")
 CASES = [("tiny", "expert:8"), ("tiny", "data:2,expert:4"), ("deepseek-test", "fsdp:2,expert:4")]
 FLAG = ("tiny", "data:2,expert:4")        # the #4179 comparison: same model and mesh, flag on/off
 A2A, AG, RS = "all-to-all", "all-gather", "reduce-scatter"
-NONE = EP.Options(dispatch="none")
+NONE = EP.Options(exchange="none")
 
 
 def _cfg(model):
@@ -69,8 +69,8 @@ def test_dispatch_buffer_batch_does_not_steal_expert(mesh):
   """Pure sharding check (strategies.ep.buffer_type, nothing traced): the experts' input as one
   global [N_src, EP, C, D] array. Default: each device's block is the recv of
   strategies.ep.a2a_exchange, rows from the EP sources of its group for its own experts; the
-  flag (dispatch=none): the send of strategies.ep.local_exchange, its own rows for every EP
-  shard's experts (tests/test_dispatch.py shows both transports' rows)."""
+  flag (exchange=none): the send of strategies.ep.local_exchange, its own rows for every EP
+  shard's experts (tests/test_dispatch.py shows both exchanges' rows)."""
   cfg, m = _cfg("tiny"), _mesh(mesh)
   ep = m.shape["expert"]
   c = dispatch.send_rows(cfg, 1, cfg.seq_len, ep)                      # one sequence per device
@@ -122,9 +122,9 @@ def test_flag_compiles_to_the_all_gather_fallback():
 
 
 def test_ragged_contract_block_matches_its_cost_model():
-  """dispatch=ragged cannot compile on XLA:CPU, so its HLO is unmeasured here; its docstring
+  """exchange=ragged cannot compile on XLA:CPU, so its HLO is unmeasured here; its docstring
   block and its cost terms are still one set (a GPU run holds both to the program)."""
-  cfg, m, opts = _cfg("tiny"), _mesh("data:2,expert:4"), EP.Options(dispatch="ragged")
+  cfg, m, opts = _cfg("tiny"), _mesh("data:2,expert:4"), EP.Options(exchange="ragged")
   declared = parity.declared("ep", opts, m)
   model = set(cost.by_axes(cost.step_terms(EP, cfg, m, opts)))
   assert declared == model, (declared ^ model)

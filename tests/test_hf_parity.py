@@ -51,7 +51,7 @@ def load(name: str):
 
 
 def logits(name: str, cfg, params, batch, mesh_spec):
-  """The suite's logits [B, S, V] for `params` under strategy `name` (its Layout; pp: its
+  """The suite's logits [B, S, V] for `params` under strategy `name` (its Parallelism; pp: its
   pipeline, tests/pipeline.py's logits; cp: its load-balanced token order, undone after)."""
   strat = strategies.get(name)
   n = math.prod(mesh_lib.parse_mesh_spec(mesh_spec).values()) if mesh_spec else None

@@ -1,5 +1,6 @@
-"""The one table that drives the strategy tests: every strategy's TEST_CASES, COST_CASES, LAYOUTS
-and BAD_INPUT rows (declared in strategies/NAME.py, see strategies/__init__.py) run here.
+"""The one table that drives the strategy tests: every strategy's TEST_CASES, COST_CASES,
+INVARIANT_MESHES and BAD_INPUT rows (declared in strategies/NAME.py, see strategies/__init__.py)
+run here.
 
   parity    loss, aux loss, grad norm, dropped, every gradient and post-step parameter against
             the single-device reference, 3 steps (tests/parity.py)
@@ -56,9 +57,10 @@ def test_cost_model(name, case):
   parity.assert_cost_model(name, case.config(), case.mesh, case.opts)
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if hasattr(strategies.get(n), "LAYOUTS")])
+@pytest.mark.parametrize("name", [n for n in NAMES
+                                  if hasattr(strategies.get(n), "INVARIANT_MESHES")])
 def test_layout_invariance(name):
-  model, meshes, *over = strategies.get(name).LAYOUTS
+  model, meshes, *over = strategies.get(name).INVARIANT_MESHES
   parity.assert_layout_invariance(name, get_config(model, **(over[0] if over else {})), meshes)
 
 
