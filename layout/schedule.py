@@ -51,7 +51,7 @@ r+1 of stage 0 the next tick (M a multiple of P). P = 3, M = 3, v = 2:
 """
 import numpy as np
 
-from layout.mesh import STAGE, require_divisible
+from layout.mesh import STAGE, axis_size, require_divisible
 from modeling.config import ConfigError, balanced_layout
 
 
@@ -181,7 +181,7 @@ def check_layout(cfg, mesh, opts):
   stage; the interleaved schedules' P x v groups stored round-robin, microbatches in rounds of
   P), or without --layer_layout, MoE layers that the stages divide (stored_config balances the
   others)."""
-  p, v = mesh.shape[STAGE], opts.virtual_stages
+  p, v = axis_size(mesh, STAGE), opts.virtual_stages
   if opts.schedule == "gpipe" and v != 1:
     raise ConfigError(f"--opt=virtual_stages={v} is the interleaved schedule's; "
                       f"schedule={opts.schedule} runs one chunk per stage")
@@ -203,9 +203,9 @@ def check_layout(cfg, mesh, opts):
                       f"schedule; schedule={opts.schedule} holds one group per stage")
   if cfg.layer_layout and not round_robin(opts):          # one group of the stack per stage
     groups = len(cfg.layer_groups)
-    if groups != mesh.shape[STAGE]:
+    if groups != axis_size(mesh, STAGE):
       raise ConfigError(f"layer_layout={cfg.layer_layout} has {groups} groups, mesh axis "
-                        f"stage={mesh.shape[STAGE]}: one group per stage")
+                        f"stage={axis_size(mesh, STAGE)}: one group per stage")
   elif not cfg.layer_layout:                 # stored_config gives the uneven ones a layout
     name = "n_layers - first_k_dense_replace" if cfg.first_k_dense_replace else "n_layers"
     if cfg.n_moe_layers < p:
@@ -220,7 +220,7 @@ def stored_config(cfg, mesh, opts):
   --layer_layout is not given). Every other schedule: one group per stage, cfg as given, or
   where P does not divide the MoE layers and --layer_layout is not given, balanced_layout's
   (3 on 2 stages: 2,1); with fewer MoE layers than stages cfg as given, for pp.check to refuse."""
-  p = mesh.shape[STAGE]
+  p = axis_size(mesh, STAGE)
   if not round_robin(opts):
     n = cfg.n_moe_layers
     if cfg.layer_layout or n % p == 0 or n < p:
@@ -243,7 +243,7 @@ def layout_note(cfg, mesh, opts) -> str | None:
   groups = stored.layer_groups
   if cfg.layer_layout or not stored.layer_layout or len(set(groups)) == 1:
     return None
-  p = mesh.shape[STAGE]
+  p = axis_size(mesh, STAGE)
   where = f"on {p} stages" if len(groups) == p else f"in {len(groups)} chunks on {p} stages"
   return (f"pp: {cfg.n_moe_layers} MoE layers {where}: --layer_layout={stored.layer_layout} "
           f"(balanced)")
@@ -257,7 +257,7 @@ def chunks(cfg) -> int:
 
 def bubble(cfg, mesh) -> float:
   """The idle share of a stage's ticks, (P-1)/(v*M+P-1)."""
-  p, v = mesh.shape[STAGE], chunks(cfg)
+  p, v = axis_size(mesh, STAGE), chunks(cfg)
   return (p - 1) / (v * cfg.microbatches + p - 1)
 
 

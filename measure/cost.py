@@ -329,11 +329,11 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None,
                            for e in spec) if m]                  # per dim, major first
       shards = spec_shards(spec, mesh)
       for m in reversed(moves):
-        shards //= math.prod(mesh.shape[a] for a in m)
+        shards //= axis_size(mesh, *m)
         out += place(mesh, "all-gather", "fwd", f"{leaf.role} gathered", full / shards, m,
                     RECOMPUTED if leaf.role in model.LAYER_ROLES and not once else ())
       for m in moves:
-        shards *= math.prod(mesh.shape[a] for a in m)
+        shards *= axis_size(mesh, *m)
         out += place(mesh, "reduce-scatter", "bwd", f"{leaf.role} grads", grad / shards, m)
       moved = {a for m in moves for a in m}
       groups = (tuple(a for a in g if a not in moved),)
@@ -372,7 +372,7 @@ def muon_terms(cfg, mesh, specs, axes) -> list[Term]:
                          for d in sorted(matrix)) if m]                   # per matrix dim
     size = nbytes(leaf.shape) / spec_shards(spec, mesh)                 # the stored shard
     for m in reversed(moves):           # one all-gather per split dim, the minor first
-      size *= math.prod(mesh.shape[a] for a in m)
+      size *= axis_size(mesh, *m)
       out += term(mesh, "all-gather", "opt", f"{leaf.role} whole for Newton-Schulz", size, m)
   return out
 

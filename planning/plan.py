@@ -388,8 +388,8 @@ def _pp_gathered(name: str, cfg, shape: tuple) -> tuple[float, float]:
                           is_leaf=lambda x: isinstance(x, PartitionSpec))
   gathered = local = 0.0
   for leaf, spec in zip(leaves, specs):
-    n = math.prod(mesh.shape[a] for e in spec for a in entry_axes(e)
-                  if strat.DATA in entry_axes(e) and a in strat.SPREAD)
+    n = mesh_lib.axis_size(mesh, *(a for e in spec for a in entry_axes(e)
+                                   if strat.DATA in entry_axes(e) and a in strat.SPREAD))
     if n > 1:
       gathered += math.prod(leaf.shape) / spec_shards(spec, mesh) * n
     else:

@@ -362,22 +362,24 @@ def cost(cfg, mesh, opts, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
   return terms + exchange_terms(cfg, mesh, opts.exchange, b_loc, t_loc)
 
 
-def exchange_terms(cfg, mesh, exchange_name, b_loc, t_loc, axes=(EXPERT,)):
-  """The token exchange over `axes` (one EP group) per step (moe_body with that exchange; also
-  ep_x_tp's and shard_exp_on_fsdp's): b_loc sequences and t_loc tokens routed per device."""
+def exchange_terms(cfg, mesh, exchange_name, b_loc, t_loc, axes=(EXPERT,), calls=None):
+  """The token exchange over `axes` (one EP group) per step, `calls` runs of moe_body with that
+  exchange (default: one per MoE layer; pp: per stage pass and local layer): b_loc sequences
+  and t_loc tokens routed per device and run. ep's, ep_x_tp's, shard_exp_on_fsdp's and pp's."""
+  calls = cfg.n_moe_layers if calls is None else calls
   e = mesh_lib.axis_size(mesh, *axes)
   c = dispatch.send_rows(cfg, b_loc, t_loc // b_loc, e)
   act, term = cost_lib.act_bytes(cfg), functools.partial(cost_lib.term, mesh)
   if exchange_name == "a2a":
     buf = e * c * cfg.d_model * act                              # [EP, C, D]
     return (term("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, e] (int32)",
-                 cfg.n_moe_layers * (2 * buf + cfg.n_experts * 4), axes, cost_lib.RECOMPUTED)
-            + term("all-to-all", "bwd", "their transposes", cfg.n_moe_layers * 2 * buf, axes))
+                 calls * (2 * buf + cfg.n_experts * 4), axes, cost_lib.RECOMPUTED)
+            + term("all-to-all", "bwd", "their transposes", calls * 2 * buf, axes))
   if exchange_name == "ragged":                    # output buffers: [EP*C, D] and [T*K, D]
     rows = (e * c + t_loc * cfg.top_k) * cfg.d_model * act
-    return (term("all-gather", "fwd", "counts [EP, EP, e] (int32)", cfg.n_moe_layers * e * cfg.n_experts * 4,
+    return (term("all-gather", "fwd", "counts [EP, EP, e] (int32)", calls * e * cfg.n_experts * 4,
                  axes, cost_lib.RECOMPUTED)
-            + term("ragged-all-to-all", "fwd", "dispatch + combine rows", cfg.n_moe_layers * rows,
-                   axes, cost_lib.RECOMPUTED)
-            + term("ragged-all-to-all", "bwd", "their transposes", cfg.n_moe_layers * rows, axes))
+            + term("ragged-all-to-all", "fwd", "dispatch + combine rows", calls * rows, axes,
+                   cost_lib.RECOMPUTED)
+            + term("ragged-all-to-all", "bwd", "their transposes", calls * rows, axes))
   return []

@@ -224,8 +224,8 @@ def loss(params, batch, *, cfg, mesh):
   """The whole model under the GPipe schedule (interleaved when the stack is stored for it:
   `chunks`) -> (loss, metrics as model.loss_fn's)."""
   specs, bspec = param_specs(cfg, mesh), batch_spec(cfg, mesh)
-  body = functools.partial(_pipeline, specs=specs, cfg=cfg, n_stage=mesh.shape[STAGE],
-                           ep_size=mesh.shape[EXPERT])
+  body = functools.partial(_pipeline, specs=specs, cfg=cfg, n_stage=mesh_lib.axis_size(mesh, STAGE),
+                           ep_size=mesh_lib.axis_size(mesh, EXPERT))
   return jax.shard_map(body, in_specs=(specs,) + (bspec,) * 3, out_specs=(P(), METRICS))(
       params, *(batch[k] for k in KEYS))
 
@@ -389,9 +389,9 @@ def _scheduled_loss(params, batch, *, cfg, mesh, name):
   (`_run_table`) and keeps the gradients as its residual, which the backward rule scales by the
   loss's cotangent. The primal alone (no gradient asked) is the GPipe forward."""
   specs, bspec = param_specs(cfg, mesh), batch_spec(cfg, mesh)
-  table = schedule(name, mesh.shape[STAGE], cfg.microbatches, chunks(cfg))
-  body = functools.partial(_run_table, specs=specs, cfg=cfg, n_stage=mesh.shape[STAGE],
-                           ep_size=mesh.shape[EXPERT], table=table,
+  table = schedule(name, mesh_lib.axis_size(mesh, STAGE), cfg.microbatches, chunks(cfg))
+  body = functools.partial(_run_table, specs=specs, cfg=cfg, n_stage=mesh_lib.axis_size(mesh, STAGE),
+                           ep_size=mesh_lib.axis_size(mesh, EXPERT), table=table,
                            pre_pass=counts_pre_pass(cfg, Options(schedule=name)))
   run = jax.shard_map(body, in_specs=(specs,) + (bspec,) * 3, out_specs=((P(), METRICS), specs))
 
@@ -646,7 +646,7 @@ def activation_shardings(cfg, mesh, opts):
 
 def cost(cfg, mesh, opts):
   """Per-device collective bytes per step (measure/cost.py; the docstring's schedule)."""
-  p, ep_size, v = mesh.shape[STAGE], mesh.shape[EXPERT], chunks(cfg)
+  p, ep_size, v = mesh_lib.axis_size(mesh, STAGE), mesh_lib.axis_size(mesh, EXPERT), chunks(cfg)
   # the stage passes a device runs per step (`stage_passes`), and the MoE rows a pass runs
   ticks, local_layers = v * cfg.microbatches + p - 1, cfg.n_layer_slots // p // v
   steps, pre_steps = stage_passes(cfg, p, opts)
@@ -672,9 +672,7 @@ def cost(cfg, mesh, opts):
                 STAGE)
          + term("collective-permute", "bwd", "cotangents to the previous stage", sends[1] * act,
                 STAGE)
-         + term("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, e]",
-                runs * (2 * buf + cfg.n_experts * 4), EXPERT, cost_lib.RECOMPUTED)
-         + term("all-to-all", "bwd", "their transposes", runs * 2 * buf, EXPERT)
+         + ep.exchange_terms(cfg, mesh, "a2a", mb, mb * cfg.seq_len, calls=runs)
          + term("all-reduce", "fwd", "router stats per microbatch", runs * stats, TOKENS)
          + term("all-reduce", "fwd", cost_lib.HOISTED, hoist * cost_lib.F32, TOKENS)
          + term("all-reduce", "fwd", "aux / z / dropped sums", 3 * cost_lib.F32, STAGE)
