@@ -50,11 +50,15 @@ class CheckpointError(ConfigError):
   """A checkpoint that cannot be restored here; run.py prints it as a one-line error (exit 2)."""
 
 
-def _manager(directory: str, create: bool = False):
+def _manager(directory: str, create: bool = False, on_commit=None):
+  """orbax's manager of `directory`'s steps; on_commit: called (no arguments, from orbax's
+  background thread) after each save is committed."""
   import orbax.checkpoint as ocp
   return ocp.CheckpointManager(
       os.path.abspath(directory), item_names=("state", "meta"),
-      options=ocp.CheckpointManagerOptions(create=create, max_to_keep=None))
+      options=ocp.CheckpointManagerOptions(
+          create=create, max_to_keep=None,
+          async_options=ocp.AsyncOptions(post_finalization_callback=on_commit)))
 
 
 def steps(directory: str) -> list[int]:
@@ -124,16 +128,11 @@ class Saver:
   refuses such a plan before compiling)."""
 
   def __init__(self, directory: str, cfg: Config, say=print, **extra):
-    import orbax.checkpoint as ocp
     _quiet_orbax_logs()
     self.cfg, self.extra, self.directory, self.say = cfg, extra, directory, say
     self.lock = threading.Lock()
     self.pending: list[int] = []         # saved, not yet reported as committed
-    self.mgr = ocp.CheckpointManager(
-        os.path.abspath(directory), item_names=("state", "meta"),
-        options=ocp.CheckpointManagerOptions(
-            create=True, max_to_keep=None,
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._report)))
+    self.mgr = _manager(directory, create=True, on_commit=self._report)
     self.saved = set(self.mgr.all_steps())
 
   def _report(self) -> None:
@@ -185,7 +184,8 @@ class Saver:
     try:
       self.mgr.wait_until_finished()
     except Exception as e:               # noqa: BLE001 -- any write failure
-      raise self._failed(self.pending[0] if self.pending else max(self.saved, default=0), e) from None
+      step = self.pending[0] if self.pending else max(self.saved, default=0)
+      raise self._failed(step, e) from None
     finally:
       try:
         self.mgr.close()

@@ -62,7 +62,8 @@ def train_one(F, strat, cfg, mesh, opts, on_compiled: Callable, say) -> None:
       flush=True)
   stats = hlo.compiled_stats(job.compiled, mesh, job.hlo)
   on_compiled(job, strat, stats, mesh_desc, say)
-  # line-buffered and flushed per step: a kill loses at most the step in flight
+  # line-buffered: each line reaches the file when written, so a kill loses at most the step in
+  # flight
   out = open(F.metrics_file, "w", buffering=1) if F.metrics_file and main else None
   saver = None
   if F.checkpoint_dir and not F.compile_only:
@@ -114,7 +115,6 @@ def run_steps(job, steps: int, start: int, planned: list[int], saver, out, say):
             f"{tokens / dt:,.0f} tok/s", flush=True)
         if out:
           out.write(json.dumps(rec) + "\n")
-          out.flush()
         if not train.finite(m):
           raise NonFinite(f"non-finite loss at step {i}")
         if stop.requested(done) and done != start + steps:
@@ -137,8 +137,6 @@ def check_allocation(cfg, strat, mesh, opts, model_name: str) -> None:
   """Refuse, before anything is allocated, a run whose float32 parameters (built whole on the
   host by modeling.model.init_params) plus, on simulated CPU devices, every device's parameter
   and optimizer shards would not fit this host's memory: such a study is --compile_only."""
-  import jax
-
   from measure import cost
   from modeling import model
   full = sum(cost.nbytes(l.shape) for l in model.param_leaves(cfg))           # numpy init
@@ -150,5 +148,5 @@ def check_allocation(cfg, strat, mesh, opts, model_name: str) -> None:
   have = _host_bytes()
   if need > 0.8 * have:
     raise ConfigError(f"model {model_name} would allocate {need / 2**30:,.1f} GiB of float32 "
-                     f"parameters and optimizer state on this host ({have / 2**30:.0f} GiB): "
-                     "use --compile_only to study it without allocating")
+                      f"parameters and optimizer state on this host ({have / 2**30:.0f} GiB): "
+                      "use --compile_only to study it without allocating")
