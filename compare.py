@@ -320,12 +320,13 @@ def settings(cfg, model_name: str, steps: int, compile_only: bool, opts: dict,
 
 def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: str | None,
          compile_only: bool, model_name: str, hbm_gb: float | None = None,
-         opts: dict | None = None, full_parity: bool = False, breakdown: bool = False) -> list[dict]:
+         opts: dict | None = None, full_parity: bool = False, breakdown: bool = False,
+         every_what: bool = False) -> list[dict]:
   """names: the strategies to compare (run.py resolves 'all'); opts: {name: its Options};
   full_parity: hold every gradient and post-step parameter to the reference's, not only the
   losses (measure/agreement.py; in bf16 every row, the reference's too, then runs at
   agreement.parity_config: experts chosen by position); breakdown: print bytes per (kind, axes,
-  phase) and per layer."""
+  phase) and per layer, naming every cost term with every_what (--breakdown_all)."""
   wanted, opts = list(names), opts or {}
   if full_parity and not compile_only:
     cfg = agreement.parity_config(cfg)
@@ -392,7 +393,7 @@ def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: s
   if breakdown:
     for r in rows:
       if "terms" in r:
-        print(report.breakdown(r, cfg.n_layers))
+        print(report.breakdown(r, cfg.n_layers, every_what=every_what))
   if report_dir:
     report.write_report(rows, report_dir, model_name, info, line, hbm_gb, compile_only, simulated)
     print(f"wrote {report_dir}/table.json, table.csv, table.md" +

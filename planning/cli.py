@@ -96,9 +96,9 @@ def check_flags(F):
                "restore", "metrics_file", "steps"):
     if getattr(F, flag) is not None:
       raise UsageError(f"--{flag} does not apply to --plan (it ranks layouts and trains none)")
-  if F.compile_only or F.full_parity or F.breakdown or F.hlo_stats:
+  if F.compile_only or F.full_parity or F.breakdown or F.breakdown_all or F.hlo_stats:
     raise UsageError("--plan compiles its best candidates itself (--plan_compile); it takes no "
-                     "--compile_only, --full_parity, --breakdown or --hlo_stats")
+                     "--compile_only, --full_parity, --breakdown(_all) or --hlo_stats")
   cluster = clusters.get(F.cluster)
   if not 2 <= F.devices <= command.MAX_DEVICES:
     raise UsageError(f"--devices={F.devices} must be in [2, {command.MAX_DEVICES}] for --plan")

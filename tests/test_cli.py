@@ -498,6 +498,7 @@ def test_breakdown_shows_once_per_step_terms_per_step():
   ar_opt = [l for l in r.stdout.splitlines() if l.startswith("|  | opt |")]
   assert ar_opt and "4/step" in ar_opt[0], r.stdout                  # the grad norm, once
   assert "(+11 more: --breakdown_all)" in r.stdout, r.stdout
-  r = _run("--strategy=fsdp", "--model=deepseek-test", "--mesh=fsdp:8", "--compile_only",
-           "--breakdown_all")
-  assert "more: --breakdown_all" not in r.stdout and "unembed gathered" in r.stdout, r.stdout
+  for mode in ("--strategy=fsdp", "--compare=fsdp"):                 # both print the breakdown
+    r = _run(mode, "--model=deepseek-test", "--mesh=fsdp:8", "--compile_only", "--breakdown_all")
+    assert r.returncode == 0, r.stderr
+    assert "more: --breakdown_all" not in r.stdout and "unembed gathered" in r.stdout, r.stdout
