@@ -23,6 +23,46 @@ def subprocess_env() -> dict:
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# run.py's own entry point (`_run`: absl flags, the checks, the `error:` line and the exit
+# status) for many command lines in one Python process, so that jax and the suite are imported
+# once rather than once per command; an exception escaping `_run` is written out as the traceback
+# it would print, with exit status 1.
+_RUN_PY_DRIVER = """
+import contextlib, io, json, sys, traceback
+import run
+out = {}
+for key, args in json.loads(sys.argv[1]).items():
+  o, e = io.StringIO(), io.StringIO()
+  sys.argv = ["run.py", *args]
+  run.F.unparse_flags()
+  code = 0
+  try:
+    with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
+      run._run()
+  except SystemExit as x:
+    code = 0 if x.code is None else x.code if isinstance(x.code, int) else 1
+  except BaseException:
+    e.write(traceback.format_exc())
+    code = 1
+  out[key] = [code, o.getvalue(), e.getvalue()]
+print("RESULTS " + json.dumps(out))
+"""
+
+
+def run_py_in_one_process(rows: dict, timeout: float = 600) -> dict:
+  """{key: run.py's arguments} -> {key: [exit status, stdout, stderr]}, every row through
+  run._run in one subprocess (JAX_PLATFORMS=cpu, the tests' codegen flags)."""
+  import json
+  import subprocess
+  env = subprocess_env()
+  env["JAX_PLATFORMS"] = "cpu"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run([sys.executable, "-c", _RUN_PY_DRIVER, json.dumps(rows)], cwd=root, env=env,
+                     capture_output=True, text=True, timeout=timeout)
+  line = [l for l in r.stdout.splitlines() if l.startswith("RESULTS ")]
+  assert line, r.stdout + r.stderr
+  return json.loads(line[-1].removeprefix("RESULTS "))
+
 import jax  # noqa: E402
 
 # The persistent compilation cache, shared by both xdist workers. jax writes an entry in place; a

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import subprocess_env
+from tests.conftest import run_py_in_one_process, subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -137,46 +137,15 @@ BAD_FLAGS = [
     (["--strategy=dp", "--steps=x"], "flag --steps=x: invalid literal for int()"),
 ]
 
-# Every BAD_FLAGS row through run.py's own entry point (`_run`: absl flags, the checks, the
-# `error:` line and the exit status), all in one Python process, so that jax and the suite are
-# imported once rather than once per row; an exception escaping `_run` is written out as the
-# traceback it would print, with exit status 1.
-_DRIVER = """
-import contextlib, io, json, sys, traceback
-import run
-out = []
-for args in json.loads(sys.argv[1]):
-  err = io.StringIO()
-  sys.argv = ["run.py", *args]
-  run.F.unparse_flags()
-  try:
-    with contextlib.redirect_stderr(err):
-      run._run()
-    code = 0
-  except SystemExit as e:
-    code = e.code if isinstance(e.code, int) else 1
-  except BaseException:
-    err.write(traceback.format_exc())
-    code = 1
-  out.append([code, err.getvalue()])
-print("RESULTS " + json.dumps(out))
-"""
-
-
 @pytest.fixture(scope="module")
 def bad_flag_results():
-  env = subprocess_env()
-  env["JAX_PLATFORMS"] = "cpu"
-  r = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([a for a, _ in BAD_FLAGS])],
-                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-  line = [l for l in r.stdout.splitlines() if l.startswith("RESULTS ")]
-  assert line, r.stdout + r.stderr
-  return json.loads(line[-1].removeprefix("RESULTS "))
+  """Every BAD_FLAGS row through run.py's own entry point, in one process."""
+  return run_py_in_one_process({str(i): args for i, (args, _) in enumerate(BAD_FLAGS)})
 
 
 @pytest.mark.parametrize("row", range(len(BAD_FLAGS)), ids=[m for _, m in BAD_FLAGS])
 def test_bad_flags_one_line_error(bad_flag_results, row):
-  code, stderr = bad_flag_results[row]
+  code, _, stderr = bad_flag_results[str(row)]
   assert code == 2, stderr
   lines = [l for l in stderr.strip().splitlines() if l.strip()]
   assert len(lines) == 1 and lines[0].startswith("error: "), stderr

@@ -431,44 +431,10 @@ CONSTRAINED = {
     "none_microbatches": ["--strategy=ep", "--microbatches=3"],
     "none_opt": ["--opt=virtual_stages=3"],
 }
-_DRIVER = """
-import contextlib, io, json, sys, traceback
-import run
-out = {}
-for key, args in json.loads(sys.argv[1]).items():
-  o, e = io.StringIO(), io.StringIO()
-  sys.argv = ["run.py", *args]
-  run.F.unparse_flags()
-  code = 0
-  try:
-    with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
-      run._run()
-  except SystemExit as x:
-    code = 0 if x.code is None else x.code if isinstance(x.code, int) else 1
-  except BaseException:
-    e.write(traceback.format_exc())
-    code = 1
-  out[key] = [code, o.getvalue(), e.getvalue()]
-print("RESULTS " + json.dumps(out))
-"""
-
-
 @pytest.fixture(scope="module")
 def constrained():
-  import json
-  import subprocess
-  import sys
-
-  from tests.conftest import subprocess_env
-  from tests.test_cli import ROOT
-  env = subprocess_env()
-  env["JAX_PLATFORMS"] = "cpu"
-  rows = {k: PLAN + v for k, v in CONSTRAINED.items()}
-  r = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(rows)], cwd=ROOT, env=env,
-                     capture_output=True, text=True, timeout=600)
-  line = [l for l in r.stdout.splitlines() if l.startswith("RESULTS ")]
-  assert line, r.stdout + r.stderr
-  return json.loads(line[-1].removeprefix("RESULTS "))
+  from tests.conftest import run_py_in_one_process
+  return run_py_in_one_process({k: PLAN + v for k, v in CONSTRAINED.items()})
 
 
 def _layouts(results, key: str, batch: int = 64, source: str = PRESET) -> list[str]:
