@@ -43,7 +43,6 @@ class MemoryParser(flags.FloatParser):
     return super().parse(argument)
 
 
-
 def retired(argv: list[str]) -> None:
   """A retired flag in argv -> UsageError naming what replaced it."""
   for a in argv[1:]:
@@ -72,10 +71,7 @@ def check_flags(F):
     raise UsageError(f"--steps={F.steps} must be >= 0")
   if F.steps == 0 and not F.strategy:
     raise UsageError("--steps=0 in compare mode: use --compile_only to compare without running")
-  for name in ("batch", "seq", "layers", "microbatches"):
-    v = getattr(F, name)
-    if v is not None and v < 1:
-      raise UsageError(f"--{name}={v} must be >= 1")
+  check_sizes(F, ("batch", "seq", "layers", "microbatches"))
   if F.lr is not None and not (math.isfinite(F.lr) and F.lr > 0):
     raise UsageError(f"--lr={F.lr} must be a finite number > 0")
   if F.adam_eps is not None and not (math.isfinite(F.adam_eps) and F.adam_eps > 0):
@@ -83,8 +79,6 @@ def check_flags(F):
   if not (math.isfinite(F.capacity_factor) and F.capacity_factor >= 0):
     raise UsageError(f"--capacity_factor={F.capacity_factor} must be a finite number >= 0")
   if F.hbm_gb is not None:
-    if not (math.isfinite(F.hbm_gb) and F.hbm_gb > 0):
-      raise UsageError(f"--hbm_gb={F.hbm_gb} must be a finite number > 0")
     if not F.compile_only:
       raise UsageError("--hbm_gb needs --compile_only (the fit table is a compile-only study)")
   if F.hlo_stats and not F.strategy:
@@ -123,6 +117,17 @@ def check_flags(F):
     if getattr(F, flag):
       writable_dir(flag, getattr(F, flag))
   return dist
+
+
+def check_sizes(F, names) -> None:
+  """The size flags `names`, each >= 1 where given, and --hbm_gb a finite number > 0 (the checks
+  --plan's flags share: planning/cli.py)."""
+  for name in names:
+    v = getattr(F, name)
+    if v is not None and v < 1:
+      raise UsageError(f"--{name}={v} must be >= 1")
+  if F.hbm_gb is not None and not (math.isfinite(F.hbm_gb) and F.hbm_gb > 0):
+    raise UsageError(f"--hbm_gb={F.hbm_gb} must be a finite number > 0")
 
 
 def strategy_names(F) -> list[str]:

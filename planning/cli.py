@@ -105,12 +105,7 @@ def check_flags(F):
   if F.devices % cluster.node_size and cluster.node_size % F.devices:
     raise UsageError(f"--devices={F.devices}: whole nodes of {cluster.node_size} "
                      f"({cluster.name}), or part of one")
-  for name in ("batch", "seq", "layers"):
-    v = getattr(F, name)
-    if v is not None and v < 1:
-      raise UsageError(f"--{name}={v} must be >= 1")
-  if F.hbm_gb is not None and not (math.isfinite(F.hbm_gb) and F.hbm_gb > 0):
-    raise UsageError(f"--hbm_gb={F.hbm_gb} must be a finite number > 0")
+  command.check_sizes(F, ("batch", "seq", "layers"))
   if F.plan_compile < 0:
     raise UsageError(f"--plan_compile={F.plan_compile} must be >= 0")
   if F.plan_top < 1:

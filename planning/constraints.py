@@ -154,8 +154,7 @@ def _restrict(name: str, sets: list, pairs: dict[str, str]) -> list:
   errors for a bad value): a field the planner varies is filtered on, any other set."""
   cls = strategies.get(name).Options
   wanted = {k: getattr(options_lib.parse(name, cls, {k: v}), k) for k, v in pairs.items()}
-  varied = set(plan.OPTION_GRID.get(name, {}))
-  varied |= {k for extra in plan.OPTION_EXTRA.get(name, ()) for k in extra}
+  varied = set(plan.varied_fields(name))
   out = []
   for o in sets:
     if any(k in varied and getattr(o, k) != v for k, v in wanted.items()):
@@ -169,9 +168,7 @@ def _restrict(name: str, sets: list, pairs: dict[str, str]) -> list:
 def _varied_values(name: str) -> str:
   """'pp varies schedule over gpipe, 1f1b, interleaved; virtual_stages over 1, 2'."""
   sets = plan.option_sets(name)
-  fields = list(plan.OPTION_GRID.get(name, {}))
-  fields += [k for extra in plan.OPTION_EXTRA.get(name, ()) for k in extra if k not in fields]
-  vals = {k: list(dict.fromkeys(getattr(o, k) for o in sets)) for k in fields}
+  vals = {k: list(dict.fromkeys(getattr(o, k) for o in sets)) for k in plan.varied_fields(name)}
   return (f"{name} varies " + "; ".join(f"{k} over {', '.join(map(str, v))}"
                                         for k, v in vals.items())) if vals else f"{name}: none"
 

@@ -224,6 +224,12 @@ def _varied(name: str, opts) -> dict:
   return out
 
 
+def varied_fields(name: str) -> list[str]:
+  """The option fields the planner varies for this strategy: OPTION_GRID's, then OPTION_EXTRA's."""
+  fields = list(OPTION_GRID.get(name, {}))
+  return fields + [k for extra in OPTION_EXTRA.get(name, ()) for k in extra if k not in fields]
+
+
 def option_sets(name: str) -> list:
   """Every combination of the strategy's OPTION_GRID values, then OPTION_EXTRA's sets, as its
   Options."""
