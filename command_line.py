@@ -104,6 +104,7 @@ def check_flags(F):
     raise UsageError(f"--save_every={F.save_every} must be >= 0")
   if (F.checkpoint_dir or F.restore) and not F.strategy:
     raise UsageError("--checkpoint_dir and --restore need --strategy")
+  check_hf_flags(F)
   if F.restore is not None:
     if not F.checkpoint_dir:
       raise UsageError("--restore needs --checkpoint_dir")
@@ -117,6 +118,51 @@ def check_flags(F):
     if getattr(F, flag):
       writable_dir(flag, getattr(F, flag))
   return dist
+
+
+def check_hf_flags(F) -> None:
+  """--init_from=DIR (a Hugging Face checkpoint: the model and the starting weights) and
+  --export_hf=DIR (the trained weights, written after the last step): what can be judged
+  without JAX. --init_from makes DIR the model (--model omitted, or naming DIR or its
+  config.json); its tensors are checked against it in runtime/session.py, before compiling."""
+  from modeling import convert, export_hf
+  src, out = F.init_from, F.export_hf
+  for flag, path in (("init_from", src), ("export_hf", out)):
+    if path is not None and not F.strategy:
+      raise UsageError(f"--{flag} needs --strategy (compare mode builds every row from the "
+                       "model's own init)")
+    if path is not None and F.compile_only:
+      raise UsageError("--init_from loads weights a --compile_only run never allocates: give "
+                       "--model=DIR to compile its shapes" if flag == "init_from" else
+                       "--export_hf writes the trained weights: --compile_only trains none")
+  if src is not None:
+    if F.restore is not None:
+      raise UsageError("--init_from and --restore both give the starting weights: give one")
+    if not os.path.isdir(src):
+      raise UsageError(f"--init_from={src} is not a directory (a Hugging Face checkpoint: "
+                       "config.json + safetensors)")
+    try:
+      convert.read_config(src)
+      export_hf.checkpoint_files(src)
+    except (ValueError, KeyError, OSError) as e:
+      raise UsageError(f"--init_from={src}: {e}") from None
+    if F["model"].present:
+      same = {os.path.realpath(src), os.path.realpath(os.path.join(src, "config.json"))}
+      if os.path.realpath(F.model) not in same:
+        raise UsageError(f"--model={F.model} and --init_from={src} name different models: "
+                         "omit --model (the model is the checkpoint's config.json)")
+    F.model = src
+  if out is not None:
+    if F.layer_layout:
+      raise UsageError(f"--export_hf: --layer_layout={F.layer_layout} pads the MoE stack, which "
+                       "has no Hugging Face form; export from a run without it")
+    if src is not None and os.path.realpath(src) == os.path.realpath(out):
+      raise UsageError(f"--export_hf={out} is --init_from's directory: write a new one")
+    if os.path.isdir(out) and any(n == "config.json" or n.endswith(".safetensors")
+                                  or n.endswith(".safetensors.index.json") for n in os.listdir(out)):
+      raise UsageError(f"--export_hf={out} already holds a checkpoint: give an empty or new "
+                       "directory")
+    writable_dir("export_hf", out)
 
 
 def check_sizes(F, names) -> None:
@@ -176,6 +222,8 @@ def make_config(F):
                     ("layer_layout", "layer_layout")):
     if getattr(F, flag) is not None:
       over[key] = getattr(F, flag)
+  if F.data:
+    over["data"] = F.data                      # a token file: check_data reads it
   from modeling import gmm
   if F.gmm == "mgpu":
     import kernels.mgpu  # noqa: F401  (registers the Hopper kernel and wgrad with modeling.gmm)
@@ -183,7 +231,22 @@ def make_config(F):
     gmm.resolve_backend(F.gmm)
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  return get_config(F.model, **over)
+  try:
+    return get_config(F.model, **over)         # --init_from=DIR: F.model is DIR (check_hf_flags)
+  except ConfigError as e:
+    said = f"--model={F.model}:"
+    if F.init_from and str(e).startswith(said):
+      raise ConfigError(f"--init_from={F.init_from}:" + str(e)[len(said):]) from None
+    raise
+
+
+def check_data(cfg) -> None:
+  """--data: a token file of the model's vocab, long enough for one sequence (runtime/data.py:
+  its format, then one chunked scan for its smallest and largest token), or one-line
+  ConfigError, before anything compiles. Nothing without --data (the synthetic chain)."""
+  if cfg.data:
+    from runtime import data
+    data.check(cfg.data, cfg.seq_len, cfg.vocab)
 
 
 def setup_devices(n: int, dist, cache: str = "") -> None:

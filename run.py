@@ -60,6 +60,11 @@ flags.DEFINE_integer("attention_chunk", None, "keys per chunk of --attention=chu
 flags.DEFINE_string("aux_loss_kind", None, "load-balance loss: batch (f, P over the step's tokens) "
                     "| sequence (per sequence, DeepSeek-V3's); default from the preset")
 flags.DEFINE_integer("seed", 0, "init and data seed")
+flags.DEFINE_string("data", None, "train on a token file, read by memory map, instead of the "
+                    "synthetic Markov chain: NAME.bin (uint16, as nanoGPT writes), NAME.u32.bin "
+                    "(uint32) or NAME.npy (1-D integer); batch i is a pure function of (file, "
+                    "--seed, i, batch, seq): a seeded order of its windows, epoch after epoch "
+                    "(runtime/data.py)")
 flags.DEFINE_string("gmm", "ragged_dot", "grouped-matmul backend: ragged_dot (= auto) | padded | "
                     "custom | scan (exact, one expert at a time: for compile-only memory studies "
                     "on CPU) | mgpu (Hopper kernels, opt-in: unmeasured on hardware)")
@@ -99,6 +104,14 @@ flags.DEFINE_string("checkpoint_dir", None, "save (and --restore) orbax checkpoi
 flags.DEFINE_integer("save_every", 0, "save every N steps (0 = only after the last step)")
 flags.DEFINE_string("restore", None, "'latest' or a step: resume from --checkpoint_dir, in any "
                     "strategy and mesh (same model and --optimizer)")
+flags.DEFINE_string("init_from", None, "--strategy: start from a Hugging Face checkpoint "
+                    "directory (config.json + safetensors; modeling/export_hf.py): the model is "
+                    "its config.json (--model omitted or the same path), the weights its "
+                    "tensors, placed in the strategy's shardings; every tensor checked before "
+                    "compiling")
+flags.DEFINE_string("export_hf", None, "--strategy: after the last step, write the trained "
+                    "weights here as a Hugging Face checkpoint (model.safetensors, float32, and "
+                    "config.json: --init_from's, or one for the model's family)")
 flags.DEFINE_bool("plan", False, "rank every admissible layout of --model on --devices devices of "
                   "--cluster by predicted step time, among those whose predicted memory fits "
                   "--hbm_gb (default: the cluster's), then compile the best --plan_compile "
@@ -179,10 +192,17 @@ def main(argv):
   names = command.strategy_names(F)
   opts = command.strategy_options(F, names)
   cfg = command.make_config(F)
+  command.check_data(cfg)                      # --data: format, length, vocab; before compiling
   if F.describe:
     from modeling import model
     total, active = model.param_counts(cfg)
-    print(f"total_params {total}\nactivated_params {active}")
+    table = cfg.vocab * cfg.d_model
+    print(f"total_params {total}\nactivated_params {active}\n"
+          f"activated_params_with_embeddings {active - cfg.d_model + table}\n"
+          f"model {F.model}: {total / 1e9:.2f}B total, {active / 1e9:.2f}B activated per token "
+          f"({(active - cfg.d_model + table) / 1e9:.2f}B counting the embedding table whole); "
+          f"{cfg.n_layers} layers ({cfg.first_k_dense_replace} dense), {cfg.n_experts} experts "
+          f"top-{cfg.top_k}, {cfg.attention}, vocab {cfg.vocab}")
     return
   if F.full_parity and F.adam_eps is None:
     from measure import agreement

@@ -21,6 +21,7 @@ def table(axis: str) -> dict:
   """role -> PartitionSpec: heads and every SwiGLU width over `axis`."""
   return {"attn_q": P(None, axis, None), "attn_kv": P(None, axis, None),     # [D, H_t|KV_t, Dh]
           "attn_q_b": P(None, axis, None), "attn_kv_b": P(None, axis, None),  # MLA [R, H_t, .]
+          "attn_q_bias": P(axis, None), "attn_kv_bias": P(axis, None),        # [H_t|KV_t, Dh]
           "attn_o": P(axis, None, None),                                      # [H_t, Dh, D] row
           "expert_in": P(None, None, axis),                                   # [E, D, F_t] column
           "expert_out": P(None, axis, None),                                  # [E, F_t, D] row

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 
 class ConfigError(ValueError):
@@ -30,6 +31,7 @@ EXPERT_CHOICES = ("router",       # the top-k of the router's scores
                   "position")     # the same top-k of a hash of the token's position: the choice
                                   # every layout makes alike (--full_parity in bfloat16)
 ATTENTIONS = ("gqa", "mla")
+GROUP_SCORES = ("top2", "max")    # group-limited routing's group score (modeling/routing.py)
 # --attention: how the softmax(q k^T) v core runs (modeling/attention.py)
 ATTENTION_IMPLS = ("xla",         # the [B, H, S, T] scores materialised: the oracle
                    "chunked",     # online softmax over key chunks: memory linear in S
@@ -70,8 +72,34 @@ class Config:
   n_group: int = _model(1)               # group-limited routing (sigmoid router)
   topk_group: int = _model(1)
   routed_scaling_factor: float = _model(1.0)
+  # group-limited routing's group score: "top2" the sum of the group's two best biased scores
+  # (DeepSeek-V3, GLM-4.5: noaux_tc), "max" its best score (DeepSeek-V2: group_limited_greedy)
+  group_score: str = _model("top2")
   rope_theta: float = _model(10000.0)
+  # RoPE on the first rotary_dim dims of each GQA head only, the rest passing through (GLM-4.5's
+  # partial_rotary_factor); 0 = the whole head
+  rotary_dim: int = _model(0)
+  # YaRN RoPE scaling (DeepSeek-V3's and Kimi-K2's released configs), as transformers applies it:
+  # yarn_factor 0 = unscaled; else the frequencies interpolated between yarn_beta_fast and
+  # yarn_beta_slow rotations over yarn_original_max positions, cos / sin scaled by
+  # mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim), and MLA's softmax scale by
+  # mscale(factor, yarn_mscale_all_dim)^2 (modeling/model.py rope_tables)
+  yarn_factor: float = _model(0.0)
+  yarn_original_max: int = _model(0)
+  yarn_beta_fast: float = _model(32.0)
+  yarn_beta_slow: float = _model(1.0)
+  yarn_mscale: float = _model(1.0)
+  yarn_mscale_all_dim: float = _model(0.0)
   norm_eps: float = _model(1e-6)
+  # GQA extras: biases on the q, k and v projections (Qwen2-MoE, GLM-4.5), and an RMSNorm of
+  # each q and k head (weight [Dh], eps norm_eps) before RoPE (Qwen3-MoE, GLM-4.5)
+  qkv_bias: bool = _model(False)
+  qk_norm: bool = _model(False)
+  # the shared expert's width when it is not n_shared_experts x d_ff (Qwen2-MoE's
+  # shared_expert_intermediate_size); 0: n_shared_experts x d_ff
+  shared_width: int = _model(0)
+  # the shared expert's output scaled by sigmoid(h @ w_gate), one scalar per token (Qwen2-MoE)
+  shared_gate: bool = _model(False)
   # attention: "gqa" (Mixtral: n_kv_heads K/V heads of head_dim) or "mla" (DeepSeek's Multi-head
   # Latent Attention, Hugging Face DeepseekV3's conventions; head_dim and n_kv_heads unused)
   attention: str = _model("gqa")
@@ -111,6 +139,7 @@ class Config:
   adam_eps: float = _run(1e-8)
   optimizer: str = _run("adamw")
   seed: int = _run(0)
+  data: str = _run("")                   # a token file (runtime/data.py); "" = the synthetic chain
   dtype: str = _run("float32")           # compute dtype: DTYPES (mixed precision: modeling/model.py)
   grad_reduce_dtype: str = _run("float32")   # weight-gradient reductions under dtype=bfloat16
   # how the step computes (the same math for every value)
@@ -121,7 +150,8 @@ class Config:
 
   @property
   def shared_d_ff(self) -> int:
-    return self.n_shared_experts * self.d_ff
+    """The fused shared experts' SwiGLU width: shared_width, else n_shared_experts x d_ff."""
+    return self.shared_width or self.n_shared_experts * self.d_ff
 
   @property
   def n_moe_layers(self) -> int:
@@ -202,6 +232,18 @@ class Config:
          f"n_heads={self.n_heads} not divisible by n_kv_heads={self.n_kv_heads}")
     need(1 <= self.top_k <= self.n_experts, f"top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
     need(self.router in ("softmax", "sigmoid"), f"unknown router {self.router!r}")
+    need(self.group_score in GROUP_SCORES, f"unknown group_score {self.group_score!r}; choose "
+         f"from {', '.join(GROUP_SCORES)}")
+    need(self.yarn_factor == 0 or (self.yarn_factor >= 1 and self.yarn_original_max >= 1),
+         f"yarn_factor={self.yarn_factor} must be 0 (off) or >= 1 with yarn_original_max >= 1")
+    need(self.shared_width >= 0 and (not self.shared_width or self.n_shared_experts >= 1),
+         f"shared_width={self.shared_width} needs n_shared_experts >= 1")
+    need(not self.shared_gate or self.n_shared_experts >= 1,
+         "shared_gate needs a shared expert (n_shared_experts >= 1)")
+    need(not (self.mla and (self.qkv_bias or self.qk_norm or self.rotary_dim)),
+         "qkv_bias, qk_norm and rotary_dim are GQA's (MLA has its own latent norms and RoPE dims)")
+    need(0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0,
+         f"rotary_dim={self.rotary_dim} must be even and in [0, head_dim={self.head_dim}]")
     need(self.n_experts % self.n_group == 0,
          f"n_experts={self.n_experts} not divisible by n_group={self.n_group}")
     need(1 <= self.topk_group <= self.n_group, f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
@@ -286,6 +328,18 @@ PRESETS: dict[str, Config] = {
                                first_k_dense_replace=1, dense_d_ff=96, n_experts=8, top_k=2,
                                router="softmax", norm_topk_prob=False, n_shared_experts=2,
                                d_ff=32),
+    # Qwen2-MoE's extras at test size: q/k/v biases, a shared expert of its own width behind a
+    # sigmoid gate, unnormalised top-k weights
+    "qwen2-test": Config(attention_chunk=16, n_experts=8, top_k=2, router="softmax",
+                         norm_topk_prob=False, qkv_bias=True, n_shared_experts=1, shared_width=96,
+                         shared_gate=True, d_ff=64),
+    # GLM-4.5's architecture at test size: partial rotary (half of each head), q/k/v biases,
+    # QK-norm, a dense first layer, sigmoid group-limited routing with correction bias, a shared
+    # expert (Qwen3-MoE's QK-norm is the same code)
+    "glm-test": Config(attention_chunk=16, n_layers=3, first_k_dense_replace=1, dense_d_ff=96,
+                       n_experts=16, top_k=4, router="sigmoid", n_group=4, topk_group=2,
+                       n_shared_experts=1, routed_scaling_factor=2.5, qkv_bias=True, qk_norm=True,
+                       rotary_dim=8, d_ff=64, bias_update_rate=1e-3),
     # Mixtral-8x7B-shaped, for compile-only scaling studies (never run on CPU)
     "mixtral-8x7b": Config(vocab=32000, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
                            n_layers=32, n_experts=8, top_k=2, d_ff=14336, seq_len=4096,
@@ -313,7 +367,47 @@ PRESETS: dict[str, Config] = {
 }
 
 
+def is_path(name: str) -> bool:
+  """Whether --model names a file or folder (a Hugging Face config.json) rather than a preset."""
+  return name not in PRESETS and (os.sep in name or name.endswith(".json") or os.path.exists(name))
+
+
+# the run shapes of a model read from a config.json: the real-scale presets' (seq 4096, batch 64)
+# from d_model 1024 up, the Config defaults (seq 32, batch 8) below it
+REAL_SCALE_D_MODEL = 1024
+REAL_SCALE_RUN = dict(seq_len=4096, batch=64)
+
+
+def _from_hf(path: str) -> Config:
+  """A Hugging Face config.json (or its folder) -> Config (convert.config_from_hf), with the run
+  shapes above; ConfigError naming the path and what is wrong."""
+  from modeling import convert
+  try:
+    cfg = Config(**convert.config_from_hf(convert.read_config(path)))
+  except (ValueError, TypeError, KeyError) as e:
+    msg = f"missing field {e}" if isinstance(e, KeyError) else str(e).splitlines()[0]
+    raise ConfigError(f"--model={path}: {msg}") from None
+  return cfg.replace(**REAL_SCALE_RUN) if cfg.d_model >= REAL_SCALE_D_MODEL else cfg
+
+
+def base_config(name: str) -> Config:
+  """--model's Config before the flags: a preset, or a Hugging Face config.json (a path to it, or
+  to the folder holding it) read by modeling/convert.py, with the run shapes above."""
+  if name in PRESETS:
+    return PRESETS[name]
+  if not is_path(name):
+    raise ConfigError(f"unknown model {name!r}; choose a preset ({', '.join(PRESETS)}) or give "
+                      "the path of a Hugging Face config.json or of its folder")
+  return _from_hf(name)
+
+
+# presets read from the released config.json files in configs/ (their published shapes; counts
+# held by tests/test_model.py, python run.py --model=NAME --describe)
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+for _name in ("mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "kimi-k2"):
+  PRESETS[_name] = _from_hf(os.path.join(CONFIGS, f"{_name}.json"))
+
+
 def get_config(name: str, **overrides) -> Config:
-  if name not in PRESETS:
-    raise ConfigError(f"unknown model {name!r}; choose from {', '.join(PRESETS)}")
-  return PRESETS[name].replace(**overrides).validate()
+  """A preset or a config.json path (base_config) with `overrides`, validated."""
+  return base_config(name).replace(**overrides).validate()

@@ -44,79 +44,185 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-FAMILIES = ("mixtral", "deepseek_v3")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3",
+            "kimi_k2")
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "kimi_k2")   # kimi_k2: DeepSeek-V3's architecture
 
 
 def _refuse(msg: str):
   raise ValueError(msg)
 
 
-def _rope(hf: dict, default_theta: float) -> float:
-  """rope_theta from a v4 (rope_theta, rope_scaling) or v5 (rope_parameters) config; scaled
-  RoPE refused."""
+def _rope(hf: dict, default_theta: float) -> dict:
+  """RoPE fields of Config from a v4 (rope_theta, rope_scaling, partial_rotary_factor) or v5
+  (rope_parameters) config: rope_theta, YaRN's, and the rotary fraction (partial_rotary). Other
+  scaled RoPE kinds are refused."""
   params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   if params and all(isinstance(v, dict) for v in params.values()):
     _refuse(f"per-layer-type rope_parameters {sorted(params)} are not modelled")
   kind = params.get("rope_type", params.get("type", "default"))
-  if kind != "default":
-    _refuse(f"rope type {kind!r} is not modelled (the suite's RoPE is unscaled: yarn, llama3, "
-            "... are not); rope_scaling / rope_parameters must be absent or 'default'")
-  if params.get("partial_rotary_factor", 1.0) != 1.0 or hf.get("partial_rotary_factor") not in (
-      None, 1.0):
-    _refuse("partial_rotary_factor is not modelled")
   theta = params.get("rope_theta", hf.get("rope_theta"))
-  return float(default_theta if theta is None else theta)
+  out = {"rope_theta": float(default_theta if theta is None else theta),
+         "partial_rotary": float(params.get("partial_rotary_factor",
+                                            hf.get("partial_rotary_factor") or 1.0))}
+  if kind == "yarn":
+    if params.get("attention_factor") is not None:
+      _refuse("rope_scaling.attention_factor is not modelled (YaRN's mscale fields are)")
+    if params.get("truncate", True) is not True:
+      _refuse("rope_scaling.truncate=false is not modelled")
+    out.update(yarn_factor=float(params["factor"]),
+               yarn_original_max=int(params.get("original_max_position_embeddings")
+                                     or hf["max_position_embeddings"]),
+               yarn_beta_fast=float(params.get("beta_fast") or 32),
+               yarn_beta_slow=float(params.get("beta_slow") or 1),
+               yarn_mscale=float(params.get("mscale") or 0),
+               yarn_mscale_all_dim=float(params.get("mscale_all_dim") or 0))
+  elif kind != "default":
+    _refuse(f"rope type {kind!r} is not modelled (default and yarn are; llama3, linear, "
+            "dynamic, longrope ... are not)")
+  return out
+
+
+def _dense_layers(hf: dict) -> int:
+  """Qwen-MoE's dense layers (mlp_only_layers, and every layer not on decoder_sparse_step) ->
+  how many lead the stack; dense layers anywhere else are refused."""
+  n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1
+  only = set(hf.get("mlp_only_layers") or ())
+  dense = [i for i in range(n) if i in only or (i + 1) % step != 0]
+  if dense != list(range(len(dense))):
+    _refuse(f"dense layers {dense} (mlp_only_layers={sorted(only)}, decoder_sparse_step={step}) "
+            "are not all at the front of the stack: the suite stacks a dense prefix, then the "
+            "MoE layers")
+  return len(dense)
 
 
 def config_from_hf(hf: Mapping[str, Any], **overrides) -> dict:
   """An HF config (config.json as a dict, or PretrainedConfig.to_dict()) -> keyword arguments of
-  modeling.config.Config; `overrides` (run fields: seq_len, batch, dtype, ...) are merged last."""
+  modeling.config.Config; `overrides` (run fields: seq_len, batch, dtype, ...) are merged last.
+  Every field that changes the computation is read or refused in one line naming it."""
   hf = dict(hf)
   mt = hf.get("model_type")
   if mt not in FAMILIES:
     _refuse(f"model_type {mt!r} is not supported; supported: {', '.join(FAMILIES)}")
   if hf.get("tie_word_embeddings", False):
     _refuse("tie_word_embeddings=True is not modelled (the suite has a separate unembed)")
-  if hf.get("attention_bias", False):
-    _refuse("attention_bias=True is not modelled (the suite's projections have no bias)")
-  if hf.get("sliding_window") is not None:
-    _refuse(f"sliding_window={hf['sliding_window']} is not modelled (full causal attention only)")
+  if hf.get("use_sliding_window") or (mt in ("mixtral", "glm4_moe")
+                                      and hf.get("sliding_window") is not None):
+    _refuse(f"sliding_window={hf.get('sliding_window')} is not modelled (full causal attention "
+            "only)")
   if hf.get("hidden_act", "silu") != "silu":
     _refuse(f"hidden_act={hf['hidden_act']!r} is not modelled (SwiGLU experts: silu)")
-  if hf.get("quantization_config"):
-    method = hf["quantization_config"].get("quant_method", "?")
-    _refuse(f"a quantized checkpoint ({method}) is not loaded: dequantize it to float first")
+  for name in ("attention_dropout", "hidden_dropout"):
+    if hf.get(name):
+      _refuse(f"{name}={hf[name]} is not modelled (no dropout)")
+  rope = _rope(hf, 1e6 if mt == "mixtral" else 10000.0)
+  partial = rope.pop("partial_rotary")
   common = dict(vocab=hf["vocab_size"], d_model=hf["hidden_size"],
                 n_heads=hf["num_attention_heads"], n_layers=hf["num_hidden_layers"],
-                top_k=hf["num_experts_per_tok"])
-  if mt == "mixtral":
-    kw = dict(common, n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-              head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-              n_experts=hf["num_local_experts"], d_ff=hf["intermediate_size"], router="softmax",
-              norm_topk_prob=True, rope_theta=_rope(hf, 1e6),
-              norm_eps=float(hf.get("rms_norm_eps", 1e-5)), attention="gqa")
+                top_k=hf["num_experts_per_tok"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                **rope)
+  if "router_aux_loss_coef" in hf:                  # Mixtral, Qwen: the load-balance loss weight
+    common["aux_loss_coef"] = float(hf["router_aux_loss_coef"])
+  if mt in MLA_FAMILIES:
+    kw = _mla(hf, mt, common)
   else:
-    if hf.get("moe_layer_freq", 1) != 1:
-      _refuse(f"moe_layer_freq={hf['moe_layer_freq']} is not modelled (every layer past "
-              "first_k_dense_replace is MoE)")
-    if hf.get("scoring_func", "sigmoid") != "sigmoid":
-      _refuse(f"scoring_func={hf['scoring_func']!r} is not modelled for deepseek_v3 (sigmoid)")
-    if hf.get("topk_method", "noaux_tc") != "noaux_tc":
-      _refuse(f"topk_method={hf['topk_method']!r} is not modelled (noaux_tc)")
-    kw = dict(common, n_kv_heads=hf["num_attention_heads"], n_experts=hf["n_routed_experts"],
-              d_ff=hf["moe_intermediate_size"], n_shared_experts=hf.get("n_shared_experts") or 0,
-              router="sigmoid", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-              n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
-              routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-              rope_theta=_rope(hf, 10000.0), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-              attention="mla", q_lora_rank=hf.get("q_lora_rank") or 0,
-              kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
-              qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
-              rope_interleave=bool(hf.get("rope_interleave", True)),
-              first_k_dense_replace=hf.get("first_k_dense_replace") or 0,
-              dense_d_ff=hf["intermediate_size"], head_dim=hf["v_head_dim"])
+    heads = hf["num_attention_heads"]
+    dh = hf.get("head_dim") or hf["hidden_size"] // heads
+    kw = dict(common, attention="gqa", n_kv_heads=hf.get("num_key_value_heads") or heads,
+              head_dim=dh)
+    if partial != 1.0:
+      if mt != "glm4_moe":
+        _refuse(f"partial_rotary_factor={partial} is not modelled for {mt}")
+      kw["rotary_dim"] = int(dh * partial)
+    if mt == "mixtral":
+      if hf.get("attention_bias"):
+        _refuse("attention_bias=True is not modelled for mixtral")
+      kw.update(n_experts=hf["num_local_experts"], d_ff=hf["intermediate_size"],
+                router="softmax", norm_topk_prob=True)
+    elif mt in ("qwen2_moe", "qwen3_moe"):
+      if mt == "qwen3_moe" and hf.get("attention_bias"):
+        _refuse("attention_bias=True is not modelled for qwen3_moe (its o_proj would carry a "
+                "bias too)")
+      n_dense = _dense_layers(hf)
+      kw.update(n_experts=hf.get("num_experts") or hf["num_local_experts"],
+                d_ff=hf["moe_intermediate_size"], router="softmax",
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                qkv_bias=mt == "qwen2_moe" and bool(hf.get("qkv_bias", True)),
+                qk_norm=mt == "qwen3_moe", first_k_dense_replace=n_dense,
+                dense_d_ff=hf["intermediate_size"] if n_dense else 0)
+      shared = hf.get("shared_expert_intermediate_size") or 0 if mt == "qwen2_moe" else 0
+      if shared:                              # one shared expert of its own width, gated
+        kw.update(n_shared_experts=1, shared_width=shared, shared_gate=True)
+    else:                                                        # glm4_moe
+      kw.update(_deepseek_moe(hf, mt), qkv_bias=bool(hf.get("attention_bias", False)),
+                qk_norm=bool(hf.get("use_qk_norm", False)), router="sigmoid")
   kw.update(overrides)
   return kw
+
+
+def _deepseek_moe(hf: dict, mt: str) -> dict:
+  """The MoE fields DeepSeek-V2/V3, Kimi-K2 and GLM-4.5 share: routed and shared experts, the
+  dense prefix, group-limited routing."""
+  if hf.get("moe_layer_freq", 1) != 1:
+    _refuse(f"moe_layer_freq={hf['moe_layer_freq']} is not modelled (every layer past "
+            "first_k_dense_replace is MoE)")
+  n_dense = hf.get("first_k_dense_replace") or 0
+  return dict(n_experts=hf.get("n_routed_experts") or hf.get("num_local_experts"),
+              d_ff=hf["moe_intermediate_size"], n_shared_experts=hf.get("n_shared_experts") or 0,
+              n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+              routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+              norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+              first_k_dense_replace=n_dense, dense_d_ff=hf["intermediate_size"] if n_dense else 0)
+
+
+def _mla(hf: dict, mt: str, common: dict) -> dict:
+  """DeepSeek-V2 (softmax: greedy / group_limited_greedy), DeepSeek-V3 and Kimi-K2 (sigmoid,
+  noaux_tc): MLA attention and their MoE."""
+  if hf.get("attention_bias", False):
+    _refuse("attention_bias=True is not modelled for MLA")
+  kw = dict(common, **_deepseek_moe(hf, mt), n_kv_heads=hf["num_attention_heads"],
+            attention="mla", q_lora_rank=hf.get("q_lora_rank") or 0,
+            kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
+            qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+            rope_interleave=bool(hf.get("rope_interleave", True)), head_dim=hf["v_head_dim"])
+  if "aux_loss_alpha" in hf:                     # DeepSeek's own config.json: its balance loss
+    kw["aux_loss_coef"] = float(hf["aux_loss_alpha"])
+    kw["aux_loss_kind"] = "sequence" if hf.get("seq_aux", True) else "batch"
+  if mt == "deepseek_v2":
+    method = hf.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+      _refuse(f"topk_method={method!r} is not modelled for deepseek_v2 (greedy, "
+              "group_limited_greedy)")
+    if hf.get("scoring_func", "softmax") != "softmax":
+      _refuse(f"scoring_func={hf['scoring_func']!r} is not modelled for deepseek_v2 (softmax)")
+    # transformers' DeepseekV2 never renormalises the top-k weights (norm_topk_prob unread)
+    kw.update(router="softmax", norm_topk_prob=False, group_score="max",
+              n_group=kw["n_group"] if method == "group_limited_greedy" else 1,
+              topk_group=kw["topk_group"] if method == "group_limited_greedy" else 1)
+  else:
+    if hf.get("scoring_func", "sigmoid") != "sigmoid":
+      _refuse(f"scoring_func={hf['scoring_func']!r} is not modelled for {mt} (sigmoid)")
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc":
+      _refuse(f"topk_method={hf['topk_method']!r} is not modelled for {mt} (noaux_tc)")
+    kw["router"] = "sigmoid"
+  return kw
+
+
+def read_config(path: str) -> dict:
+  """A Hugging Face config.json (its path, or the folder holding it) -> dict; ValueError naming
+  what is wrong."""
+  file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+  if not os.path.isfile(file):
+    _refuse(f"no such file {file}" + (" (the folder has no config.json)"
+                                      if os.path.isdir(path) else ""))
+  try:
+    with open(file) as fh:
+      hf = json.load(fh)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    _refuse(f"{file} is not a readable JSON file: {e}")
+  if not isinstance(hf, dict):
+    _refuse(f"{file} holds no JSON object")
+  return hf
 
 
 def mtp_prefixes(hf: Mapping[str, Any]) -> tuple:
@@ -178,10 +284,17 @@ def _attention(st: _State, p: str, cfg) -> dict:
   d, h = _get(cfg, "d_model"), _get(cfg, "n_heads")
   if _get(cfg, "attention", "gqa") == "gqa":
     kv, dh = _get(cfg, "n_kv_heads"), _get(cfg, "head_dim")
-    return {"wq": _linear(st, p + "q_proj.weight", d, (h, dh)),
-            "wk": _linear(st, p + "k_proj.weight", d, (kv, dh)),
-            "wv": _linear(st, p + "v_proj.weight", d, (kv, dh)),
-            "wo": _linear(st, p + "o_proj.weight", h * dh, (d,)).reshape(h, dh, d)}
+    out = {"wq": _linear(st, p + "q_proj.weight", d, (h, dh)),
+           "wk": _linear(st, p + "k_proj.weight", d, (kv, dh)),
+           "wv": _linear(st, p + "v_proj.weight", d, (kv, dh)),
+           "wo": _linear(st, p + "o_proj.weight", h * dh, (d,)).reshape(h, dh, d)}
+    if _get(cfg, "qkv_bias", False):
+      out.update(bq=st.take(p + "q_proj.bias", (h * dh,)).reshape(h, dh),
+                 bk=st.take(p + "k_proj.bias", (kv * dh,)).reshape(kv, dh),
+                 bv=st.take(p + "v_proj.bias", (kv * dh,)).reshape(kv, dh))
+    if _get(cfg, "qk_norm", False):
+      out.update(q_norm=st.take(p + "q_norm.weight", (dh,)), k_norm=st.take(p + "k_norm.weight", (dh,)))
+    return out
   qr, kvr = _get(cfg, "q_lora_rank") or 0, _get(cfg, "kv_lora_rank")
   nope, rope, v = (_get(cfg, n) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
   out = {}
@@ -206,10 +319,12 @@ def _swiglu(st: _State, p: str, d: int, f: int, names=("gate_proj", "up_proj", "
 
 
 def _moe(st: _State, p: str, cfg, mixtral: bool) -> dict:
+  """A MoE layer's router, correction bias (sigmoid routers; zeros otherwise) and experts;
+  mixtral: Mixtral's on-disk per-expert names (w1 / w3 / w2)."""
   d, e, f = _get(cfg, "d_model"), _get(cfg, "n_experts"), _get(cfg, "d_ff")
   out = {"router": _linear(st, p + "gate.weight", d, (e,))}
-  out["bias"] = (np.zeros((e,), np.float32) if mixtral
-                 else st.take(p + "gate.e_score_correction_bias", (e,)))
+  out["bias"] = (st.take(p + "gate.e_score_correction_bias", (e,))
+                 if _get(cfg, "router") == "sigmoid" else np.zeros((e,), np.float32))
   if st.has(p + "experts.gate_up_proj"):                      # transformers v5 fused layout
     gate_up = st.take(p + "experts.gate_up_proj", (e, 2 * f, d))
     out["wi_0"] = np.ascontiguousarray(gate_up[:, :f].transpose(0, 2, 1))
@@ -229,7 +344,6 @@ def from_hf(state: Mapping[str, np.ndarray], cfg, *, ignore: Iterable[str] = ())
   st = _State(state, ignore)
   d, v, n_layers = _get(cfg, "d_model"), _get(cfg, "vocab"), _get(cfg, "n_layers")
   n_dense = _get(cfg, "first_k_dense_replace", 0) or 0
-  mixtral = _get(cfg, "router") == "softmax" and _get(cfg, "attention", "gqa") == "gqa"
   if not 0 <= n_dense <= n_layers:
     _refuse(f"first_k_dense_replace={n_dense} outside [0, n_layers={n_layers}]")
   if _get(cfg, "layer_layout", ""):
@@ -247,10 +361,14 @@ def from_hf(state: Mapping[str, np.ndarray], cfg, *, ignore: Iterable[str] = ())
       continue
     m = p + ("block_sparse_moe." if any(n.startswith(p + "block_sparse_moe.") for n in state)
              else "mlp.")
-    layer["moe"] = _moe(st, m, cfg, mixtral)
+    layer["moe"] = _moe(st, m, cfg, mixtral=m.endswith("block_sparse_moe."))
     n_shared = _get(cfg, "n_shared_experts", 0) or 0
-    if n_shared:
-      layer["shared"] = _swiglu(st, m + "shared_experts.", d, n_shared * _get(cfg, "d_ff"))
+    width = _get(cfg, "shared_width", 0) or n_shared * _get(cfg, "d_ff")
+    if n_shared and _get(cfg, "shared_gate", False):              # Qwen2-MoE: one gated expert
+      layer["shared"] = _swiglu(st, m + "shared_expert.", d, width)
+      layer["shared"]["wg"] = st.take(m + "shared_expert_gate.weight", (1, d))[0]
+    elif n_shared:
+      layer["shared"] = _swiglu(st, m + "shared_experts.", d, width)
     moe.append(layer)
   params = {"embed": st.take("model.embed_tokens.weight", (v, d)),
             "final_norm": st.take("model.norm.weight", (d,)),

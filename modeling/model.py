@@ -110,12 +110,15 @@ class Parallelism:
 # by `forward`: "dense_layers" [first_k_dense_replace, ...] (DeepSeek's leading dense layers,
 # absent when 0), then "layers" [n_moe_layers, ...] (the MoE layers).
 ATTN_ROLES = ("attn_q", "attn_kv", "attn_o",                        # GQA, and MLA's wq / wo
+              "attn_q_bias", "attn_kv_bias", "head_norm",           # GQA's biases, QK-norm
               "attn_q_a", "q_norm", "attn_q_b",                     # MLA query low rank
               "attn_kv_a", "kv_norm", "attn_kv_b")                  # MLA latent c_KV
 LAYER_ROLES = ("attn_norm", "mlp_norm", "router", "bias", "expert_in", "expert_out",
-               "shared_in", "shared_out", "dense_in", "dense_out") + ATTN_ROLES
+               "shared_in", "shared_out", "shared_gate", "dense_in", "dense_out") + ATTN_ROLES
 ROLES = ("embed", "final_norm", "unembed") + LAYER_ROLES
-NORMS = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "kv_norm")   # RMSNorm scales
+NORMS = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "kv_norm",  # RMSNorm scales
+         "head_norm")
+BIASES = ("attn_q_bias", "attn_kv_bias")                            # added, never multiplied
 EXPERTS = ("expert_in", "expert_out")                               # [E, D, F] / [E, F, D]
 MOE_ROLES = {"router": "router", "bias": "bias", "wi_0": "expert_in", "wi_1": "expert_in",
              "wo": "expert_out"}                                     # a layer's "moe" leaves
@@ -123,7 +126,7 @@ MOE_ROLES = {"router": "router", "bias": "bias", "wi_0": "expert_in", "wi_1": "e
 # none) the low rank they read
 D_DIM = {"embed": 1, "unembed": 0, "router": 0, "attn_q": 0, "attn_kv": 0, "attn_o": 2,
          "attn_q_a": 0, "attn_q_b": 0, "attn_kv_a": 0, "attn_kv_b": 0,
-         "expert_in": 1, "expert_out": 2, "shared_in": 0, "shared_out": 1,
+         "expert_in": 1, "expert_out": 2, "shared_in": 0, "shared_out": 1, "shared_gate": 0,
          "dense_in": 0, "dense_out": 1}
 
 
@@ -145,8 +148,14 @@ def _attention_params(cfg: Config, leaf) -> dict:
   d, h = cfg.d_model, cfg.n_heads
   if not cfg.mla:
     kv, dh = cfg.n_kv_heads, cfg.head_dim
-    return {"wq": leaf((d, h, dh), d, "attn_q"), "wk": leaf((d, kv, dh), d, "attn_kv"),
-            "wv": leaf((d, kv, dh), d, "attn_kv"), "wo": leaf((h, dh, d), h * dh, "attn_o")}
+    out = {"wq": leaf((d, h, dh), d, "attn_q"), "wk": leaf((d, kv, dh), d, "attn_kv"),
+           "wv": leaf((d, kv, dh), d, "attn_kv"), "wo": leaf((h, dh, d), h * dh, "attn_o")}
+    if cfg.qkv_bias:                      # bq [H, Dh], bk / bv [KV, Dh]: zeros at init
+      out.update(bq=leaf((h, dh), -1, "attn_q_bias"), bk=leaf((kv, dh), -1, "attn_kv_bias"),
+                 bv=leaf((kv, dh), -1, "attn_kv_bias"))
+    if cfg.qk_norm:                       # q_norm / k_norm [Dh]: one scale for every head
+      out.update(q_norm=leaf((dh,), 0, "head_norm"), k_norm=leaf((dh,), 0, "head_norm"))
+    return out
   qk, rq, rkv = cfg.qk_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
   nope, rope_d, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
   q = ({"wq_a": leaf((d, rq), d, "attn_q_a"), "q_norm": leaf((rq,), 0, "q_norm"),
@@ -176,6 +185,8 @@ def _param_tree(cfg: Config, leaf) -> dict:
                   "wo": leaf((e, f, d), f, "expert_out")}
     if cfg.n_shared_experts:
       out["shared"] = swiglu(cfg.shared_d_ff, ("shared_in", "shared_out"), leaf)
+      if cfg.shared_gate:                 # wg [D]: the shared expert's scalar gate
+        out["shared"]["wg"] = leaf((d,), d, "shared_gate")
     return out
 
   # drawn layer by layer in depth order (the dense prefix first), then stacked per kind; the
@@ -322,20 +333,54 @@ def rms_norm(x, w, eps):
   return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * w).astype(x.dtype)
 
 
-def rope(x, positions, theta, interleave=False):
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@functools.lru_cache(maxsize=64)
+def rope_frequencies(cfg: Config, dim: int) -> tuple[np.ndarray, float]:
+  """-> (inv_freq [dim/2] float32, the cos / sin scale) of a dim-wide rotation under cfg's RoPE:
+  theta^(-2i/dim), or with yarn_factor YaRN's blend of it and its factor-interpolated copy, the
+  ramp between the dims that turn yarn_beta_fast and yarn_beta_slow times over
+  yarn_original_max positions (bounds floored / ceiled), as transformers computes it."""
+  base = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))   # [dim/2]
+  if not cfg.yarn_factor:
+    return base.astype(np.float32), 1.0
+  f, n = cfg.yarn_factor, cfg.yarn_original_max
+
+  def turns_dim(turns):              # the dim whose wavelength fits `turns` times in n positions
+    return dim * math.log(n / (turns * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+  lo = max(math.floor(turns_dim(cfg.yarn_beta_fast)), 0)
+  hi = min(math.ceil(turns_dim(cfg.yarn_beta_slow)), dim - 1)
+  hi = hi + 0.001 if lo == hi else hi
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - lo) / (hi - lo), 0, 1)
+  keep = 1 - ramp                    # 1: the fast dims keep theta's frequency (extrapolation)
+  inv_freq = (base / f) * (1 - keep) + base * keep
+  scale = (yarn_mscale(f, cfg.yarn_mscale) / yarn_mscale(f, cfg.yarn_mscale_all_dim)
+           if cfg.yarn_mscale and cfg.yarn_mscale_all_dim else yarn_mscale(f))
+  return inv_freq.astype(np.float32), float(scale)
+
+
+def rope(x, positions, cfg: Config, interleave=False, dim: int = 0):
   """x [B, S, ..heads.., Dh], positions [B, S] (true positions: CP-reordered tokens rotate right).
-  Rotates the pairs (x_i, x_i+Dh/2); interleave: the pairs (x_2i, x_2i+1), as Hugging Face's
+  Rotates the pairs (x_i, x_i+d/2) of the first d = dim (0: all Dh) dims, the rest passing
+  through (partial rotary); interleave: the pairs (x_2i, x_2i+1), as Hugging Face's
   DeepseekV3 (rope_interleave), which de-interleaves first: the result is in the rotated-half
-  order, the same for q and k, so their dot products are the same as its."""
+  order, the same for q and k, so their dot products are the same as its. Frequencies and the
+  cos / sin scale: rope_frequencies (YaRN when cfg.yarn_factor)."""
+  dim = dim or x.shape[-1]
+  x, rest = x[..., :dim], x[..., dim:]
   if interleave:
     x = einops.rearrange(x, "... (d two) -> ... (two d)", two=2)
-  half = x.shape[-1] // 2
-  inv_freq = 1.0 / (theta ** (np.arange(half, dtype=np.float32) / half))       # [Dh/2]
-  ang = positions.astype(jnp.float32)[..., None] * inv_freq                     # [B, S, Dh/2]
+  half = dim // 2
+  inv_freq, scale = rope_frequencies(cfg, dim)                                  # [d/2]
+  ang = positions.astype(jnp.float32)[..., None] * inv_freq                     # [B, S, d/2]
   heads = (slice(None), slice(None)) + (None,) * (x.ndim - 3)                   # any head dims
-  cos, sin = jnp.cos(ang)[heads], jnp.sin(ang)[heads]                          # [B, S, 1.., Dh/2]
+  cos, sin = (scale * jnp.cos(ang))[heads], (scale * jnp.sin(ang))[heads]     # [B, S, 1.., d/2]
   x1, x2 = x[..., :half], x[..., half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+  return out if rest.shape[-1] == 0 else jnp.concatenate([out, rest], axis=-1)
 
 
 def _kv_gather_axes(a, spec) -> tuple:
@@ -411,10 +456,19 @@ def gqa(p, x, pos: Positions, cfg: Config, lay: Parallelism):
   # drop the batch dim's sharding when B is 1 per shard (jax >= 0.11)
   wq = _split_heads(wq, "d (k g) h -> d k g h", 2, kv)                        # [D, KV, G, Dh]
   wo = _split_heads(wo, "(k g) h d -> k g h d", 1, kv)                        # [KV, G, Dh, D]
-  q = rope(jnp.einsum("bsd,dkgh->bskgh", x, wq), positions, cfg.rope_theta)    # [B, S, KV, G, Dh]
-  k = rope(jnp.einsum("bsd,dkh->bskh", x, wk), positions, cfg.rope_theta)      # [B, S, KV, Dh]
+  q = jnp.einsum("bsd,dkgh->bskgh", x, wq)                                     # [B, S, KV, G, Dh]
+  k = jnp.einsum("bsd,dkh->bskh", x, wk)                                       # [B, S, KV, Dh]
   v = jnp.einsum("bsd,dkh->bskh", x, wv)                                       # [B, S, KV, Dh]
-  scale = 1 / np.sqrt(dh)
+  if cfg.qkv_bias:                                          # biases split like their weights
+    q = q + _split_heads(use(lay, "attn_q_bias", p["bq"], x.dtype), "(k g) h -> k g h", 1, kv)
+    k = k + use(lay, "attn_kv_bias", p["bk"], x.dtype)                         # [KV, Dh]
+    v = v + use(lay, "attn_kv_bias", p["bv"], x.dtype)
+  if cfg.qk_norm:                                           # RMSNorm of each head, before RoPE
+    q = rms_norm(q, lay.use("head_norm", p["q_norm"]), cfg.norm_eps)
+    k = rms_norm(k, lay.use("head_norm", p["k_norm"]), cfg.norm_eps)
+  q = rope(q, positions, cfg, dim=cfg.rotary_dim)                              # [B, S, KV, G, Dh]
+  k = rope(k, positions, cfg, dim=cfg.rotary_dim)                              # [B, S, KV, Dh]
+  scale = softmax_scale(cfg)
   if lay.kv_ring:                                             # CP: K/V blocks around the ring
     o = ring_attention.ring_attend(q, (k, v), (), _kv_as_is, positions, pos.k, scale,
                                    cfg.attention_chunk, _kv_gather_axes(k, lay.kv),
@@ -425,6 +479,15 @@ def gqa(p, x, pos: Positions, cfg: Config, lay: Parallelism):
     o = attention_lib.attend(q, k, v, positions, pos.k, scale, cfg.attention_impl,
                              cfg.attention_chunk, ordered=lay.kv is None)     # [B, S, KV, G, Dh]
   return jnp.einsum("bskgh,kghd->bsd", o, wo, out_sharding=lay.row)            # [B, S, D]
+
+
+def softmax_scale(cfg: Config) -> float:
+  """Attention's 1 / sqrt(q . k width), times mscale(factor, yarn_mscale_all_dim)^2 under YaRN
+  for MLA (Hugging Face's DeepseekV3Attention; its GQA families leave the scale alone)."""
+  scale = 1 / math.sqrt(cfg.qk_head_dim)
+  if cfg.mla and cfg.yarn_factor and cfg.yarn_mscale_all_dim:
+    scale *= yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim) ** 2
+  return scale
 
 
 LATENT_NORM_EPS = 1e-6   # MLA's q / kv latent RMSNorms: a constant in DeepSeek's and HF's code
@@ -456,16 +519,16 @@ def mla(p, x, pos: Positions, cfg: Config, lay: Parallelism):
     q_in = x                                                                   # [B, S, D]
   ckv = jnp.einsum("bsd,dc->bsc", x, w("wkv_a", "attn_kv_a"))                  # [B, S, Rkv + rope]
   c = rms_norm(ckv[..., :r], lay.use("kv_norm", p["kv_norm"]), LATENT_NORM_EPS)  # [B, S, Rkv]
-  k_r = rope(ckv[..., r:], pos.x, cfg.rope_theta, cfg.rope_interleave)         # [B, S, rope]
+  k_r = rope(ckv[..., r:], pos.x, cfg, cfg.rope_interleave)         # [B, S, rope]
   # one gather of all the heads read: [B, S, Rq|D + Rkv + rope] (tp: typed reduced; ep_tp: + AG)
   lat = lay.gather_in(jnp.concatenate([q_in, c, k_r], axis=-1))
   q_in, lat = lat[..., :q_in.shape[-1]], lat[..., q_in.shape[-1]:]            # lat [B, S, Rkv + rope]
   wq = w("wq_b", "attn_q_b") if cfg.q_lora_rank else w("wq", "attn_q")         # [Rq|D, H, qk]
   q = jnp.einsum("bsr,rhk->bshk", q_in, wq)                                    # [B, S, H, qk]
   q_n = q[..., :nope]                                                          # [B, S, H, nope]
-  q_r = rope(q[..., nope:], positions, cfg.rope_theta, cfg.rope_interleave)    # [B, S, H, rope]
+  q_r = rope(q[..., nope:], positions, cfg, cfg.rope_interleave)    # [B, S, H, rope]
   wkv_b = w("wkv_b", "attn_kv_b")                                              # [Rkv, H, nope + v]
-  scale = 1 / np.sqrt(cfg.qk_head_dim)
+  scale = softmax_scale(cfg)
   # every head its own KV head (KV = H, G = 1), and the one shared RoPE key
   q_n, q_r = q_n[:, :, :, None], q_r[:, :, :, None]                            # [B, S, H, 1, .]
   spec = None if lay.kv is None else P(*tuple(lay.kv)[:2], None)   # the gathered latent's
@@ -488,13 +551,29 @@ def mla(p, x, pos: Positions, cfg: Config, lay: Parallelism):
                     out_sharding=lay.row)                                      # [B, S, D]
 
 
-def swiglu(p, x, lay: Parallelism, roles=("shared_in", "shared_out")):
-  """Dense SwiGLU FFN (the shared expert, a dense layer's FFN). x [B, S, D] -> [B, S, D]."""
+def swiglu(p, x, lay: Parallelism, roles=("shared_in", "shared_out"), gate=None):
+  """Dense SwiGLU FFN (the shared expert, a dense layer's FFN). x [B, S, D] -> [B, S, D]. gate
+  [B, S, 1] (shared_gate) scales the hidden activation, before the row-parallel wo: the same
+  product as scaling the output, which under tensor parallelism is still a partial sum."""
   r_in, r_out = roles
   w0, w1, wo = (use(lay, r, p[n], x.dtype) for n, r in (("wi_0", r_in), ("wi_1", r_in),
                                                        ("wo", r_out)))
   h = jax.nn.silu(jnp.einsum("bsd,df->bsf", x, w0)) * jnp.einsum("bsd,df->bsf", x, w1)  # [B, S, F]
+  if gate is not None:                         # [B, S, 1] to the hidden's batch and sequence
+    h = h * (gate if lay.x is None else
+             jax.reshard(gate, P(*jax.typeof(h).sharding.spec.partitions[:2], None)))
   return jnp.einsum("bsf,fd->bsd", h, wo, out_sharding=lay.row)
+
+
+def shared_gate(p, h, lay: Parallelism):
+  """The shared expert's gate sigmoid(h @ wg) [B, S, 1] (Qwen2-MoE), of h the normed residual in
+  its own layout (token-local: no exchange; the caller reshards the [B, S] gate to where the
+  shared expert's hidden activation is); None without a gate."""
+  if "wg" not in p:
+    return None
+  g = jnp.einsum("bsd,d->bs", h, use(lay, "shared_gate", p["wg"], h.dtype),
+                 out_sharding=None if lay.x is None else P(*tuple(lay.x)[:2]))  # [B, S]
+  return jax.nn.sigmoid(g.astype(jnp.float32)).astype(h.dtype)[..., None]      # [B, S, 1]
 
 
 def block(x, lp, pos: Positions, cfg: Config, lay: Parallelism):
@@ -509,12 +588,14 @@ def block(x, lp, pos: Positions, cfg: Config, lay: Parallelism):
   if lay.moe_in_residual:                      # the MoE in the residual layout, the shared alone
     y, stats = lay.moe(lp["moe"], h, pos.x)
     if "shared" in lp:
-      y = y + lay.scatter_out(swiglu(lp["shared"], lay.gather_in(h), lay))
+      y = y + lay.scatter_out(swiglu(lp["shared"], lay.gather_in(h), lay,
+                                     gate=shared_gate(lp["shared"], h, lay)))
     return x + y, stats
+  gate = shared_gate(lp["shared"], h, lay) if "shared" in lp else None
   h = lay.gather_in(h)
   y, stats = lay.moe(lp["moe"], h, pos.q)
   if "shared" in lp:
-    y = y + swiglu(lp["shared"], h, lay)
+    y = y + swiglu(lp["shared"], h, lay, gate=gate)
   return x + lay.scatter_out(y), stats
 
 

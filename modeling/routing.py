@@ -2,15 +2,17 @@
 
 Formulas (T = tokens, E = experts, K = top-k; everything in float32):
 
-softmax router (Mixtral)
+softmax router (Mixtral, Qwen-MoE, DeepSeek-V2)
   logits = x @ W_r                                  [T, E]
   p      = softmax(logits)
-  idx    = top-k of p (ties -> lower expert id)
-  w      = p[idx] / sum(p[idx])     if norm_topk_prob, else p[idx]   (DeepSeek-V2 style)
+  idx    = top-k of p (ties -> lower expert id); with n_group > 1 inside the topk_group groups
+           of the best max p (group_score "max": DeepSeek-V2's group_limited_greedy)
+  w      = p[idx] / sum(p[idx])     if norm_topk_prob, else p[idx];  * routed_scaling_factor
 
 sigmoid router (DeepSeek-V3)
   s      = sigmoid(logits);  s_b = s + b            b = correction bias [E], not trained by gradient
   groups : experts split into n_group contiguous groups; group score = sum of its top-2 s_b
+           (group_score "top2"; "max": its best s_b)
   keep the topk_group best groups, take the top-k experts of s_b inside them
   w      = s[idx] / sum(s[idx]) (if norm_topk_prob) * routed_scaling_factor    (unbiased s)
   p      = s / sum_e s        (normalised affinities, used by the aux loss)
@@ -87,30 +89,34 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array, cfg: Config,
   the weights, probs and logits are the router's either way."""
   logits = jnp.einsum("td,de->te", x.astype(jnp.float32), router_w.astype(jnp.float32))  # [T, E]
   if cfg.router == "softmax":
-    probs = jax.nn.softmax(logits, axis=-1)
-    idx = _topk_ids(probs if choice is None else choice, cfg.top_k)    # [T, K]
-    w = jnp.take_along_axis(probs, idx, axis=-1)
-    if cfg.norm_topk_prob:
-      w = w / jnp.sum(w, axis=-1, keepdims=True)
-    return Routing(idx.astype(jnp.int32), w, probs, logits)
-
-  s = jax.nn.sigmoid(logits)                                            # [T, E]
-  sb = s + jax.lax.stop_gradient(bias)[None, :] if choice is None else choice   # selects
-  t, e = sb.shape
-  g = cfg.n_group
-  grouped = einops.rearrange(sb, "t (g n) -> t g n", g=g)               # [T, G, E/G]
-  top2 = jax.lax.top_k(grouped, min(2, e // g))[0]
-  group_score = jnp.sum(top2, axis=-1)                                  # [T, G]
-  keep_groups = _topk_ids(group_score, cfg.topk_group)                  # [T, topk_group]
-  gmask = jnp.sum(jax.nn.one_hot(keep_groups, g, dtype=jnp.bool_), axis=1) > 0   # [T, G]
-  emask = einops.repeat(gmask, "t g -> t (g n)", n=e // g)              # [T, E]: expert = g*E/G + n
-  idx = _topk_ids(jnp.where(emask, sb, -jnp.inf), cfg.top_k)            # [T, K]
-  w = jnp.take_along_axis(s, idx, axis=-1)                              # unbiased scores
+    s = probs = jax.nn.softmax(logits, axis=-1)                          # [T, E]
+    sel = probs
+  else:
+    s = jax.nn.sigmoid(logits)                                            # [T, E]
+    sel = s + jax.lax.stop_gradient(bias)[None, :]                        # biased: selects only
+    probs = s / jnp.sum(s, axis=-1, keepdims=True)
+  sel = sel if choice is None else choice
+  if cfg.n_group > 1:                   # group-limited: the top-k inside the topk_group best groups
+    sel = jnp.where(_group_mask(sel, cfg), sel, -jnp.inf)
+  idx = _topk_ids(sel, cfg.top_k)                                         # [T, K]
+  w = jnp.take_along_axis(s, idx, axis=-1)                                # unbiased scores
   if cfg.norm_topk_prob:
     w = w / jnp.sum(w, axis=-1, keepdims=True)
-  w = w * cfg.routed_scaling_factor
-  probs = s / jnp.sum(s, axis=-1, keepdims=True)
-  return Routing(idx.astype(jnp.int32), w, probs, logits)
+  return Routing(idx.astype(jnp.int32), w * cfg.routed_scaling_factor, probs, logits)
+
+
+def _group_mask(sel: jax.Array, cfg: Config) -> jax.Array:
+  """[T, E] bool: the experts of each token's topk_group best groups (n_group contiguous groups;
+  a group's score the sum of its two best `sel` (group_score "top2") or its best ("max"))."""
+  e, g = sel.shape[-1], cfg.n_group
+  grouped = einops.rearrange(sel, "t (g n) -> t g n", g=g)               # [T, G, E/G]
+  if cfg.group_score == "max":
+    group_score = jnp.max(grouped, axis=-1)                               # [T, G]
+  else:
+    group_score = jnp.sum(jax.lax.top_k(grouped, min(2, e // g))[0], axis=-1)
+  keep_groups = _topk_ids(group_score, cfg.topk_group)                   # [T, topk_group]
+  gmask = jnp.sum(jax.nn.one_hot(keep_groups, g, dtype=jnp.bool_), axis=1) > 0   # [T, G]
+  return einops.repeat(gmask, "t g -> t (g n)", n=e // g)                # expert = g*E/G + n
 
 
 def expert_slots(cfg: Config, seq_len: int) -> int:

@@ -54,7 +54,17 @@ def train_one(F, strat, cfg, mesh, opts, on_compiled: Callable, say) -> None:
     check_allocation(cfg, strat, mesh, opts, F.model)
   if F.checkpoint_dir:                        # checked (and read) before anything compiles
     start, state, planned = prepare_checkpoints(F, cfg, strat, mesh, opts, steps, say, main)
-  job = train.build(strat, cfg, mesh, opts, state=state, compile_only=F.compile_only)
+  init, hf_config = hf_start(F, cfg, say)      # --init_from / --export_hf: before compiling
+  job = train.build(strat, cfg, mesh, opts, state=state, compile_only=F.compile_only, init=init)
+  last = {"params": job.params}
+  if F.export_hf:                             # the trained params: each step's output
+    step = job.step
+
+    def recorded(p, o, b):
+      out = step(p, o, b)
+      last["params"] = out[0]
+      return out
+    job = job._replace(step=recorded)
   mesh_desc = ",".join(f"{k}:{v}" for k, v in mesh.shape.items()) if mesh is not None else "single"
   say(f"{F.strategy} on mesh {mesh_desc}, model {F.model}, gmm {cfg.gmm_backend}: compiled in "
       f"{job.compile_s:.1f}s"
@@ -74,6 +84,11 @@ def train_one(F, strat, cfg, mesh, opts, on_compiled: Callable, say) -> None:
     say(f"stopped by {stopped_by} after step {done}"
         + (f": saved step {done} to {F.checkpoint_dir}; resume with --restore=latest"
            if saver else " (no --checkpoint_dir: nothing saved)"), flush=True)
+  if F.export_hf:
+    if stopped_by:
+      say(f"not exported to {F.export_hf}: stopped before the last step", flush=True)
+    else:
+      export_trained(F.export_hf, last.pop("params"), cfg, hf_config, main, say)
   if out:
     out.write(json.dumps({"summary": True, "strategy": F.strategy, "mesh": mesh_desc,
                           "model": F.model, "dtype": cfg.dtype, "compile_s": job.compile_s,
@@ -86,11 +101,46 @@ def train_one(F, strat, cfg, mesh, opts, on_compiled: Callable, say) -> None:
                           "batch": cfg.batch, "seq_len": cfg.seq_len, "layers": cfg.n_layers,
                           "remat": cfg.remat, "microbatches": cfg.microbatches,
                           "capacity_factor": cfg.capacity_factor, "seed": cfg.seed,
+                          "data": cfg.data or "synthetic",
                           "aux_loss_kind": cfg.aux_loss_kind,
                           "attention": cfg.attention_impl, "gmm": cfg.gmm_backend,
                           "optimizer": cfg.optimizer, "options": vars(opts),
                           "compile_only": F.compile_only, "jax": jax.__version__}) + "\n")
     out.close()
+
+
+def hf_start(F, cfg, say):
+  """--init_from / --export_hf, before anything compiles -> (train.build's init: the
+  checkpoint's params once, or None; the config.json the model came from, or None). Every
+  tensor of --init_from is read and checked against cfg (missing, unexpected, misshaped: one
+  ConfigError line), and --export_hf's model must have a Hugging Face form."""
+  from modeling import convert, export_hf
+  hf, init = None, None
+  try:
+    if F.init_from:
+      hf = convert.read_config(F.init_from)
+      if not F.compile_only:
+        tree = {"params": export_hf.load(F.init_from, cfg, hf)}
+        init = lambda c: tree.pop("params")          # noqa: E731 (handed over once)
+        say(f"initialised from {F.init_from} ({hf['model_type']})")
+  except ValueError as e:
+    raise ConfigError(f"--init_from={F.init_from}: {e}") from None
+  try:
+    if F.export_hf:                            # its config.json: --init_from's, or one for the
+      export_hf.check_export(cfg, hf)          # model's family
+  except ValueError as e:
+    raise ConfigError(f"--export_hf={F.export_hf}: {e}") from None
+  return init, hf
+
+
+def export_trained(path: str, params, cfg, hf_config, main: bool, say) -> None:
+  """--export_hf: the trained params gathered to the host (every process takes part) and
+  written by process 0 as a Hugging Face checkpoint (modeling/export_hf.py)."""
+  from modeling import export_hf
+  host = jax.tree.map(train.to_host, params)
+  if main:
+    hf = export_hf.export(path, host, cfg, hf_config)
+    say(f"exported to {path} ({hf['model_type']}, float32)", flush=True)
 
 
 def run_steps(job, steps: int, start: int, planned: list[int], saver, out, say):

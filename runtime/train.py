@@ -182,7 +182,7 @@ def build(strategy, cfg, mesh, opts=None, *, with_grads: bool = False, compile_o
     prep = getattr(strategy, "prepare_batch", None)
 
     def batch(i: int):
-      b = data_lib.batch(i, cfg.batch, cfg.seq_len, cfg.vocab, cfg.seed)
+      b = data_lib.batch_for(cfg, i)           # cfg.data's tokens, or the synthetic chain
       if prep is not None and mesh is not None:
         b = prep(b, cfg, mesh)
       return put(b, {k: bspec for k in b} if bspec is not None else None, mesh)
@@ -196,7 +196,10 @@ def build(strategy, cfg, mesh, opts=None, *, with_grads: bool = False, compile_o
       params, opt_state = state
       b0 = batch(0)
     else:
-      params = put((init or model.init_params)(cfg), specs, mesh)
+      params = (init or model.init_params)(cfg)
+      if init is not None:
+        check_init(params, cfg)
+      params = put(params, specs, mesh)
       opt_state = jax.jit(opt.init)(params)
       b0 = batch(0)
     t0 = time.perf_counter()
@@ -217,6 +220,21 @@ def build(strategy, cfg, mesh, opts=None, *, with_grads: bool = False, compile_o
 
   return Job(getattr(strategy, "NAME", strategy.__name__.split(".")[-1]), cfg, mesh, opts, params,
              opt_state, run_step, compiled, compile_s, batch, hlo_text)
+
+
+def check_init(params, cfg) -> None:
+  """An init's params have the model's tree and shapes (model.init_params_shapes), or one-line
+  ConfigError naming the first that differs, before anything is placed or compiled."""
+  want = model.init_params_shapes(cfg)
+  is_leaf = lambda l: isinstance(l, model.ShapeLeaf)
+  got_paths = jax.tree_util.tree_flatten_with_path(params)[0]
+  want_paths = jax.tree_util.tree_flatten_with_path(want, is_leaf=is_leaf)[0]
+  got = {jax.tree_util.keystr(k): tuple(np.shape(a)) for k, a in got_paths}
+  need = {jax.tree_util.keystr(k): tuple(l.shape) for k, l in want_paths}
+  for name in sorted(set(got) | set(need)):
+    if got.get(name) != need.get(name):
+      raise ConfigError(f"init: params{name} has shape {got.get(name, 'missing')}, the model "
+                        f"needs {need.get(name, 'none')}")
 
 
 _DUMP_LOCK = threading.Lock()     # compare compiles strategies in threads; the cache switch is global

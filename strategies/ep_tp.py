@@ -228,6 +228,7 @@ def param_specs(cfg, mesh, opts=None):
   return model.param_specs(cfg, {
       "attn_q": P(None, EXPERT, None), "attn_kv": P(None, EXPERT, None),  # column-parallel
       "attn_q_b": P(None, EXPERT, None), "attn_kv_b": P(None, EXPERT, None),  # MLA, by head
+      "attn_q_bias": P(EXPERT, None), "attn_kv_bias": P(EXPERT, None),       # GQA biases, by head
       "attn_o": P(EXPERT, None, None),                                       # row-parallel
       "shared_in": P(None, EXPERT), "shared_out": P(EXPERT, None),
       "dense_in": P(None, EXPERT), "dense_out": P(EXPERT, None),

@@ -152,7 +152,8 @@ def first_rows(items) -> tuple[list, list]:
 # strategy table on --rows=first), the units that compile nothing or little, and the command
 # line's contract, each parametrized test on its first row. The full matrix is the default.
 FAST_FILES = {"test_strategies.py", "test_cli.py", "test_imports.py", "test_docs.py",
-              "test_names.py", "test_routing.py", "test_dispatch.py", "test_durability.py"}
+              "test_names.py", "test_routing.py", "test_dispatch.py", "test_durability.py",
+              "test_data.py"}
 
 
 def strategy_of(item) -> str | None:

@@ -390,7 +390,11 @@ def test_describe_prints_parameter_counts_without_compiling():
   from modeling import model
   from modeling.config import get_config
   total, active = model.param_counts(get_config("deepseek-v3"))
-  assert r.stdout.splitlines() == [f"total_params {total}", f"activated_params {active}"]
+  cfg = get_config("deepseek-v3")
+  lines = r.stdout.splitlines()
+  assert lines[:3] == [f"total_params {total}", f"activated_params {active}",
+                       f"activated_params_with_embeddings {active - cfg.d_model + cfg.vocab * cfg.d_model}"]
+  assert lines[3].startswith("model deepseek-v3: 671.03B total, 36.63B activated"), lines[3]
 
 
 def _row(name, **kw):

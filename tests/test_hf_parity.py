@@ -1,5 +1,5 @@
-"""Whole-model logit parity with Hugging Face transformers' own MixtralForCausalLM and
-DeepseekV3ForCausalLM (no torch needed here).
+"""Whole-model logit parity with Hugging Face transformers' own model classes of every family
+modeling/convert.py accepts (no torch needed here).
 
 The fixtures (tests/fixtures/hf/*.npz, written by tools/hf_fixtures.py in its own Python 3.11
 environment) hold each model's HF state dict under HF's names, its config.json, a [2, 16] token
@@ -10,6 +10,15 @@ strategies, must give transformers' logits within 1e-5 of their largest magnitud
   deepseek_v3          MLA with q_lora 32, one dense layer, sigmoid group-limited top-2 with a
                        non-zero correction bias, a shared expert, interleaved RoPE
   deepseek_v3_noqlora  the same with a direct query projection (as DeepSeek-V2-Lite)
+  deepseek_v3_yarn     DeepSeek-V3 with YaRN RoPE scaling (factor 4 over 8 original positions,
+                       positions to 11): the interpolated frequencies and MLA's mscale^2
+  deepseek_v2_lite     DeepSeek-V2: softmax greedy top-2, unnormalised, two shared experts
+  deepseek_v2          DeepSeek-V2 with q_lora and group_limited_greedy routing (a group's max)
+  qwen3_moe            QK-norm on every GQA head, a dense first layer (mlp_only_layers)
+  qwen2_moe            q/k/v biases, a shared expert of its own width behind a sigmoid gate
+  glm4_moe             partial rotary (half of each head), q/k/v biases, QK-norm, sigmoid
+                       group-limited routing with correction bias, a shared expert, a dense layer
+The fixtures of the last six have 12 positions (not a power of two).
 """
 import json
 import math
@@ -33,7 +42,24 @@ CASES = [("mixtral", "reference", None), ("mixtral", "ep", "expert:2"),
          ("deepseek_v3", "reference", None), ("deepseek_v3", "ep", "expert:2"),
          ("deepseek_v3", "fsdp", "fsdp:2"), ("deepseek_v3", "pp", "stage:2,expert:2"),
          ("deepseek_v3", "tp", "tensor:2"), ("deepseek_v3", "cp", "context:2"),
-         ("deepseek_v3_noqlora", "reference", None), ("deepseek_v3_noqlora", "ep", "expert:2")]
+         ("deepseek_v3_noqlora", "reference", None), ("deepseek_v3_noqlora", "ep", "expert:2"),
+         ("deepseek_v3_yarn", "reference", None), ("deepseek_v3_yarn", "ep", "expert:2"),
+         ("deepseek_v3_yarn", "cp", "context:2"), ("deepseek_v3_yarn", "tp", "tensor:2"),
+         ("deepseek_v2_lite", "reference", None), ("deepseek_v2_lite", "ep", "expert:2"),
+         ("deepseek_v2", "reference", None), ("deepseek_v2", "ep", "expert:2"),
+         ("deepseek_v2", "tp", "tensor:2"),
+         ("qwen3_moe", "reference", None), ("qwen3_moe", "ep", "expert:2"),
+         ("qwen3_moe", "tp", "tensor:2"), ("qwen3_moe", "fsdp", "fsdp:2"),
+         ("qwen3_moe", "cp", "context:2"), ("qwen3_moe", "pp", "stage:2,expert:2"),
+         ("qwen2_moe", "reference", None), ("qwen2_moe", "ep", "expert:2"),
+         ("qwen2_moe", "tp", "tensor:2"), ("qwen2_moe", "fsdp", "fsdp:2"),
+         ("qwen2_moe", "ep_tp", "expert:2"), ("qwen2_moe", "ep_x_tp", "expert:2,tensor:2"),
+         ("qwen2_moe", "cp", "context:2"),
+         ("glm4_moe", "reference", None), ("glm4_moe", "ep", "expert:2"),
+         ("glm4_moe", "tp", "tensor:2"), ("glm4_moe", "fsdp", "fsdp:2"),
+         ("glm4_moe", "cp", "context:2"), ("glm4_moe", "pp", "stage:2,expert:2"),
+         ("glm4_moe", "ep_tp", "expert:2"), ("glm4_moe", "ep_x_tp", "expert:2,tensor:2")]
+FAMILIES = sorted({f for f, _, _ in CASES})
 
 
 def load(name: str):
@@ -90,7 +116,7 @@ def test_logits_match_transformers(fixture, strategy, mesh):
 def test_converter_round_trips_the_declared_tree():
   """from_hf gives init_params' exact tree and shapes (so a converted checkpoint loads into any
   strategy's param_specs), and refuses a state dict with a tensor missing."""
-  for fixture in ("mixtral", "deepseek_v3", "deepseek_v3_noqlora"):
+  for fixture in FAMILIES:
     cfg, params, *_ = load(fixture)
     shapes = jax.tree.map(np.shape, model.init_params(cfg))
     assert jax.tree.map(np.shape, params) == shapes, fixture
