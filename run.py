@@ -25,9 +25,12 @@ flags.DEFINE_string("strategy", None, "strategy to train (see strategies/); omit
 flags.DEFINE_string("compare", None, "'all' or a comma list of strategies to compare; an "
                     "entry may carry its own options, NAME:key=value[:key=value] (e.g. "
                     "cp:kv_exchange=ring), which override --opt's for that row")
-flags.DEFINE_string("model", "tiny", "model preset: tiny | mixtral-test | deepseek-test (these run "
-                    "on CPU) | mixtral-8x7b | deepseek-v2-lite | deepseek-v3 (real shapes: "
-                    "--compile_only on CPU)")
+flags.DEFINE_string("model", "tiny", "a preset (tiny, mixtral-test, deepseek-test, "
+                    "deepseek-v2-test, qwen2-test, glm-test run on CPU; mixtral-8x7b, "
+                    "mixtral-8x22b, deepseek-v2-lite, deepseek-v3, qwen3-30b-a3b, "
+                    "qwen3-235b-a22b, glm-4.5, kimi-k2 at real shapes: --compile_only / --plan "
+                    "on CPU) or the path of a Hugging Face config.json or of its folder "
+                    "(docs/models.md)")
 flags.DEFINE_integer("steps", None, "steps to run (after --restore: more steps; default 20; 3 in compare mode; 0 = compile "
                      "and report only)")
 flags.DEFINE_integer("batch", None, "global batch (sequences); default from the preset")

@@ -413,11 +413,37 @@ def _safetensor_files(paths) -> list:
   return files
 
 
-def load_safetensors(paths) -> dict:
+class Tensors(Mapping):
+  """{name: float32 numpy array} over memory-mapped .safetensors files, each tensor decoded when
+  it is read (from_hf reads each once): the host holds the float32 params it builds and one
+  tensor in flight, never a float32 copy of the whole checkpoint; tensors it skips (DeepSeek's
+  multi-token-prediction layers) are never decoded."""
+
+  def __init__(self, index: dict):
+    self._index = index            # name -> (memmap of the file, offset, end, dtype, shape, path)
+
+  def __getitem__(self, name):
+    raw, lo, hi, kind, shape, _ = self._index[name]
+    buf = raw[lo:hi]
+    if kind == "bf16":
+      a = (np.frombuffer(buf, "<u2").astype(np.uint32) << 16).view(np.float32)
+    else:
+      a = np.frombuffer(buf, np.dtype(kind).newbyteorder("<"))
+    return a.reshape(shape).astype(np.float32)
+
+  def __iter__(self):
+    return iter(self._index)
+
+  def __len__(self):
+    return len(self._index)
+
+
+def load_safetensors(paths) -> Tensors:
   """A .safetensors file, a list of them, or a checkpoint directory (its index or every shard)
-  -> {name: float32 numpy array}. Reads the format directly (8-byte header length, JSON header,
-  raw little-endian data), so bfloat16 checkpoints load without torch; FP8 ones are refused."""
-  out = {}
+  -> {name: float32 numpy array} (Tensors: decoded on read). Reads the format directly (8-byte
+  header length, JSON header, raw little-endian data), so bfloat16 checkpoints load without
+  torch; FP8 ones are refused, at their header, before any tensor is read."""
+  index = {}
   for path in _safetensor_files(paths):
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     n = int(np.frombuffer(raw[:8].tobytes(), "<u8")[0])
@@ -429,13 +455,8 @@ def load_safetensors(paths) -> dict:
       kind = _DTYPES.get(info["dtype"])
       if kind is None:
         _refuse(f"{path}: {name} has dtype {info['dtype']}, not loaded (dequantize first)")
-      lo, hi = info["data_offsets"]
-      buf = raw[base + lo:base + hi]
-      if kind == "bf16":
-        a = (np.frombuffer(buf.tobytes(), "<u2").astype(np.uint32) << 16).view(np.float32)
-      else:
-        a = np.frombuffer(buf.tobytes(), np.dtype(kind).newbyteorder("<"))
-      if name in out:
+      if name in index:
         _refuse(f"{name} is in more than one shard")
-      out[name] = a.reshape(info["shape"]).astype(np.float32)
-  return out
+      lo, hi = info["data_offsets"]
+      index[name] = (raw, base + lo, base + hi, kind, tuple(info["shape"]), path)
+  return Tensors(index)

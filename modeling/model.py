@@ -315,8 +315,10 @@ def abstract_params(cfg: Config, specs, mesh) -> dict:
 # Mixed precision (--dtype=bfloat16): params and optimizer state are float32 masters; every
 # weight but these is used in the compute dtype, and the activations follow (the embedding
 # lookup sets it). Router logits, softmax / sigmoid, top-k (modeling/routing.py), RMSNorm's
-# statistics, attention scores and the losses are computed in float32 whatever the dtype.
-KEEP_F32 = NORMS + ("router", "bias")
+# statistics, attention scores and the losses are computed in float32 whatever the dtype. The
+# q/k/v biases are used as stored (float32, never typed reduced: an add has no contraction to
+# sum their gradient in) and cast to the activations' dtype where they are added.
+KEEP_F32 = NORMS + BIASES + ("router", "bias")
 
 
 def use(lay: Parallelism, role: str, w, dtype):
@@ -460,9 +462,10 @@ def gqa(p, x, pos: Positions, cfg: Config, lay: Parallelism):
   k = jnp.einsum("bsd,dkh->bskh", x, wk)                                       # [B, S, KV, Dh]
   v = jnp.einsum("bsd,dkh->bskh", x, wv)                                       # [B, S, KV, Dh]
   if cfg.qkv_bias:                                          # biases split like their weights
-    q = q + _split_heads(use(lay, "attn_q_bias", p["bq"], x.dtype), "(k g) h -> k g h", 1, kv)
-    k = k + use(lay, "attn_kv_bias", p["bk"], x.dtype)                         # [KV, Dh]
-    v = v + use(lay, "attn_kv_bias", p["bv"], x.dtype)
+    bias = lambda n, role: use(lay, role, p[n], x.dtype).astype(x.dtype)
+    q = q + _split_heads(bias("bq", "attn_q_bias"), "(k g) h -> k g h", 1, kv)  # [KV, G, Dh]
+    k = k + bias("bk", "attn_kv_bias")                                         # [KV, Dh]
+    v = v + bias("bv", "attn_kv_bias")
   if cfg.qk_norm:                                           # RMSNorm of each head, before RoPE
     q = rms_norm(q, lay.use("head_norm", p["q_norm"]), cfg.norm_eps)
     k = rms_norm(k, lay.use("head_norm", p["k_norm"]), cfg.norm_eps)

@@ -152,7 +152,7 @@ TOKENS = (DATA, EXPERT)                 # the token axes = the grad axes
 ROW = P(DATA, None, None, unreduced={EXPERT})   # row-parallel outputs before the RS
 # replicated weight matrices whose gradient sums over every token: embed, unembed and MLA's
 # down-projections (they run on the sequence-parallel tokens)
-REPLICATED_MATRICES = ("embed", "unembed", "attn_q_a", "attn_kv_a")
+REPLICATED_MATRICES = ("embed", "unembed", "attn_q_a", "attn_kv_a", "shared_gate")
 
 
 @dataclasses.dataclass(frozen=True)

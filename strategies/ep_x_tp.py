@@ -166,7 +166,7 @@ X_SP = P(BATCH, TENSOR, None)          # sequence parallelism: the residual [B, 
 ROW_SP = P(BATCH, None, None, unreduced={TENSOR})   # row-parallel outputs before "seq_rs"
 # replicated matrices that, under sequence parallelism, run on each rank's own positions: their
 # gradient sums over every axis, one op (gather_weight), not XLA's split
-REPLICATED_MATRICES = ("embed", "unembed", "attn_q_a", "attn_kv_a")
+REPLICATED_MATRICES = ("embed", "unembed", "attn_q_a", "attn_kv_a", "shared_gate")
 # zero1: the matrices stored split over data on D (the router, its bias and the norms stay
 # replicated: a [D, E] and vectors)
 ZERO1_ROLES = tuple(r for r in model.D_DIM if r != "router")
