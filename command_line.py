@@ -127,10 +127,9 @@ def check_hf_flags(F) -> None:
   config.json); its tensors are checked against it in runtime/session.py, before compiling."""
   from modeling import convert, export_hf
   src, out = F.init_from, F.export_hf
+  if out is not None and not F.strategy:
+    raise UsageError("--export_hf needs --strategy (compare mode trains one copy per row)")
   for flag, path in (("init_from", src), ("export_hf", out)):
-    if path is not None and not F.strategy:
-      raise UsageError(f"--{flag} needs --strategy (compare mode builds every row from the "
-                       "model's own init)")
     if path is not None and F.compile_only:
       raise UsageError("--init_from loads weights a --compile_only run never allocates: give "
                        "--model=DIR to compile its shapes" if flag == "init_from" else

@@ -150,7 +150,7 @@ def search(strat, cfg, hbm_gb: float, compile_only: bool, opts):
 
 
 def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = None,
-          opts=None, with_grads: bool = False):
+          opts=None, with_grads: bool = False, init=None):
   """-> (row, job or None). Thread-safe: compare compiles several strategies at once. Without
   --mesh, a layout the model does not admit falls back to a smaller main axis (see above);
   mesh_spec "search": the mesh search (`search`). A strategy that fails to build, trace or
@@ -189,7 +189,7 @@ def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = 
     if cfg.layer_slots != given.layer_slots:    # stored rows -> the given model's, for parity
       row["layer_rows"] = _rows_as_given(cfg, given)
     return row, train.build(strat, cfg, mesh, opts, compile_only=compile_only,
-                            with_grads=with_grads)
+                            with_grads=with_grads, init=init)
   except ConfigError as e:
     row["error"] = str(e)
     return row, None
@@ -322,12 +322,13 @@ def settings(cfg, model_name: str, steps: int, compile_only: bool, opts: dict,
 def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: str | None,
          compile_only: bool, model_name: str, hbm_gb: float | None = None,
          opts: dict | None = None, full_parity: bool = False, breakdown: bool = False,
-         every_what: bool = False) -> list[dict]:
+         every_what: bool = False, init=None) -> list[dict]:
   """names: the strategies to compare (run.py resolves 'all'); opts: {name: its Options};
   full_parity: hold every gradient and post-step parameter to the reference's, not only the
   losses (measure/agreement.py; in bf16 every row, the reference's too, then runs at
   agreement.parity_config: experts chosen by position); breakdown: print bytes per (kind, axes,
-  phase) and per layer, naming every cost term with every_what (--breakdown_all)."""
+  phase) and per layer, naming every cost term with every_what (--breakdown_all). init: cfg ->
+  numpy params, every row's starting point (--init_from), else model.init_params."""
   wanted, opts = list(names), opts or {}
   if full_parity and not compile_only:
     cfg = agreement.parity_config(cfg)
@@ -349,7 +350,7 @@ def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: s
   built = {}
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
     futs = {pool.submit(build, n, cfg, mesh_spec if n != "reference" else None, compile_only,
-                        hbm_gb, opts.get(n), full_parity): n for n in wanted}
+                        hbm_gb, opts.get(n), full_parity, init): n for n in wanted}
     for done, fut in enumerate(concurrent.futures.as_completed(futs), 1):
       n = futs[fut]
       built[n] = fut.result()

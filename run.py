@@ -222,10 +222,15 @@ def main(argv):
     train_one(cfg, opts[F.strategy])
     return
   import compare
+  init = None
+  if F.init_from:                       # every row, the reference's too, from the checkpoint
+    from runtime import session
+    init = session.init_every_row(F, cfg)
   rows = compare.main(cfg, names=names, mesh_spec=F.mesh, steps=3 if F.steps is None else F.steps,
                       report_dir=F.report_dir, compile_only=F.compile_only, model_name=F.model,
                       hbm_gb=F.hbm_gb, opts=opts, full_parity=F.full_parity,
-                      breakdown=F.breakdown or F.breakdown_all, every_what=F.breakdown_all)
+                      breakdown=F.breakdown or F.breakdown_all, every_what=F.breakdown_all,
+                      init=init)
   failures, skipped = compare.outcome(rows, F.compile_only)
   for line in skipped:
     print(f"skipped: {line}", file=sys.stderr)

@@ -109,6 +109,19 @@ def train_one(F, strat, cfg, mesh, opts, on_compiled: Callable, say) -> None:
     out.close()
 
 
+def init_every_row(F, cfg):
+  """Compare mode's --init_from: the checkpoint read and checked once, before anything compiles
+  (one ConfigError line), -> train.build's init for every row: the params in that row's stored
+  layout (pp pads its MoE stack with inert zero rows)."""
+  from modeling import convert, export_hf
+  try:
+    flat = export_hf.load(F.init_from, cfg.replace(layer_layout="", layer_stages=0),
+                          convert.read_config(F.init_from))
+  except ValueError as e:
+    raise ConfigError(f"--init_from={F.init_from}: {e}") from None
+  return lambda c: export_hf.padded(flat, c)
+
+
 def hf_start(F, cfg, say):
   """--init_from / --export_hf, before anything compiles -> (train.build's init: the
   checkpoint's params once, or None; the config.json the model came from, or None). Every

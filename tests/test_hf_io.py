@@ -229,7 +229,10 @@ def cli(tmp_path_factory):
       "restore": ep + [f"--init_from={ck}", f"--checkpoint_dir={d}", "--restore=latest"],
       "compile_only": ep + [f"--export_hf={d / 'x'}", "--compile_only"],
       "other_model": ep + [f"--init_from={ck}", "--model=tiny"],
-      "compare": ["--compare=ep", "--devices=2", f"--init_from={ck}"],
+      "compare": ["--compare=ep", "--devices=2", f"--init_from={ck}", "--steps=1",
+                  "--full_parity"],
+      "compare_export": ["--compare=ep", "--devices=2", f"--init_from={ck}",
+                         f"--export_hf={d / 'z'}"],
       "layer_layout": ["--strategy=pp", "--mesh=stage:2", "--devices=2", "--layer_layout=1,1",
                        f"--export_hf={d / 'y'}"],
       "taken": ep + [f"--export_hf={ck}"],
@@ -249,6 +252,18 @@ def test_init_from_gives_the_checkpoints_loss(cli):
   assert abs(ep - ref) <= 1e-5 * (1 + abs(ref)), (ep, ref)
   assert abs(ref - rnd) > 1e-2, (ref, rnd)
   assert "initialised from" in cli["results"]["ep"][1]
+
+
+def test_compare_mode_starts_every_row_from_the_checkpoint(cli):
+  """--compare with --init_from: ep passes full parity from the checkpoint, and the reference's
+  row's loss is the --strategy=reference run's first loss from it (not a random init's)."""
+  code, out, err = cli["results"]["compare"]
+  assert code == 0, out + err
+  rows = [[c.strip() for c in l.strip("|").split("|")] for l in out.splitlines()
+          if l.startswith("| reference") or l.startswith("| ep ")]
+  assert rows[1][4].startswith("PASS (losses, grads, params)"), rows[1]
+  want = cli["metrics"]("ref")[0]["loss"]
+  assert abs(float(rows[0][2]) - want) <= 1e-5, (rows[0][2], want)
 
 
 def test_export_hf_writes_the_trained_weights(cli):
@@ -274,7 +289,8 @@ BAD = {"no_config": "has no config.json", "missing": "1 tensor(s) the config nee
        "misshaped": "experts.3.w2.weight: shape (32, 64) but the config needs (64, 32)",
        "restore": "--init_from and --restore both give the starting weights",
        "compile_only": "--export_hf writes the trained weights: --compile_only trains none",
-       "other_model": "--model=tiny and --init_from=", "compare": "--init_from needs --strategy",
+       "other_model": "--model=tiny and --init_from=",
+       "compare_export": "--export_hf needs --strategy",
        "layer_layout": "--layer_layout=1,1 pads the MoE stack",
        "taken": "already holds a checkpoint"}
 
