@@ -15,6 +15,8 @@ data shard, T/EP of them per device in the residual stream.
 | MLA wq_a [D, Rq], wkv_a [D, Rkv + rope]  | replicated, run on the T/EP local tokens |
 | shared wi_0/wi_1 [D, Fs], wo [Fs, D]     | (None, expert), (expert, None)           |
 | routed wi_0/wi_1 [E, D, F], wo [E, F, D] | (expert, None, None)   e whole experts   |
+| attn bq [H, Dh], bk/bv [KV, Dh] (GQA)    | (expert, None)   with their heads        |
+| shared gate wg [D] (Qwen2-MoE)           | replicated, run on the T/EP local tokens |
 | embed, unembed, norms, router, bias      | replicated                               |
 | tokens / targets / positions [B, S]      | (data, None)                             |
 | residual x [B, S, D], norms, router, CE  | (data, expert, None)   sequence-parallel |

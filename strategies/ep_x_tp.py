@@ -13,7 +13,9 @@ b = B / (|data| |expert|) local sequences, T = b*S tokens per device.
 | MLA wq_b / wkv_b, wq_a / wkv_a           | as tp.py: up-projections column, down replicated|
 | experts wi_0/wi_1 [E, D, F], wo [E, F, D]| [E_expert, D, F_t] column, [E_expert, F_t, D]   |
 | shared / dense wi_0/wi_1 [D, F], wo      | [D, F_t] column, [F_t, D] row                   |
-| embed, unembed, norms, router, bias      | replicated                                      |
+| attn bq / bk / bv (GQA biases)           | as tp.py: with their heads over tensor          |
+| embed, unembed, norms, router, bias,     | replicated (the shared gate runs where its      |
+| shared gate wg [D]                       | tokens are: the residual layout)                |
 | tokens / positions [B, S]                | (B_(data,expert), S)                            |
 | residual x [B, S, D]                     | (B_(data,expert), S, D), replicated over tensor |
 |   sequence_parallel                      | (B_(data,expert), S_tensor, D)                  |

@@ -10,6 +10,8 @@ Mesh axes: (data, tensor)
 | MLA wq_a [D, Rq], wkv_a [D, Rkv + rope]  | replicated: token-local, every rank runs them   |
 | experts wi_0/wi_1 [E, D, F], wo [E, F, D]| [E, D, F_t] column, [E, F_t, D] row             |
 | shared wi_0/wi_1 [D, Fs], wo [Fs, D]     | [D, Fs_t] column, [Fs_t, D] row                 |
+| attn bq [H, Dh], bk/bv [KV, Dh] (GQA)    | with their heads: [H_t, Dh], [KV_t, Dh]         |
+| shared gate wg [D] (Qwen2-MoE)           | replicated: scales the shared hidden [.., Fs_t] |
 | embed, unembed, norms, router, bias      | replicated                                      |
 | tokens / positions [B, S]                | (B_data, S)                                     |
 | residual x [B, S, D]                     | (B_data, S, D), replicated over tensor          |
