@@ -129,11 +129,11 @@ def check_hf_flags(F) -> None:
   src, out = F.init_from, F.export_hf
   if out is not None and not F.strategy:
     raise UsageError("--export_hf needs --strategy (compare mode trains one copy per row)")
-  for flag, path in (("init_from", src), ("export_hf", out)):
-    if path is not None and F.compile_only:
-      raise UsageError("--init_from loads weights a --compile_only run never allocates: give "
-                       "--model=DIR to compile its shapes" if flag == "init_from" else
-                       "--export_hf writes the trained weights: --compile_only trains none")
+  if src is not None and F.compile_only:
+    raise UsageError("--init_from loads weights a --compile_only run never allocates: give "
+                     "--model=DIR to compile its shapes")
+  if out is not None and F.compile_only:
+    raise UsageError("--export_hf writes the trained weights: --compile_only trains none")
   if src is not None:
     if F.restore is not None:
       raise UsageError("--init_from and --restore both give the starting weights: give one")
@@ -222,7 +222,7 @@ def make_config(F):
     if getattr(F, flag) is not None:
       over[key] = getattr(F, flag)
   if F.data:
-    over["data"] = F.data                      # a token file: check_data reads it
+    over["data"] = F.data                      # a token file: runtime.data.check_run reads it
   from modeling import gmm
   if F.gmm == "mgpu":
     import kernels.mgpu  # noqa: F401  (registers the Hopper kernel and wgrad with modeling.gmm)
@@ -237,15 +237,6 @@ def make_config(F):
     if F.init_from and str(e).startswith(said):
       raise ConfigError(f"--init_from={F.init_from}:" + str(e)[len(said):]) from None
     raise
-
-
-def check_data(cfg) -> None:
-  """--data: a token file of the model's vocab, long enough for one sequence (runtime/data.py:
-  its format, then one chunked scan for its smallest and largest token), or one-line
-  ConfigError, before anything compiles. Nothing without --data (the synthetic chain)."""
-  if cfg.data:
-    from runtime import data
-    data.check(cfg.data, cfg.seq_len, cfg.vocab)
 
 
 def setup_devices(n: int, dist, cache: str = "") -> None:

@@ -195,7 +195,8 @@ def main(argv):
   names = command.strategy_names(F)
   opts = command.strategy_options(F, names)
   cfg = command.make_config(F)
-  command.check_data(cfg)                      # --data: format, length, vocab; before compiling
+  from runtime import data
+  data.check_run(cfg)                          # --data: format, length, vocab; before compiling
   if F.describe:
     from modeling import model
     total, active = model.param_counts(cfg)

@@ -83,7 +83,7 @@ class Config:
   # yarn_factor 0 = unscaled; else the frequencies interpolated between yarn_beta_fast and
   # yarn_beta_slow rotations over yarn_original_max positions, cos / sin scaled by
   # mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim), and MLA's softmax scale by
-  # mscale(factor, yarn_mscale_all_dim)^2 (modeling/model.py rope_tables)
+  # mscale(factor, yarn_mscale_all_dim)^2 (modeling/model.py rope_frequencies, softmax_scale)
   yarn_factor: float = _model(0.0)
   yarn_original_max: int = _model(0)
   yarn_beta_fast: float = _model(32.0)

@@ -150,17 +150,17 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> dict:
                 qkv_bias=mt == "qwen2_moe" and bool(hf.get("qkv_bias", True)),
                 qk_norm=mt == "qwen3_moe", first_k_dense_replace=n_dense,
                 dense_d_ff=hf["intermediate_size"] if n_dense else 0)
-      shared = hf.get("shared_expert_intermediate_size") or 0 if mt == "qwen2_moe" else 0
+      shared = (hf.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
       if shared:                              # one shared expert of its own width, gated
         kw.update(n_shared_experts=1, shared_width=shared, shared_gate=True)
     else:                                                        # glm4_moe
-      kw.update(_deepseek_moe(hf, mt), qkv_bias=bool(hf.get("attention_bias", False)),
+      kw.update(_deepseek_moe(hf), qkv_bias=bool(hf.get("attention_bias", False)),
                 qk_norm=bool(hf.get("use_qk_norm", False)), router="sigmoid")
   kw.update(overrides)
   return kw
 
 
-def _deepseek_moe(hf: dict, mt: str) -> dict:
+def _deepseek_moe(hf: dict) -> dict:
   """The MoE fields DeepSeek-V2/V3, Kimi-K2 and GLM-4.5 share: routed and shared experts, the
   dense prefix, group-limited routing."""
   if hf.get("moe_layer_freq", 1) != 1:
@@ -180,7 +180,7 @@ def _mla(hf: dict, mt: str, common: dict) -> dict:
   noaux_tc): MLA attention and their MoE."""
   if hf.get("attention_bias", False):
     _refuse("attention_bias=True is not modelled for MLA")
-  kw = dict(common, **_deepseek_moe(hf, mt), n_kv_heads=hf["num_attention_heads"],
+  kw = dict(common, **_deepseek_moe(hf), n_kv_heads=hf["num_attention_heads"],
             attention="mla", q_lora_rank=hf.get("q_lora_rank") or 0,
             kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
             qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
@@ -420,10 +420,10 @@ class Tensors(Mapping):
   multi-token-prediction layers) are never decoded."""
 
   def __init__(self, index: dict):
-    self._index = index            # name -> (memmap of the file, offset, end, dtype, shape, path)
+    self._index = index            # name -> (memmap of the file, offset, end, dtype, shape)
 
   def __getitem__(self, name):
-    raw, lo, hi, kind, shape, _ = self._index[name]
+    raw, lo, hi, kind, shape = self._index[name]
     buf = raw[lo:hi]
     if kind == "bf16":
       a = (np.frombuffer(buf, "<u2").astype(np.uint32) << 16).view(np.float32)
@@ -458,5 +458,5 @@ def load_safetensors(paths) -> Tensors:
       if name in index:
         _refuse(f"{name} is in more than one shard")
       lo, hi = info["data_offsets"]
-      index[name] = (raw, base + lo, base + hi, kind, tuple(info["shape"]), path)
+      index[name] = (raw, base + lo, base + hi, kind, tuple(info["shape"]))
   return Tensors(index)

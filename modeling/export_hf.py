@@ -444,9 +444,9 @@ def export(path: str, params: dict, cfg: Config, hf_config: Mapping | None = Non
   its shards and index) and config.json, written last. hf_config: the config.json the model came
   from, its fields kept (it must describe cfg's model: ValueError otherwise); None: one written
   by config_to_hf for the first family that expresses cfg. -> the config.json written."""
-  check_export(cfg, hf_config)
+  model_type = check_export(cfg, hf_config)
   if hf_config is None:
-    hf = config_to_hf(cfg, family_of(cfg), dtype)
+    hf = config_to_hf(cfg, model_type, dtype)
   else:
     hf = dict(hf_config)
     for key in [k for k in ("torch_dtype", "dtype") if k in hf] or ["torch_dtype"]:

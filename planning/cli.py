@@ -138,7 +138,6 @@ def run(F, argv_names: list[str], find) -> None:
   global batch of max(the preset's, --devices) sequences unless --batch, over the candidates
   its constraint flags leave (planning/constraints.py: a bad one is a one-line error, exit 2;
   constraints that leave no candidate raise NoCandidate: one line, exit 1)."""
-  from modeling.config import base_config
   given = {f: getattr(F, f) if F[f].present else None
            for f in ("capacity_factor", "remat", "microbatches")}
   # make_config would hold --microbatches to the preset's batch; the candidates take M from the
@@ -152,7 +151,7 @@ def run(F, argv_names: list[str], find) -> None:
     cfg = cfg.replace(dtype="bfloat16")
   source = "--batch"
   if F.batch is None:
-    preset = base_config(F.model).batch
+    preset = cfg.batch                    # the model's own: make_config had no --batch
     cfg = cfg.replace(batch=max(preset, F.devices))
     source = f"max of the preset's {preset} and --devices={F.devices}"
   cfg = cfg.validate()

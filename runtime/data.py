@@ -53,12 +53,19 @@ SCAN_CHUNK = 1 << 24          # tokens per chunk of the one-time min / max scan 
 
 
 def batch_for(cfg, step: int) -> dict:
-  """Batch `step` of the run cfg: its token file's (cfg.data, checked against the model's vocab
-  and seq_len) or, without one, the synthetic chain's."""
+  """Batch `step` of the run cfg: its token file's (cfg.data; check_run holds the file to the
+  model once, before the first batch) or, without one, the synthetic chain's."""
   if not cfg.data:
     return batch(step, cfg.batch, cfg.seq_len, cfg.vocab, cfg.seed)
-  check(cfg.data, cfg.seq_len, cfg.vocab)
   return file_batch(cfg.data, step, cfg.batch, cfg.seq_len, cfg.seed)
+
+
+def check_run(cfg) -> None:
+  """The run's token file, if any (cfg.data), held to the model (check: its format, length and
+  token range; one-line ConfigError): run.py asks before anything starts, runtime/train.py's
+  build before its first batch. Nothing for the synthetic chain."""
+  if cfg.data:
+    check(cfg.data, cfg.seq_len, cfg.vocab)
 
 
 def _key(path: str) -> tuple:

@@ -56,15 +56,6 @@ def train_one(F, strat, cfg, mesh, opts, on_compiled: Callable, say) -> None:
     start, state, planned = prepare_checkpoints(F, cfg, strat, mesh, opts, steps, say, main)
   init, hf_config = hf_start(F, cfg, say)      # --init_from / --export_hf: before compiling
   job = train.build(strat, cfg, mesh, opts, state=state, compile_only=F.compile_only, init=init)
-  last = {"params": job.params}
-  if F.export_hf:                             # the trained params: each step's output
-    step = job.step
-
-    def recorded(p, o, b):
-      out = step(p, o, b)
-      last["params"] = out[0]
-      return out
-    job = job._replace(step=recorded)
   mesh_desc = ",".join(f"{k}:{v}" for k, v in mesh.shape.items()) if mesh is not None else "single"
   say(f"{F.strategy} on mesh {mesh_desc}, model {F.model}, gmm {cfg.gmm_backend}: compiled in "
       f"{job.compile_s:.1f}s"
@@ -78,8 +69,8 @@ def train_one(F, strat, cfg, mesh, opts, on_compiled: Callable, say) -> None:
   saver = None
   if F.checkpoint_dir and not F.compile_only:
     saver = checkpoint.Saver(F.checkpoint_dir, cfg, say=say, strategy=F.strategy, mesh=mesh_desc)
-  done, stopped_by = run_steps(job, 0 if F.compile_only else steps, start, planned, saver, out,
-                               say)
+  done, stopped_by, params = run_steps(job, 0 if F.compile_only else steps, start, planned, saver,
+                                       out, say)
   if stopped_by:
     say(f"stopped by {stopped_by} after step {done}"
         + (f": saved step {done} to {F.checkpoint_dir}; resume with --restore=latest"
@@ -88,7 +79,7 @@ def train_one(F, strat, cfg, mesh, opts, on_compiled: Callable, say) -> None:
     if stopped_by:
       say(f"not exported to {F.export_hf}: stopped before the last step", flush=True)
     else:
-      export_trained(F.export_hf, last.pop("params"), cfg, hf_config, main, say)
+      export_trained(F.export_hf, params, cfg, hf_config, main, say)
   if out:
     out.write(json.dumps({"summary": True, "strategy": F.strategy, "mesh": mesh_desc,
                           "model": F.model, "dtype": cfg.dtype, "compile_s": job.compile_s,
@@ -109,16 +100,22 @@ def train_one(F, strat, cfg, mesh, opts, on_compiled: Callable, say) -> None:
     out.close()
 
 
-def init_every_row(F, cfg):
-  """Compare mode's --init_from: the checkpoint read and checked once, before anything compiles
-  (one ConfigError line), -> train.build's init for every row: the params in that row's stored
-  layout (pp pads its MoE stack with inert zero rows)."""
+def read_init(F, cfg, hf=None) -> dict:
+  """--init_from's params in cfg's stored layout (export_hf.load), every tensor read and
+  checked: one ConfigError line otherwise."""
   from modeling import convert, export_hf
   try:
-    flat = export_hf.load(F.init_from, cfg.replace(layer_layout="", layer_stages=0),
-                          convert.read_config(F.init_from))
+    return export_hf.load(F.init_from, cfg, convert.read_config(F.init_from) if hf is None else hf)
   except ValueError as e:
     raise ConfigError(f"--init_from={F.init_from}: {e}") from None
+
+
+def init_every_row(F, cfg):
+  """Compare mode's --init_from: the checkpoint read and checked once, before anything compiles,
+  -> train.build's init for every row: the params in that row's stored layout (pp pads its MoE
+  stack with inert zero rows)."""
+  from modeling import export_hf
+  flat = read_init(F, cfg.replace(layer_layout="", layer_stages=0))       # depth order
   return lambda c: export_hf.padded(flat, c)
 
 
@@ -129,15 +126,15 @@ def hf_start(F, cfg, say):
   ConfigError line), and --export_hf's model must have a Hugging Face form."""
   from modeling import convert, export_hf
   hf, init = None, None
-  try:
-    if F.init_from:
+  if F.init_from:
+    try:
       hf = convert.read_config(F.init_from)
-      if not F.compile_only:
-        tree = {"params": export_hf.load(F.init_from, cfg, hf)}
-        init = lambda c: tree.pop("params")          # noqa: E731 (handed over once)
-        say(f"initialised from {F.init_from} ({hf['model_type']})")
-  except ValueError as e:
-    raise ConfigError(f"--init_from={F.init_from}: {e}") from None
+    except ValueError as e:
+      raise ConfigError(f"--init_from={F.init_from}: {e}") from None
+    if not F.compile_only:
+      tree = {"params": read_init(F, cfg, hf)}
+      init = lambda c: tree.pop("params")          # noqa: E731 (handed over once)
+      say(f"initialised from {F.init_from} ({hf['model_type']})")
   try:
     if F.export_hf:                            # its config.json: --init_from's, or one for the
       export_hf.check_export(cfg, hf)          # model's family
@@ -159,7 +156,8 @@ def export_trained(path: str, params, cfg, hf_config, main: bool, say) -> None:
 def run_steps(job, steps: int, start: int, planned: list[int], saver, out, say):
   """The step loop: a console line and a metrics line per step, the planned saves, the last
   step saved, a stop after the step in flight on SIGTERM / SIGINT (that step saved) -> (steps
-  done, the signal's name or None). A non-finite step raises NonFinite after its line."""
+  done, the signal's name or None, the params after the last step done). A non-finite step
+  raises NonFinite after its line."""
   cfg = job.cfg
   tokens = cfg.batch * cfg.seq_len
   params, opt_state, done = job.params, job.opt_state, start
@@ -189,7 +187,7 @@ def run_steps(job, steps: int, start: int, planned: list[int], saver, out, say):
     finally:
       if saver:
         saver.close()                              # waits until the last save is committed
-  return done, stop.signal
+  return done, stop.signal, params
 
 
 def _host_bytes() -> int:

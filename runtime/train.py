@@ -180,6 +180,7 @@ def build(strategy, cfg, mesh, opts=None, *, with_grads: bool = False, compile_o
     step_fn = make_train_step(cfg, lay, opt, with_grads)
     bspec = strategy.batch_spec(cfg, mesh) if mesh is not None else None
     prep = getattr(strategy, "prepare_batch", None)
+    data_lib.check_run(cfg)                   # a token file: once, before any batch is read
 
     def batch(i: int):
       b = data_lib.batch_for(cfg, i)           # cfg.data's tokens, or the synthetic chain
