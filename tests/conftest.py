@@ -63,6 +63,13 @@ def run_py_in_one_process(rows: dict, timeout: float = 600) -> dict:
   assert line, r.stdout + r.stderr
   return json.loads(line[-1].removeprefix("RESULTS "))
 
+def compare_table(stdout: str) -> dict:
+  """run.py's comparison table in `stdout` -> {strategy entry: {column: cell}}."""
+  lines = [l for l in stdout.splitlines() if l.startswith("|")]
+  cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]
+  head = cells(lines[0])
+  return {row[0]: dict(zip(head, row)) for row in map(cells, lines[2:])}
+
 import jax  # noqa: E402
 
 # The persistent compilation cache, shared by both xdist workers. jax writes an entry in place; a

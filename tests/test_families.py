@@ -12,7 +12,7 @@ import pytest
 
 from modeling import model
 from modeling.config import Config, get_config
-from tests.conftest import run_py_in_one_process
+from tests.conftest import compare_table, run_py_in_one_process
 
 CONFIGS = ["configs/qwen3-30b-a3b.json", "configs/qwen3-235b-a22b.json", "configs/glm-4.5.json",
            "configs/kimi-k2.json", "configs/mixtral-8x22b.json", "configs/deepseek-v3.json"]
@@ -114,14 +114,6 @@ def test_qwen3_config_plans_on_32_h100(results):
   assert rows and "kept: fits, fastest" in rows[0], stdout
 
 
-def _table_rows(stdout: str) -> dict:
-  """compare's table -> {strategy: its cells}."""
-  lines = [l for l in stdout.splitlines() if l.startswith("|")]
-  head = [c.strip() for c in lines[0].strip("|").split("|")]
-  return {cells[0]: dict(zip(head, cells)) for cells in
-          ([c.strip() for c in l.strip("|").split("|")] for l in lines[2:])}
-
-
 TRAIN = {
     # GLM-4.5's attention (biases, QK-norm, half-rotary heads) split over heads, sequence and stages
     "glm": ["--compare=tp,ep_tp,ep_x_tp,cp,pp", "--model=glm-test"],
@@ -136,7 +128,14 @@ TRAIN = {
     "glm_bf16": ["--compare=tp,ep_x_tp", "--model=glm-test", "--dtype=bfloat16", "--remat=block"],
     "qwen2_bf16": ["--compare=ep_tp,ep_x_tp:sequence_parallel=true", "--model=qwen2-test",
                    "--dtype=bfloat16", "--remat=block"],
+    # Muon (the biases, head norms and the gate are Adam's; the matrices Muon's), ZeRO-1 too
+    "glm_muon": ["--compare=tp,ep_x_tp:zero1=true", "--model=glm-test", "--optimizer=muon"],
+    "qwen2_muon": ["--compare=ep_tp,ep_x_tp:zero1=true", "--model=qwen2-test",
+                   "--optimizer=muon"],
 }
+# Muon's gathers of split matrices are contract lines, not cost-model terms
+# (docs/strategies-and-pipelines.md: "[muon]"): its rows' meas/pred is not held to 1.00
+COST_HELD = {k for k, v in TRAIN.items() if "--optimizer=muon" not in v}
 
 
 @pytest.fixture(scope="module")
@@ -147,12 +146,13 @@ def trained():
 
 @pytest.mark.parametrize("case", TRAIN)
 def test_family_features_train_as_the_reference(trained, case):
-  """Every row PASSes full parity (losses, every gradient and updated parameter) and its
-  compiled collective bytes are the cost model's (meas/pred 1.00)."""
+  """Every row PASSes full parity (losses, every gradient and updated parameter) and, but under
+  Muon, its compiled collective bytes are the cost model's (meas/pred 1.00)."""
   code, stdout, stderr = trained[case]
   assert code == 0, stdout + stderr
-  rows = _table_rows(stdout)
+  rows = compare_table(stdout)
   strategies = TRAIN[case][0].removeprefix("--compare=").split(",")
   for name in strategies:
     assert rows[name]["parity"].startswith("PASS (losses, grads, params)"), rows[name]
-    assert rows[name]["meas/pred"] == "1.00", (name, rows[name]["meas/pred"])
+    if case in COST_HELD:
+      assert rows[name]["meas/pred"] == "1.00", (name, rows[name]["meas/pred"])

@@ -22,7 +22,7 @@ import pytest
 from modeling import convert, export_hf, model
 from modeling.config import Config, get_config
 from runtime import data as data_lib
-from tests.conftest import run_py_in_one_process
+from tests.conftest import compare_table, run_py_in_one_process
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 NAMES = sorted(p.stem for p in FIXTURES.glob("*.npz"))
@@ -259,11 +259,10 @@ def test_compare_mode_starts_every_row_from_the_checkpoint(cli):
   row's loss is the --strategy=reference run's first loss from it (not a random init's)."""
   code, out, err = cli["results"]["compare"]
   assert code == 0, out + err
-  rows = [[c.strip() for c in l.strip("|").split("|")] for l in out.splitlines()
-          if l.startswith("| reference") or l.startswith("| ep ")]
-  assert rows[1][4].startswith("PASS (losses, grads, params)"), rows[1]
-  want = cli["metrics"]("ref")[0]["loss"]
-  assert abs(float(rows[0][2]) - want) <= 1e-5, (rows[0][2], want)
+  rows = compare_table(out)
+  assert rows["ep"]["parity"].startswith("PASS (losses, grads, params)"), rows["ep"]
+  want, got = cli["metrics"]("ref")[0]["loss"], rows["reference"]["final loss"]
+  assert abs(float(got) - want) <= 1e-5, (got, want)
 
 
 def test_export_hf_writes_the_trained_weights(cli):
