@@ -41,8 +41,9 @@ threading.excepthook = _quiet(threading.excepthook, lambda a: a.exc_value)
 
 
 def _quiet_orphans() -> None:
-  # the sibling reads of a failed restore end as never-retrieved asyncio futures, which asyncio
-  # logs (with the same error) when collected, at exit: the one-line error is the report
+  # the sibling reads of a failed restore, and the sibling writes of a failed save, end as
+  # never-retrieved asyncio futures, which asyncio logs (with the same error) when they are
+  # collected, at a time the garbage collector picks: the one-line error is the report
   logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
@@ -129,6 +130,7 @@ class Saver:
 
   def __init__(self, directory: str, cfg: Config, say=print, **extra):
     _quiet_orbax_logs()
+    _quiet_orphans()
     self.cfg, self.extra, self.directory, self.say = cfg, extra, directory, say
     self.lock = threading.Lock()
     self.pending: list[int] = []         # saved, not yet reported as committed
