@@ -55,6 +55,17 @@ def sequence_parallel(cfg, residual: P, gathered: P, axis: str, token_axes, grad
   return gather_in, scatter_out, use
 
 
+def bias_once(p: dict, axis: str) -> dict:
+  """Inside a MoE shard_map whose experts run F slices over `axis` (their outputs partial sums,
+  psum'd after): gpt-oss's down-projection bias p["bo"] [e, D] kept on `axis` rank 0 and zeroed
+  on the others, so that the sum adds it once; its gradient, summed over `axis`, is rank 0's.
+  p as is without it."""
+  if "bo" not in p:
+    return p
+  first = (jax.lax.axis_index(axis) == 0).astype(p["bo"].dtype)
+  return {**p, "bo": p["bo"] * first}
+
+
 def finish_moe(y, stats, axis: str, token_axes):
   """Inside a MoE shard_map where every `axis` rank routed the same tokens and ran its F slice of
   the experts (tp, ep_x_tp): ONE psum over `axis` of the combined y [.., D] ("moe_psum_tensor"),

@@ -31,6 +31,8 @@ EXPERT_CHOICES = ("router",       # the top-k of the router's scores
                   "position")     # the same top-k of a hash of the token's position: the choice
                                   # every layout makes alike (--full_parity in bfloat16)
 ATTENTIONS = ("gqa", "mla")
+LAYER_ATTENTIONS = ("full",      # causal attention over every earlier key
+                    "sliding")   # the last sliding_window keys only (gpt-oss)
 GROUP_SCORES = ("top2", "max")    # group-limited routing's group score (modeling/routing.py)
 # --attention: how the softmax(q k^T) v core runs (modeling/attention.py)
 ATTENTION_IMPLS = ("xla",         # the [B, H, S, T] scores materialised: the oracle
@@ -90,6 +92,7 @@ class Config:
   yarn_beta_slow: float = _model(1.0)
   yarn_mscale: float = _model(1.0)
   yarn_mscale_all_dim: float = _model(0.0)
+  yarn_truncate: bool = _model(True)     # the ramp's bounds floored / ceiled (False: gpt-oss)
   norm_eps: float = _model(1e-6)
   # GQA extras: biases on the q, k and v projections (Qwen2-MoE, GLM-4.5), and an RMSNorm of
   # each q and k head (weight [Dh], eps norm_eps) before RoPE (Qwen3-MoE, GLM-4.5)
@@ -100,6 +103,22 @@ class Config:
   shared_width: int = _model(0)
   # the shared expert's output scaled by sigmoid(h @ w_gate), one scalar per token (Qwen2-MoE)
   shared_gate: bool = _model(False)
+  # gpt-oss: each layer's attention kind (LAYER_ATTENTIONS), a period repeated over depth
+  # ("sliding,full": even layers slide, odd ones see everything; "" = every layer full), the
+  # sliding layers' window in keys, a learned sink logit per query head in every softmax
+  # denominator, and a bias on the attention's output projection
+  attention_pattern: str = _model("")
+  sliding_window: int = _model(0)
+  attn_sinks: bool = _model(False)
+  attn_o_bias: bool = _model(False)
+  # gpt-oss's MoE: a trained bias on the router logits (router_bias), biases on every expert's
+  # gate / up ([E, F] each) and down ([E, D]) projections (expert_bias), and the clamped SwiGLU
+  # when swiglu_limit > 0: g = min(gate, limit), u = clip(up, -limit, limit),
+  # h = (u + 1) * g * sigmoid(swiglu_alpha * g)  (0: h = silu(gate) * up)
+  router_bias: bool = _model(False)
+  expert_bias: bool = _model(False)
+  swiglu_limit: float = _model(0.0)
+  swiglu_alpha: float = _model(1.702)
   # attention: "gqa" (Mixtral: n_kv_heads K/V heads of head_dim) or "mla" (DeepSeek's Multi-head
   # Latent Attention, Hugging Face DeepseekV3's conventions; head_dim and n_kv_heads unused)
   attention: str = _model("gqa")
@@ -192,6 +211,17 @@ class Config:
     return tuple(sorted(range(len(slots)), key=lambda i: (slots[i] < 0, slots[i])))
 
   @property
+  def layer_attentions(self) -> tuple[str, ...]:
+    """The attention kinds of one period of layers (attention_pattern), ("full",) when unset:
+    layer i (in depth order, the dense prefix included) has kind [i % period]."""
+    return tuple(k.strip() for k in self.attention_pattern.split(",")) if \
+        self.attention_pattern else ("full",)
+
+  def window_of(self, kind: str) -> int:
+    """The sliding window of a layer of attention kind `kind`, 0 for full attention."""
+    return self.sliding_window if kind == "sliding" else 0
+
+  @property
   def qk_head_dim(self) -> int:
     """Per-head q/k width: head_dim (GQA), qk_nope + qk_rope (MLA)."""
     return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
@@ -244,6 +274,24 @@ class Config:
          "qkv_bias, qk_norm and rotary_dim are GQA's (MLA has its own latent norms and RoPE dims)")
     need(0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0,
          f"rotary_dim={self.rotary_dim} must be even and in [0, head_dim={self.head_dim}]")
+    kinds = self.layer_attentions
+    need(all(k in LAYER_ATTENTIONS for k in kinds), f"attention_pattern={self.attention_pattern!r}:"
+         f" each entry one of {', '.join(LAYER_ATTENTIONS)}")
+    need(("sliding" in kinds) == (self.sliding_window >= 1),
+         f"sliding_window={self.sliding_window} needs a sliding layer in attention_pattern, and "
+         "a sliding layer a sliding_window >= 1")
+    need(len(kinds) == 1 or (self.n_layers % len(kinds) == 0 and
+                             self.first_k_dense_replace % len(kinds) == 0),
+         f"attention_pattern's period {len(kinds)} must divide n_layers={self.n_layers} and "
+         f"first_k_dense_replace={self.first_k_dense_replace}")
+    need(len(kinds) == 1 or not (self.layer_layout or self.layer_stages),
+         "attention_pattern with more than one kind of layer takes no layer_layout / "
+         "layer_stages (pipeline stages of different layers are not built yet)")
+    need(not (self.mla and (self.attn_sinks or self.attn_o_bias or len(kinds) > 1)),
+         "attention sinks, the output bias and sliding layers are GQA's here")
+    need(self.attention_impl != "cudnn" or not self.attn_sinks,
+         "--attention=cudnn takes no attention sinks; use chunked")
+    need(self.swiglu_limit >= 0, f"swiglu_limit={self.swiglu_limit} must be >= 0 (0 = SwiGLU)")
     need(self.n_experts % self.n_group == 0,
          f"n_experts={self.n_experts} not divisible by n_group={self.n_group}")
     need(1 <= self.topk_group <= self.n_group, f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
@@ -340,6 +388,12 @@ PRESETS: dict[str, Config] = {
                        n_experts=16, top_k=4, router="sigmoid", n_group=4, topk_group=2,
                        n_shared_experts=1, routed_scaling_factor=2.5, qkv_bias=True, qk_norm=True,
                        rotary_dim=8, d_ff=64, bias_update_rate=1e-3),
+    # gpt-oss's architecture at test size: sliding (12 keys of 32) and full layers in turn,
+    # attention sinks, biases on q/k/v/o, the router and the experts, the clamped SwiGLU
+    "gpt-oss-test": Config(attention_chunk=8, n_layers=2, attention_pattern="sliding,full",
+                           sliding_window=12, attn_sinks=True, qkv_bias=True, attn_o_bias=True,
+                           router_bias=True, expert_bias=True, swiglu_limit=1.5, n_experts=8,
+                           top_k=2, router="softmax", norm_topk_prob=True, d_ff=64),
     # Mixtral-8x7B-shaped, for compile-only scaling studies (never run on CPU)
     "mixtral-8x7b": Config(vocab=32000, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
                            n_layers=32, n_experts=8, top_k=2, d_ff=14336, seq_len=4096,
@@ -404,7 +458,8 @@ def base_config(name: str) -> Config:
 # presets read from the released config.json files in configs/ (their published shapes; counts
 # held by tests/test_model.py, python run.py --model=NAME --describe)
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-for _name in ("mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "kimi-k2"):
+for _name in ("mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "kimi-k2",
+              "gpt-oss-120b", "gpt-oss-20b"):
   PRESETS[_name] = _from_hf(os.path.join(CONFIGS, f"{_name}.json"))
 
 

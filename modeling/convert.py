@@ -45,7 +45,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3",
-            "kimi_k2")
+            "kimi_k2", "gpt_oss")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "kimi_k2")   # kimi_k2: DeepSeek-V3's architecture
 
 
@@ -68,15 +68,14 @@ def _rope(hf: dict, default_theta: float) -> dict:
   if kind == "yarn":
     if params.get("attention_factor") is not None:
       _refuse("rope_scaling.attention_factor is not modelled (YaRN's mscale fields are)")
-    if params.get("truncate", True) is not True:
-      _refuse("rope_scaling.truncate=false is not modelled")
     out.update(yarn_factor=float(params["factor"]),
                yarn_original_max=int(params.get("original_max_position_embeddings")
                                      or hf["max_position_embeddings"]),
                yarn_beta_fast=float(params.get("beta_fast") or 32),
                yarn_beta_slow=float(params.get("beta_slow") or 1),
                yarn_mscale=float(params.get("mscale") or 0),
-               yarn_mscale_all_dim=float(params.get("mscale_all_dim") or 0))
+               yarn_mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+               yarn_truncate=bool(params.get("truncate", True)))
   elif kind != "default":
     _refuse(f"rope type {kind!r} is not modelled (default and yarn are; llama3, linear, "
             "dynamic, longrope ... are not)")
@@ -115,7 +114,7 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> dict:
   for name in ("attention_dropout", "hidden_dropout"):
     if hf.get(name):
       _refuse(f"{name}={hf[name]} is not modelled (no dropout)")
-  rope = _rope(hf, 1e6 if mt == "mixtral" else 10000.0)
+  rope = _rope(hf, {"mixtral": 1e6, "gpt_oss": 150000.0}.get(mt, 10000.0))
   partial = rope.pop("partial_rotary")
   common = dict(vocab=hf["vocab_size"], d_model=hf["hidden_size"],
                 n_heads=hf["num_attention_heads"], n_layers=hf["num_hidden_layers"],
@@ -153,11 +152,46 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> dict:
       shared = (hf.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
       if shared:                              # one shared expert of its own width, gated
         kw.update(n_shared_experts=1, shared_width=shared, shared_gate=True)
+    elif mt == "gpt_oss":
+      kw.update(_gpt_oss(hf))
     else:                                                        # glm4_moe
       kw.update(_deepseek_moe(hf), qkv_bias=bool(hf.get("attention_bias", False)),
                 qk_norm=bool(hf.get("use_qk_norm", False)), router="sigmoid")
   kw.update(overrides)
   return kw
+
+
+_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def _attention_pattern(hf: dict) -> str:
+  """layer_types (one per layer) -> Config.attention_pattern: its shortest repeating period, as
+  "sliding,full"; refused when no period divides the depth or a type is not modelled."""
+  n = hf["num_hidden_layers"]
+  types = list(hf.get("layer_types") or
+               ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
+  unknown = sorted(set(types) - set(_LAYER_TYPES))
+  if unknown or len(types) != n:
+    _refuse(f"layer_types {unknown or len(types)} not modelled (full_attention, "
+            f"sliding_attention; one per layer of {n})")
+  period = next(p for p in range(1, n + 1)
+                if n % p == 0 and all(types[i] == types[i % p] for i in range(n)))
+  if period == 1 and types[0] == "full_attention":
+    return ""
+  return ",".join(_LAYER_TYPES[t] for t in types[:period])
+
+
+def _gpt_oss(hf: dict) -> dict:
+  """gpt-oss: sinks, alternating sliding / full attention, biases on q/k/v/o, the router and the
+  experts, the clamped SwiGLU, softmax over the selected top-k logits."""
+  pattern = _attention_pattern(hf)
+  bias = bool(hf.get("attention_bias", True))
+  return dict(n_experts=hf["num_local_experts"], d_ff=hf["intermediate_size"], router="softmax",
+              norm_topk_prob=True, attn_sinks=True, qkv_bias=bias, attn_o_bias=bias,
+              attention_pattern=pattern,
+              sliding_window=int(hf["sliding_window"]) if "sliding" in pattern else 0,
+              router_bias=True, expert_bias=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+              swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
 
 
 def _deepseek_moe(hf: dict) -> dict:
@@ -294,6 +328,10 @@ def _attention(st: _State, p: str, cfg) -> dict:
                  bv=st.take(p + "v_proj.bias", (kv * dh,)).reshape(kv, dh))
     if _get(cfg, "qk_norm", False):
       out.update(q_norm=st.take(p + "q_norm.weight", (dh,)), k_norm=st.take(p + "k_norm.weight", (dh,)))
+    if _get(cfg, "attn_sinks", False):
+      out["sinks"] = st.take(p + "sinks", (h,))
+    if _get(cfg, "attn_o_bias", False):
+      out["bo"] = st.take(p + "o_proj.bias", (d,))
     return out
   qr, kvr = _get(cfg, "q_lora_rank") or 0, _get(cfg, "kv_lora_rank")
   nope, rope, v = (_get(cfg, n) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
@@ -322,6 +360,8 @@ def _moe(st: _State, p: str, cfg, mixtral: bool) -> dict:
   """A MoE layer's router, correction bias (sigmoid routers; zeros otherwise) and experts;
   mixtral: Mixtral's on-disk per-expert names (w1 / w3 / w2)."""
   d, e, f = _get(cfg, "d_model"), _get(cfg, "n_experts"), _get(cfg, "d_ff")
+  if _get(cfg, "expert_bias", False):
+    return _gpt_oss_moe(st, p, d, e, f)
   out = {"router": _linear(st, p + "gate.weight", d, (e,))}
   out["bias"] = (st.take(p + "gate.e_score_correction_bias", (e,))
                  if _get(cfg, "router") == "sigmoid" else np.zeros((e,), np.float32))
@@ -335,6 +375,22 @@ def _moe(st: _State, p: str, cfg, mixtral: bool) -> dict:
     per = [_swiglu(st, f"{p}experts.{i}.", d, f, names) for i in range(e)]
     out.update({k: np.stack([x[k] for x in per]) for k in ("wi_0", "wi_1", "wo")})
   return out
+
+
+def _gpt_oss_moe(st: _State, p: str, d: int, e: int, f: int) -> dict:
+  """gpt-oss's MoE: router [E, D] + bias [E]; experts.gate_up_proj [E, D, 2F] with gate and up
+  interleaved along 2F (gate the even columns) and its bias [E, 2F]; down_proj [E, F, D] and its
+  bias [E, D] (already [in, out])."""
+  gate_up = st.take(p + "experts.gate_up_proj", (e, d, 2 * f))
+  gate_up_b = st.take(p + "experts.gate_up_proj_bias", (e, 2 * f))
+  return {"router": _linear(st, p + "router.weight", d, (e,)), "bias": np.zeros((e,), np.float32),
+          "router_b": st.take(p + "router.bias", (e,)),
+          "wi_0": np.ascontiguousarray(gate_up[..., 0::2]),
+          "wi_1": np.ascontiguousarray(gate_up[..., 1::2]),
+          "wo": st.take(p + "experts.down_proj", (e, f, d)),
+          "bi_0": np.ascontiguousarray(gate_up_b[:, 0::2]),
+          "bi_1": np.ascontiguousarray(gate_up_b[:, 1::2]),
+          "bo": st.take(p + "experts.down_proj_bias", (e, d))}
 
 
 def from_hf(state: Mapping[str, np.ndarray], cfg, *, ignore: Iterable[str] = ()) -> dict:

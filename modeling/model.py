@@ -111,17 +111,22 @@ class Parallelism:
 # absent when 0), then "layers" [n_moe_layers, ...] (the MoE layers).
 ATTN_ROLES = ("attn_q", "attn_kv", "attn_o",                        # GQA, and MLA's wq / wo
               "attn_q_bias", "attn_kv_bias", "head_norm",           # GQA's biases, QK-norm
+              "attn_sinks", "attn_o_bias",                          # gpt-oss: sinks [H], bo [D]
               "attn_q_a", "q_norm", "attn_q_b",                     # MLA query low rank
               "attn_kv_a", "kv_norm", "attn_kv_b")                  # MLA latent c_KV
 LAYER_ROLES = ("attn_norm", "mlp_norm", "router", "bias", "expert_in", "expert_out",
+               "router_bias", "expert_in_bias", "expert_out_bias",  # gpt-oss's MoE biases
                "shared_in", "shared_out", "shared_gate", "dense_in", "dense_out") + ATTN_ROLES
 ROLES = ("embed", "final_norm", "unembed") + LAYER_ROLES
 NORMS = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "kv_norm",  # RMSNorm scales
          "head_norm")
-BIASES = ("attn_q_bias", "attn_kv_bias")                            # added, never multiplied
+BIASES = ("attn_q_bias", "attn_kv_bias", "attn_o_bias",             # added, never multiplied
+          "router_bias", "expert_in_bias", "expert_out_bias")
 EXPERTS = ("expert_in", "expert_out")                               # [E, D, F] / [E, F, D]
+EXPERT_BIASES = ("expert_in_bias", "expert_out_bias")               # [E, F] / [E, D]
 MOE_ROLES = {"router": "router", "bias": "bias", "wi_0": "expert_in", "wi_1": "expert_in",
-             "wo": "expert_out"}                                     # a layer's "moe" leaves
+             "wo": "expert_out", "router_b": "router_bias", "bi_0": "expert_in_bias",
+             "bi_1": "expert_in_bias", "bo": "expert_out_bias"}     # a layer's "moe" leaves
 # The dim FSDP shards (layout/fsdp.py): the model dim D, or for MLA's up-projections (which have
 # none) the low rank they read
 D_DIM = {"embed": 1, "unembed": 0, "router": 0, "attn_q": 0, "attn_kv": 0, "attn_o": 2,
@@ -155,6 +160,10 @@ def _attention_params(cfg: Config, leaf) -> dict:
                  bv=leaf((kv, dh), -1, "attn_kv_bias"))
     if cfg.qk_norm:                       # q_norm / k_norm [Dh]: one scale for every head
       out.update(q_norm=leaf((dh,), 0, "head_norm"), k_norm=leaf((dh,), 0, "head_norm"))
+    if cfg.attn_sinks:                    # sinks [H]: one logit per query head, zeros at init
+      out["sinks"] = leaf((h,), -1, "attn_sinks")
+    if cfg.attn_o_bias:                   # bo [D]: added to the attention's output
+      out["bo"] = leaf((d,), -1, "attn_o_bias")
     return out
   qk, rq, rkv = cfg.qk_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
   nope, rope_d, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -183,6 +192,12 @@ def _param_tree(cfg: Config, leaf) -> dict:
     out["moe"] = {"router": leaf((d, e), d, "router"), "bias": leaf((e,), -1, "bias"),
                   "wi_0": leaf((e, d, f), d, "expert_in"), "wi_1": leaf((e, d, f), d, "expert_in"),
                   "wo": leaf((e, f, d), f, "expert_out")}
+    if cfg.router_bias:                   # router_b [E]: added to the router logits
+      out["moe"]["router_b"] = leaf((e,), -1, "router_bias")
+    if cfg.expert_bias:                   # bi_0 / bi_1 [E, F], bo [E, D]: zeros at init
+      out["moe"].update(bi_0=leaf((e, f), -1, "expert_in_bias"),
+                        bi_1=leaf((e, f), -1, "expert_in_bias"),
+                        bo=leaf((e, d), -1, "expert_out_bias"))
     if cfg.n_shared_experts:
       out["shared"] = swiglu(cfg.shared_d_ff, ("shared_in", "shared_out"), leaf)
       if cfg.shared_gate:                 # wg [D]: the shared expert's scalar gate
@@ -259,7 +274,7 @@ def param_counts(cfg: Config) -> tuple[int, int]:
   for leaf in param_leaves(cfg.replace(layer_layout="")):     # layer_layout's padding: no params
     n = math.prod(leaf.shape)
     total += n
-    if leaf.role in EXPERTS:
+    if leaf.role in EXPERTS + EXPERT_BIASES:
       active += n * cfg.top_k // cfg.n_experts
     else:
       active += cfg.d_model if leaf.role == "embed" else n
@@ -282,9 +297,20 @@ def param_specs(cfg: Config, table: dict, layer_axis=None, dense_table=None) -> 
   return _param_specs(cfg, frozen(table), layer_axis, frozen(dense_table))
 
 
+def _derived(table: dict) -> dict:
+  """A role table with the gpt-oss roles a strategy's table leaves out split as the weights they
+  belong to: expert biases as their matrices' E dim (and bi's F dim, as wi's), the sinks [H] as
+  wq's heads."""
+  entries = lambda role, n: tuple(table.get(role, P())) + (None,) * n
+  e_in, e_out, q = entries("expert_in", 3), entries("expert_out", 3), entries("attn_q", 3)
+  return {"expert_in_bias": P(e_in[0], e_in[2]), "expert_out_bias": P(e_out[0], None),
+          "attn_sinks": P(q[1]), **table}
+
+
 @functools.lru_cache(maxsize=4096)
 def _param_specs(cfg: Config, table: tuple, layer_axis, dense_table: tuple | None) -> dict:
-  table, dense_table = dict(table), None if dense_table is None else dict(dense_table)
+  table = _derived(dict(table))
+  dense_table = None if dense_table is None else _derived(dict(dense_table))
 
   def spec(axis, tbl):
     return lambda leaf: (P(axis, *tbl.get(leaf.role, P())) if leaf.role in LAYER_ROLES
@@ -318,7 +344,7 @@ def abstract_params(cfg: Config, specs, mesh) -> dict:
 # statistics, attention scores and the losses are computed in float32 whatever the dtype. The
 # q/k/v biases are used as stored (float32, never typed reduced: an add has no contraction to
 # sum their gradient in) and cast to the activations' dtype where they are added.
-KEEP_F32 = NORMS + BIASES + ("router", "bias")
+KEEP_F32 = NORMS + BIASES + ("router", "bias", "attn_sinks")
 
 
 def use(lay: Parallelism, role: str, w, dtype):
@@ -345,7 +371,7 @@ def rope_frequencies(cfg: Config, dim: int) -> tuple[np.ndarray, float]:
   """-> (inv_freq [dim/2] float32, the cos / sin scale) of a dim-wide rotation under cfg's RoPE:
   theta^(-2i/dim), or with yarn_factor YaRN's blend of it and its factor-interpolated copy, the
   ramp between the dims that turn yarn_beta_fast and yarn_beta_slow times over
-  yarn_original_max positions (bounds floored / ceiled), as transformers computes it."""
+  yarn_original_max positions (bounds floored / ceiled unless not yarn_truncate), as transformers computes it."""
   base = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))   # [dim/2]
   if not cfg.yarn_factor:
     return base.astype(np.float32), 1.0
@@ -353,8 +379,10 @@ def rope_frequencies(cfg: Config, dim: int) -> tuple[np.ndarray, float]:
 
   def turns_dim(turns):              # the dim whose wavelength fits `turns` times in n positions
     return dim * math.log(n / (turns * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
-  lo = max(math.floor(turns_dim(cfg.yarn_beta_fast)), 0)
-  hi = min(math.ceil(turns_dim(cfg.yarn_beta_slow)), dim - 1)
+  lo, hi = turns_dim(cfg.yarn_beta_fast), turns_dim(cfg.yarn_beta_slow)
+  if cfg.yarn_truncate:
+    lo, hi = math.floor(lo), math.ceil(hi)
+  lo, hi = max(lo, 0), min(hi, dim - 1)
   hi = hi + 0.001 if lo == hi else hi
   ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - lo) / (hi - lo), 0, 1)
   keep = 1 - ramp                    # 1: the fast dims keep theta's frequency (extrapolation)
@@ -432,10 +460,13 @@ def layer_positions(positions, lay: Parallelism) -> Positions:
   return Positions(positions, x, k)
 
 
-def attention(p, x, pos: Positions, cfg: Config, lay: Parallelism):
+def attention(p, x, pos: Positions, cfg: Config, lay: Parallelism, kind: str = "full"):
   """Causal self-attention of cfg.attention. x [B, S, D], the normed residual in its own layout
-  (Parallelism.x) -> [B, S, D]; the attention gathers what it reads (lay.gather_in)."""
-  return (mla if cfg.mla else gqa)(p, x, pos, cfg, lay)
+  (Parallelism.x) -> [B, S, D]; the attention gathers what it reads (lay.gather_in). kind: the
+  layer's attention kind (Config.layer_attentions: "full" or "sliding")."""
+  if cfg.mla:
+    return mla(p, x, pos, cfg, lay)
+  return gqa(p, x, pos, cfg, lay, kind)
 
 
 def _split_heads(w, pattern: str, g_axis: int, kv: int):
@@ -447,8 +478,10 @@ def _split_heads(w, pattern: str, g_axis: int, kv: int):
   return einops.rearrange(w, pattern, k=kv)
 
 
-def gqa(p, x, pos: Positions, cfg: Config, lay: Parallelism):
-  """Causal GQA attention. x [B, S, D] -> [B, S, D]; q, k and v all read the gathered x."""
+def gqa(p, x, pos: Positions, cfg: Config, lay: Parallelism, kind: str = "full"):
+  """Causal GQA attention. x [B, S, D] -> [B, S, D]; q, k and v all read the gathered x. A
+  "sliding" layer sees its last cfg.sliding_window keys; with cfg.attn_sinks each query head's
+  sink logit joins every softmax denominator (modeling/attention.py)."""
   positions = pos.q
   x = lay.gather_in(x)
   wq, wk, wv, wo = (use(lay, r, p[n], x.dtype) for n, r in (("wq", "attn_q"), ("wk", "attn_kv"),
@@ -472,15 +505,20 @@ def gqa(p, x, pos: Positions, cfg: Config, lay: Parallelism):
   q = rope(q, positions, cfg, dim=cfg.rotary_dim)                              # [B, S, KV, G, Dh]
   k = rope(k, positions, cfg, dim=cfg.rotary_dim)                              # [B, S, KV, Dh]
   scale = softmax_scale(cfg)
+  extra = {"window": cfg.window_of(kind)}
+  if cfg.attn_sinks:                                        # [H] -> [KV, G], float32
+    extra["sinks"] = _split_heads(use(lay, "attn_sinks", p["sinks"], jnp.float32),
+                                  "(k g) -> k g", 1, kv)
   if lay.kv_ring:                                             # CP: K/V blocks around the ring
     o = ring_attention.ring_attend(q, (k, v), (), _kv_as_is, positions, pos.k, scale,
                                    cfg.attention_chunk, _kv_gather_axes(k, lay.kv),
-                                   balanced=True)      # cp's load-balanced order
+                                   balanced=True, **extra)      # cp's load-balanced order
   else:
     if lay.kv is not None:                                                     # CP: gather K/V
       k, v = _gather_kv(k, lay.kv), _gather_kv(v, lay.kv)                   # [B, T, KV, Dh]
     o = attention_lib.attend(q, k, v, positions, pos.k, scale, cfg.attention_impl,
-                             cfg.attention_chunk, ordered=lay.kv is None)     # [B, S, KV, G, Dh]
+                             cfg.attention_chunk, ordered=lay.kv is None,
+                             **extra)                                          # [B, S, KV, G, Dh]
   return jnp.einsum("bskgh,kghd->bsd", o, wo, out_sharding=lay.row)            # [B, S, D]
 
 
@@ -579,11 +617,13 @@ def shared_gate(p, h, lay: Parallelism):
   return jax.nn.sigmoid(g.astype(jnp.float32)).astype(h.dtype)[..., None]      # [B, S, 1]
 
 
-def block(x, lp, pos: Positions, cfg: Config, lay: Parallelism):
+def block(x, lp, pos: Positions, cfg: Config, lay: Parallelism, kind: str = "full"):
   """One decoder layer. x [B, S, D], lp: one layer's params -> (x [B, S, D], its router stats);
-  a dense layer (lp has "mlp", no "moe") returns no stats."""
+  a dense layer (lp has "mlp", no "moe") returns no stats. kind: its attention kind."""
   h = rms_norm(x, lay.use("attn_norm", lp["attn_norm"]), cfg.norm_eps)      # residual layout
-  x = x + lay.scatter_out(attention(lp["attn"], h, pos, cfg, lay))
+  x = x + lay.scatter_out(attention(lp["attn"], h, pos, cfg, lay, kind))
+  if "bo" in lp["attn"]:                      # the output bias, once, on the reduced output
+    x = moe_lib.add_bias(x, use(lay, "attn_o_bias", lp["attn"]["bo"], x.dtype))      # [D]
   h = rms_norm(x, lay.use("mlp_norm", lp["mlp_norm"]), cfg.norm_eps)      # residual layout
   if "mlp" in lp:                                                   # a leading dense layer
     return x + lay.scatter_out(swiglu(lp["mlp"], lay.gather_in(h), lay,
@@ -617,8 +657,7 @@ def dense_prefix(x, params, positions, cfg: Config, lay: Parallelism):
   if "dense_layers" not in params:
     return x
   pos = layer_positions(positions, lay)                  # once, outside the scan and its remat
-  body = remat(lambda x, lp: (block(x, lp, pos, cfg, lay)[0], None), cfg)
-  return jax.lax.scan(body, x, params["dense_layers"])[0]
+  return scan_layers(x, params["dense_layers"], pos, cfg, lay)[0]
 
 
 def slot_mask(cfg: Config):
@@ -636,16 +675,43 @@ def moe_stack(x, layers, positions, cfg: Config, lay: Parallelism, mask=None):
   or their Positions."""
   mask = slot_mask(cfg) if mask is None else mask
   pos = layer_positions(positions, lay)                  # once, outside the scan and its remat
-  body = remat(lambda x, lp: block(x, lp, pos, cfg, lay), cfg)
-  if mask is None:
-    return jax.lax.scan(body, x, layers)
+  return scan_layers(x, layers, pos, cfg, lay, mask)
 
-  def masked(x, xs):
-    lp, real = xs
-    y, stats = body(x, lp)
-    return jnp.where(real, y, x), jax.tree.map(lambda v: jnp.where(real, v, 0).astype(v.dtype),
-                                                stats)
-  return jax.lax.scan(masked, x, (layers, jnp.asarray(mask)))
+
+def scan_layers(x, layers, pos: Positions, cfg: Config, lay: Parallelism, mask=None):
+  """x [B, S, D] through stacked layers [L, ...] -> (x, router stats {name: [L, ...]}, None for
+  dense layers). One lax.scan whose step is one period of cfg.layer_attentions (the layers of a
+  period differ in their attention; the period repeats over depth), each layer of it under
+  its own remat: compile time stays flat in depth. The stack [L, ...] is viewed as
+  [L / period, period, ...] (the layer dim is never sharded where a period is longer than 1).
+  mask [L] bool: moe_stack's padding rows, or None."""
+  kinds = cfg.layer_attentions
+  n = len(kinds)
+  bodies = [remat(functools.partial(lambda x, lp, kind: block(x, lp, pos, cfg, lay, kind),
+                                    kind=kind), cfg) for kind in kinds]
+  if mask is not None:
+    assert n == 1, "padding rows come with layer_layout, which a layer period refuses"
+    body = bodies[0]
+
+    def masked(x, xs):
+      lp, real = xs
+      y, stats = body(x, lp)
+      return jnp.where(real, y, x), jax.tree.map(
+          lambda v: jnp.where(real, v, 0).astype(v.dtype), stats)
+    return jax.lax.scan(masked, x, (layers, jnp.asarray(mask)))
+  if n == 1:
+    return jax.lax.scan(bodies[0], x, layers)
+
+  def period(x, lps):                                   # lps: one period's layers [n, ...]
+    stats = []
+    for i, body in enumerate(bodies):
+      x, st = body(x, jax.tree.map(lambda a: a[i], lps))
+      stats.append(st)
+    return x, (None if stats[0] is None else
+               jax.tree.map(lambda *a: jnp.stack(a), *stats))               # [n, ...]
+  grouped = jax.tree.map(lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:]), layers)
+  x, stats = jax.lax.scan(period, x, grouped)                            # stats [L/n, n, ...]
+  return x, jax.tree.map(lambda a: a.reshape(a.shape[0] * n, *a.shape[2:]), stats)
 
 
 def forward(params, batch, cfg: Config, lay: Parallelism):

@@ -35,16 +35,47 @@ def unpermute(ys: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
   return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
 
 
+def glu(h0: jax.Array, h1: jax.Array, cfg: Config | None) -> jax.Array:
+  """The experts' gated activation of gate h0 and up h1: silu(h0) * h1, or with
+  cfg.swiglu_limit > 0 gpt-oss's clamped form (g = min(h0, limit), u = clip(h1, -limit, limit),
+  (u + 1) * g * sigmoid(alpha * g))."""
+  if cfg is None or not cfg.swiglu_limit:
+    return jax.nn.silu(h0) * h1
+  g = jnp.minimum(h0, cfg.swiglu_limit)
+  u = jnp.clip(h1, -cfg.swiglu_limit, cfg.swiglu_limit)
+  return (u + 1) * g * jax.nn.sigmoid(cfg.swiglu_alpha * g)
+
+
+def add_row_bias(y: jax.Array, b: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """y [M, N] on sorted rows plus an expert bias b [e, N] per row (row r its group's row of b,
+  nothing on the tail rows past sum(group_sizes): dropped copies stay exact zeros). The sum is
+  float32, rounded once to y's dtype, so the bias's gradient is summed (and reduced across
+  devices) in float32, as every float32-kept role's (modeling/model.py KEEP_F32)."""
+  gid = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(y.shape[0]), side="right")  # [M]
+  rows = jnp.take(b.astype(jnp.float32), gid, axis=0, mode="fill", fill_value=0)        # [M, N]
+  return (y.astype(jnp.float32) + rows).astype(y.dtype)
+
+
+def add_bias(y: jax.Array, b: jax.Array) -> jax.Array:
+  """y [..., N] + b [N] (broadcast), in float32, rounded once to y's dtype (add_row_bias)."""
+  return (y.astype(jnp.float32) + b.astype(jnp.float32)).astype(y.dtype)
+
+
 def swiglu_experts(xs: jax.Array, group_sizes: jax.Array, p: dict, backend: str,
-                   **gmm_kwargs) -> jax.Array:
-  """xs [M, D] sorted by group -> [M, D]; p holds wi_0/wi_1 [e, D, F], wo [e, F, D].
-  gmm_kwargs (capacity, kernel, wgrad) go to every modeling.gmm.gmm call (the benchmarks)."""
+                   cfg: Config | None = None, **gmm_kwargs) -> jax.Array:
+  """xs [M, D] sorted by group -> [M, D]; p holds wi_0/wi_1 [e, D, F], wo [e, F, D], and with
+  gpt-oss's expert biases bi_0 / bi_1 [e, F], bo [e, D]. cfg: the activation (glu). gmm_kwargs
+  (capacity, kernel, wgrad) go to every modeling.gmm.gmm call (the benchmarks)."""
   mm = lambda a, w: gmm_lib.gmm(a, w.astype(a.dtype), group_sizes, backend=backend, **gmm_kwargs)
   h0, h1 = mm(xs, p["wi_0"]), mm(xs, p["wi_1"])                       # [M, F]
-  return mm(jax.nn.silu(h0) * h1, p["wo"])                            # [M, D]
+  if "bi_0" in p:
+    h0, h1 = add_row_bias(h0, p["bi_0"], group_sizes), add_row_bias(h1, p["bi_1"], group_sizes)
+  ys = mm(glu(h0, h1, cfg).astype(xs.dtype), p["wo"])                 # [M, D]
+  return add_row_bias(ys, p["bo"], group_sizes) if "bo" in p else ys
 
 
-def experts_ffn(p: dict, rows: jax.Array, ids: jax.Array, n: int, backend: str) -> jax.Array:
+def experts_ffn(p: dict, rows: jax.Array, ids: jax.Array, n: int, backend: str,
+                cfg: Config | None = None) -> jax.Array:
   """rows [..., D] with expert ids [...] in 0..n (n = padding) -> each row through its expert:
   stable sort by id (padding last), SwiGLU gmm on p's n experts (zero tail), unsort. The EP
   exchanges' expert step (strategies/ep.py), whatever buffer layout brought the rows."""
@@ -52,7 +83,7 @@ def experts_ffn(p: dict, rows: jax.Array, ids: jax.Array, n: int, backend: str) 
   rows, gid = rows.reshape(-1, d), ids.reshape(-1)                       # [M, D], [M]
   order = jnp.argsort(gid, stable=True)
   gs = jnp.sum(jax.nn.one_hot(gid, n, dtype=jnp.int32), axis=0)          # [n], padding excluded
-  ys = swiglu_experts(rows[order], gs, p, backend)                       # [M, D]
+  ys = swiglu_experts(rows[order], gs, p, backend, cfg)                  # [M, D]
   return jnp.zeros_like(rows).at[order].set(ys.astype(rows.dtype)).reshape(shape)
 
 
@@ -69,7 +100,7 @@ def route_tokens(p: dict, x: jax.Array, positions: jax.Array, cfg: Config,
   choice = None
   if cfg.expert_choice == "position":                  # routing.py, "expert choice"
     choice = routing.position_scores(positions, cfg.n_experts).reshape(b * s, cfg.n_experts)
-  r = routing.route(x.reshape(b * s, d), p["router"], p["bias"], cfg, choice)
+  r = routing.route(x.reshape(b * s, d), p["router"], p["bias"], cfg, choice, p.get("router_b"))
   if cfg.capacity_factor > 0:
     e_local = r.experts.reshape(b, s, cfg.top_k)                      # [B, S, K]
     e_all, pos_all = (experts_all(e_local, positions) if callable(experts_all)
@@ -102,7 +133,7 @@ def moe_local(p: dict, x: jax.Array, positions: jax.Array, cfg: Config, *,
   r, keep, stats = route_tokens(p, x, positions, cfg, experts_all=gather_sequence,
                                 seq_axes=seq_axes)
   xs, gs, order = permute(x.reshape(b * s, d), r.experts, keep, cfg.n_experts)   # [T*K, D]
-  ys = swiglu_experts(xs, gs, p, cfg.gmm_backend)                                # [T*K, D]
+  ys = swiglu_experts(xs, gs, p, cfg.gmm_backend, cfg)                           # [T*K, D]
   y = unpermute(ys, order, r.weights).reshape(b, s, d)
   if token_axes:
     stats = jax.tree.map(lambda v: jax.lax.psum(v, tuple(token_axes)), stats)
@@ -120,7 +151,11 @@ def moe_dense(p: dict, x: jax.Array, positions: jax.Array, cfg: Config):
   w0, w1, wo = (p[n].astype(x.dtype) for n in ("wi_0", "wi_1", "wo"))  # the compute dtype
   h0 = jnp.einsum("td,edf->tef", xt, w0)                              # [T, E, F]
   h1 = jnp.einsum("td,edf->tef", xt, w1)
-  ye = jnp.einsum("tef,efd->ted", jax.nn.silu(h0) * h1, wo)           # [T, E, D]
+  if "bi_0" in p:                                                     # gpt-oss's expert biases
+    h0, h1 = add_bias(h0, p["bi_0"]), add_bias(h1, p["bi_1"])          # [E, F] over T
+  ye = jnp.einsum("tef,efd->ted", glu(h0, h1, cfg).astype(x.dtype), wo)   # [T, E, D]
+  if "bo" in p:
+    ye = add_bias(ye, p["bo"])
   combine = jnp.sum(jax.nn.one_hot(r.experts, cfg.n_experts) * r.weights[..., None], axis=1)  # [T, E]
   combine = combine.astype(x.dtype)
   y = jnp.einsum("ted,te->td", ye, combine)

@@ -92,7 +92,7 @@ _MUON_VIEW = {
   "expert_in": ((1,), (2,)), "expert_out": ((1,), (2,)),  # [E, D, F], [E, F, D]: E matrices
 }
 MUON_ROLES = tuple(_MUON_VIEW)
-NO_DECAY = model.NORMS + model.BIASES + ("bias",)   # norm scales, q/k/v biases; the frozen bias
+NO_DECAY = model.NORMS + model.BIASES + ("bias", "attn_sinks")   # norm scales, q/k/v biases; the frozen bias
 
 
 def muon_dims(role: str) -> MuonDimensionNumbers | None:

@@ -2,12 +2,13 @@
 
 Formulas (T = tokens, E = experts, K = top-k; everything in float32):
 
-softmax router (Mixtral, Qwen-MoE, DeepSeek-V2)
-  logits = x @ W_r                                  [T, E]
+softmax router (Mixtral, Qwen-MoE, DeepSeek-V2, gpt-oss)
+  logits = x @ W_r (+ b_r, gpt-oss's router bias)   [T, E]
   p      = softmax(logits)
   idx    = top-k of p (ties -> lower expert id); with n_group > 1 inside the topk_group groups
            of the best max p (group_score "max": DeepSeek-V2's group_limited_greedy)
   w      = p[idx] / sum(p[idx])     if norm_topk_prob, else p[idx];  * routed_scaling_factor
+           (renormalised, the softmax over the k selected logits: gpt-oss's router)
 
 sigmoid router (DeepSeek-V3)
   s      = sigmoid(logits);  s_b = s + b            b = correction bias [E], not trained by gradient
@@ -83,11 +84,14 @@ def position_scores(positions: jax.Array, n_experts: int) -> jax.Array:
 
 
 def route(x: jax.Array, router_w: jax.Array, bias: jax.Array, cfg: Config,
-          choice: jax.Array | None = None) -> Routing:
+          choice: jax.Array | None = None, router_b: jax.Array | None = None) -> Routing:
   """x [T, D], router_w [D, E], bias [E] -> Routing. Call on local (unsharded) tokens.
   choice [T, E]: scores that select the experts in place of the router's (position_scores);
-  the weights, probs and logits are the router's either way."""
+  the weights, probs and logits are the router's either way. router_b [E]: a trained bias on
+  the logits (gpt-oss), or None."""
   logits = jnp.einsum("td,de->te", x.astype(jnp.float32), router_w.astype(jnp.float32))  # [T, E]
+  if router_b is not None:
+    logits = logits + router_b.astype(jnp.float32)
   if cfg.router == "softmax":
     s = probs = jax.nn.softmax(logits, axis=-1)                          # [T, E]
     sel = probs

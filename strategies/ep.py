@@ -113,6 +113,7 @@ AXES = (DATA, FSDP, EXPERT)
 MAIN_AXIS = EXPERT
 TOKENS = (DATA, FSDP, EXPERT)                   # every axis splits the batch (= grad axes)
 EXPERT_WEIGHTS = ("wi_0", "wi_1", "wo")
+EXPERT_BIASES = ("bi_0", "bi_1", "bo")       # gpt-oss's, split over E as the matrices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +173,11 @@ def moe_weights(p, token_axes, cfg, whole=False):
   e_entry, e_grad = (None, token_axes) if whole else (
       EXPERT, tuple(a for a in token_axes if a != EXPERT))
   out = {"router": gather_weight(p["router"], P(), token_axes), "bias": p["bias"]}
-  for n in EXPERT_WEIGHTS:
-    out[n] = gather_weight(p[n], P(e_entry, None, None), e_grad,      # [E/EP, D, F] local
-                           **precision(cfg, model.MOE_ROLES[n]))
+  if "router_b" in p:                                               # gpt-oss: [E] whole
+    out["router_b"] = gather_weight(p["router_b"], P(), token_axes)
+  for n in EXPERT_WEIGHTS + tuple(b for b in EXPERT_BIASES if b in p):
+    entries = (e_entry,) + (None,) * (p[n].ndim - 2)                # [E/EP, D, F] | [E/EP, F]
+    out[n] = gather_weight(p[n], P(*entries), e_grad, **precision(cfg, model.MOE_ROLES[n]))
   return out
 
 
@@ -248,7 +251,7 @@ def local_experts(p, rows, counts, c, cfg):
   """rows [N, C, D], each source's C rows sorted by local expert, counts [N, e] -> the e local
   experts' SwiGLU of them, [N, C, D] (padding rows out as 0)."""
   ids = dispatch.segment_ids(counts, c)                                  # [N, C] in 0..e (e = pad)
-  return moe.experts_ffn(p, rows, ids, counts.shape[-1], cfg.gmm_backend)
+  return moe.experts_ffn(p, rows, ids, counts.shape[-1], cfg.gmm_backend, cfg)
 
 
 def ragged_exchange(p, x, plan, c, *, cfg, ep_axes, ep, ragged_fn=jax.lax.ragged_all_to_all):
@@ -268,7 +271,7 @@ def ragged_exchange(p, x, plan, c, *, cfg, ep_axes, ep, ragged_fn=jax.lax.ragged
   with jax.named_scope("expert_gmm"):
     seg = dispatch.segment_ids(g[:, me, :].reshape(ep * n_local), ep * c)  # (source, local expert)
     ids = jnp.where(seg < ep * n_local, seg % n_local, n_local)          # local expert, e = pad
-    out = moe.experts_ffn(p, recv, ids, n_local, cfg.gmm_backend)        # [EP*C, D]
+    out = moe.experts_ffn(p, recv, ids, n_local, cfg.gmm_backend, cfg)        # [EP*C, D]
   with jax.named_scope("combine_a2a"):
     back = ragged_fn(out, buffers.padded((t * k, d), out.dtype), *home,
                      axis_name=ep_axes)                                  # [T*K, D] expert-sorted
@@ -287,7 +290,7 @@ def local_exchange(p, x, plan, c, *, cfg, ep_axes, ep):
     local = dispatch.segment_ids(plan.counts, c)                         # [EP, C] in 0..e (e = pad)
     first = einops.repeat(jnp.arange(ep) * n_local, "x -> x c", c=c)     # shard x's first expert
     ids = jnp.where(local < n_local, first + local, cfg.n_experts)       # global ids, E = pad
-    out = moe.experts_ffn(p, send, ids, cfg.n_experts, cfg.gmm_backend)
+    out = moe.experts_ffn(p, send, ids, cfg.n_experts, cfg.gmm_backend, cfg)
   return dispatch.unpack(out, plan)                                      # [T*K, D]
 
 
@@ -353,7 +356,9 @@ def cost(cfg, mesh, opts, token_axes=TOKENS, batch_axes=TOKENS, grads=None):
   whole = opts.exchange == "none"
   expert_use = (P(), token_axes) if whole else (
       P(EXPERT, None, None), tuple(a for a in token_axes if a != EXPERT))
-  gathered = {**cost_lib.fsdp_gathered(token_axes), **dict.fromkeys(model.EXPERTS, expert_use)}
+  bias_use = (P(*expert_use[0][:2]), expert_use[1])                # gpt-oss's [E, F] / [E, D]
+  gathered = {**cost_lib.fsdp_gathered(token_axes), **dict.fromkeys(model.EXPERTS, expert_use),
+              **dict.fromkeys(model.EXPERT_BIASES, bias_use)}
   terms = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), token_axes, gathered, grads)
            + cost_lib.stats_terms(cfg, mesh, token_axes,
                                   tuple(a for a in token_axes if a not in batch_axes)))

@@ -271,7 +271,7 @@ def moe_local_experts(p, x, positions, cfg, n_local: int, rows: int):
                    buffers.pad_value(x.dtype))                          # [M, D], pad rows
     w = jnp.where(c.valid, w_all[jnp.minimum(c.copy, t * k - 1)], 0)   # [M]
   with jax.named_scope("expert_gmm"):
-    ys = moe.swiglu_experts(xs, c.group_sizes, p, cfg.gmm_backend)    # [M, D]
+    ys = moe.swiglu_experts(xs, c.group_sizes, p, cfg.gmm_backend, cfg)  # [M, D]
   y = jnp.zeros((t, d), ys.dtype).at[tok].add(ys * w[:, None].astype(ys.dtype), mode="drop")
   stats["dropped"] = stats["dropped"] + c.overflow
   stats = jax.tree.map(lambda v: jax.lax.psum(v, (DATA, EXPERT)), stats)
@@ -352,7 +352,7 @@ def cost(cfg, mesh, opts):
   # weights: expert-split ones' grads over data; embed / unembed (gather_weight) and the router
   # (shard_map input) over (data, expert); XLA splits the norm scales' sum: expert, then data
   weights = cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), TOKENS,
-                                  grads=dict.fromkeys(model.NORMS, ((EXPERT,), (DATA,))))
+                                  grads=dict.fromkeys(model.NORMS + ("attn_o_bias",), ((EXPERT,), (DATA,))))
   term = functools.partial(cost_lib.term, mesh)
   # the ring's compaction counts what its buffer would drop (nothing under the worst-case
   # bound, but a count XLA cannot fold): a dropped count per MoE layer

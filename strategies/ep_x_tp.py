@@ -300,7 +300,8 @@ def layout(cfg, mesh, opts):
     def body(p, x, pos):                                  # x [b, S, D] local, same on all t
       xv = jax.lax.pcast(x, TENSOR, to="varying")         # cotangent summed once in gather_in
       # route, all-to-all over x, the e local experts on F_t, all-to-all back, combine
-      y, stats = ep.moe_body(p, xv, pos, cfg=cfg, ep_axes=(EXPERT,), ep=n_ep, token_axes=(),
+      y, stats = ep.moe_body(tensor.bias_once(p, TENSOR), xv, pos, cfg=cfg, ep_axes=(EXPERT,),
+                             ep=n_ep, token_axes=(),
                              exchange=ep.a2a_exchange)   # y [b, S, D] {U_t}
       # one psum over t; the stats counted by t rank 0, summed over (d, x, t)
       y, stats = tensor.finish_moe(y, stats, TENSOR, TOKENS)   # y [b, S, D]
@@ -342,7 +343,8 @@ def _tensor_experts(p, recv, counts, c, cfg):
   with jax.named_scope("tensor_ag"):
     rows = jax.lax.all_gather(recv, TENSOR, axis=0, tiled=True)      # [t*EP, C, D]
     counts = jax.lax.all_gather(counts, TENSOR, axis=0, tiled=True)  # [t*EP, e]
-  out = ep.local_experts(p, rows, counts, c, cfg)                    # [t*EP, C, D] {U_t}: F_t
+  out = ep.local_experts(tensor.bias_once(p, TENSOR), rows, counts, c,
+                         cfg)                                        # [t*EP, C, D] {U_t}: F_t
   with jax.named_scope("tensor_rs"):
     return jax.lax.psum_scatter(out, TENSOR, scatter_dimension=0, tiled=True)  # [EP, C, D]
 
@@ -378,11 +380,16 @@ def cost(cfg, mesh, opts):
     return _sequence_parallel_cost(cfg, mesh, b_loc, opts)
   specs = param_specs(cfg, mesh, opts)
   return (cost_lib.weight_terms(cfg, mesh, specs, BATCH, _zero1_gathered(opts),
-                                grads={"router": TOKENS}, once=True)
+                                grads={"router": TOKENS, **BIAS_GRADS}, once=True)
           + cost_lib.muon_terms(cfg, mesh, specs, (TENSOR, DATA))
           + cost_lib.stats_terms(cfg, mesh, TOKENS)
           + cost_lib.tensor_terms(cfg, mesh, TENSOR, b_loc)
           + ep.exchange_terms(cfg, mesh, "a2a", b_loc, b_loc * cfg.seq_len))
+
+
+# gpt-oss's router bias is summed over every axis, as the router; its expert down bias over
+# tensor inside the MoE (tensor.bias_once), then over the batch axes
+BIAS_GRADS = {"router_bias": TOKENS, "expert_out_bias": ((TENSOR,), BATCH)}
 
 
 def _sequence_parallel_cost(cfg, mesh, b_loc, opts):
@@ -393,8 +400,8 @@ def _sequence_parallel_cost(cfg, mesh, b_loc, opts):
   n_moe, t = cfg.n_moe_layers, mesh_lib.axis_size(mesh, TENSOR)
   tok = b_loc * cfg.seq_len                                  # the batch shard's tokens
   mlp = cfg.n_layers - (0 if cfg.n_shared_experts else n_moe)   # layers with a tensor-parallel SwiGLU
-  grads = {**dict.fromkeys(REPLICATED_MATRICES + ("router",), TOKENS),
-           **dict.fromkeys(model.NORMS, ((TENSOR,), BATCH))}
+  grads = {**dict.fromkeys(REPLICATED_MATRICES + ("router",), TOKENS), **BIAS_GRADS,
+           **dict.fromkeys(model.NORMS + ("attn_o_bias",), ((TENSOR,), BATCH))}
   n_ep = mesh_lib.axis_size(mesh, EXPERT)
   c = dispatch.send_rows(cfg, b_loc, cfg.seq_len // t, n_ep)
   rows = n_ep * c * cfg.d_model * cost_lib.act_bytes(cfg)   # one received [EP, C, D]

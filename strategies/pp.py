@@ -96,6 +96,7 @@ from layout.schedule import (bubble, check_layout, chunks, counts_pre_pass, in_f
 from layout.schedule import layout_note, stored_config  # noqa: F401 (hooks: the stored layers)
 from measure import cost as cost_lib
 from modeling import model, routing
+from modeling.config import ConfigError
 from parallel import sharding
 from strategies import BadInput, Case, ep
 
@@ -188,6 +189,9 @@ BAD_INPUT = [
 
 
 def check(cfg, mesh, opts):
+  if len(cfg.layer_attentions) > 1:
+    raise ConfigError(f"pp: attention_pattern={cfg.attention_pattern} (layers of different "
+                      "kinds) is not placed on stages yet; use another strategy")
   check_layout(cfg, mesh, opts)               # the schedule's options and the layer layout
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)

@@ -140,9 +140,11 @@ def moe_weights(p, cfg, opts):
   ep: experts as stored (mixed precision: cast on the shard). The router is gathered whole in
   both, in float32; the experts move in cfg.dtype."""
   out = {"router": gather_weight(p["router"], P(), TOKENS), "bias": p["bias"]}
-  for n in EXPERT_WEIGHTS:
-    role = model.MOE_ROLES[n]
-    out[n] = (gather_weight(p[n], P(EXPERT, None, None), (FSDP,), **precision(cfg, role))
+  if "router_b" in p:                                               # gpt-oss: [E] whole
+    out["router_b"] = gather_weight(p["router_b"], P(), TOKENS)
+  for n in EXPERT_WEIGHTS + tuple(b for b in ep.EXPERT_BIASES if b in p):
+    role, entries = model.MOE_ROLES[n], (None,) * (p[n].ndim - 1)
+    out[n] = (gather_weight(p[n], P(EXPERT, *entries), (FSDP,), **precision(cfg, role))
               if opts.mode == "gather" else cast_stored(p[n], role, cfg, ()))
   return out
 
@@ -173,6 +175,8 @@ def cost(cfg, mesh, opts):
   gathered = cost_lib.fsdp_gathered(TOKENS)                 # every matrix but the experts
   for role in model.EXPERTS:                                # gather: E@(e,f) -> E@e, grads over f
     gathered[role] = (P(EXPERT, None, None), (FSDP,)) if gather else (STORED, ())
+  if gather:                                                # gpt-oss's expert biases, as theirs
+    gathered.update(dict.fromkeys(model.EXPERT_BIASES, (P(EXPERT, None), (FSDP,))))
   specs = param_specs(cfg, mesh)
   terms = (cost_lib.weight_terms(cfg, mesh, specs, TOKENS, gathered)
            + cost_lib.stats_terms(cfg, mesh, TOKENS)

@@ -122,7 +122,8 @@ def layout(cfg, mesh, opts):
       r, keep, stats = moe.route_tokens(p, xv, pos, cfg)          # the same on every t rank
       xv = xv.reshape(b * s, d)                                     # [T, D]
       xs, gs, order = moe.permute(xv, r.experts, keep, cfg.n_experts)  # [T*K, D]
-      ys = moe.swiglu_experts(xs, gs, p, cfg.gmm_backend)          # [T*K, D] {U_t}: F_t slice only
+      ys = moe.swiglu_experts(xs, gs, tensor.bias_once(p, TENSOR), cfg.gmm_backend,
+                              cfg)                                  # [T*K, D] {U_t}: F_t slice only
       y = moe.unpermute(ys, order, r.weights)                       # [T, D] {U_t}
       # one psum over t; the stats counted by t rank 0, summed over (d, t)
       y, stats = tensor.finish_moe(y, stats, TENSOR, TOKENS)       # [T, D]
@@ -148,7 +149,9 @@ def cost(cfg, mesh, opts):
   used as stored, their grads over data (the router's over (data, tensor): every tensor rank
   routes, rank 0 counts); the activation all-reduces over tensor; router statistics."""
   specs = param_specs(cfg, mesh)
-  terms = (cost_lib.weight_terms(cfg, mesh, specs, (DATA,), grads={"router": TOKENS})
+  # gpt-oss's expert down bias: summed over tensor inside the MoE (tensor.bias_once), then data
+  grads = {"router": TOKENS, "router_bias": TOKENS, "expert_out_bias": ((TENSOR,), (DATA,))}
+  terms = (cost_lib.weight_terms(cfg, mesh, specs, (DATA,), grads=grads)
            + cost_lib.muon_terms(cfg, mesh, specs, (TENSOR,))
            + cost_lib.stats_terms(cfg, mesh, TOKENS))
   return terms + cost_lib.tensor_terms(cfg, mesh, TENSOR,

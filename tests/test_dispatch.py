@@ -55,7 +55,7 @@ def exchange(monkeypatch, xs, experts, keep, n_experts, body=A2A):
     w = jnp.where(p["keep"], 1000.0 ** jnp.arange(k), 0.0)
     return routing.Routing(p["experts"], w, None, None), p["keep"], {}
 
-  def experts_fn(xs, gs, p, backend):                          # gs: local experts, or all E
+  def experts_fn(xs, gs, p, backend, cfg=None):             # gs: local experts, or all E
     seen.update(rows=xs, gs=gs)
     first = 0 if gs.shape[0] == n_experts else gs.shape[0] * jax.lax.axis_index("expert")
     return xs * (1 + first + dispatch.segment_ids(gs, xs.shape[0]))[:, None]

@@ -18,7 +18,9 @@ strategies, must give transformers' logits within 1e-5 of their largest magnitud
   qwen2_moe            q/k/v biases, a shared expert of its own width behind a sigmoid gate
   glm4_moe             partial rotary (half of each head), q/k/v biases, QK-norm, sigmoid
                        group-limited routing with correction bias, a shared expert, a dense layer
-The fixtures of the last six have 12 positions (not a power of two).
+  gpt_oss              attention sinks, sliding (window 5) and full layers in turn, biases on
+                       q/k/v/o, the router and the experts, the clamped SwiGLU, YaRN untruncated
+The fixtures of the last seven have 12 positions (not a power of two).
 """
 import json
 import math
@@ -58,7 +60,11 @@ CASES = [("mixtral", "reference", None), ("mixtral", "ep", "expert:2"),
          ("glm4_moe", "reference", None), ("glm4_moe", "ep", "expert:2"),
          ("glm4_moe", "tp", "tensor:2"), ("glm4_moe", "fsdp", "fsdp:2"),
          ("glm4_moe", "cp", "context:2"), ("glm4_moe", "pp", "stage:2,expert:2"),
-         ("glm4_moe", "ep_tp", "expert:2"), ("glm4_moe", "ep_x_tp", "expert:2,tensor:2")]
+         ("glm4_moe", "ep_tp", "expert:2"), ("glm4_moe", "ep_x_tp", "expert:2,tensor:2"),
+         ("gpt_oss", "reference", None), ("gpt_oss", "ep", "expert:2"),
+         ("gpt_oss", "tp", "tensor:2"), ("gpt_oss", "fsdp", "fsdp:2"),
+         ("gpt_oss", "cp", "context:2"), ("gpt_oss", "ep_tp", "expert:2"),
+         ("gpt_oss", "ep_x_tp", "expert:2,tensor:2")]
 FAMILIES = sorted({f for f, _, _ in CASES})
 
 

@@ -29,6 +29,10 @@ one's exact config, seed and sequence length):
                        (group score = the group's max) top-2, routed scale 2.0, 2 shared experts,
                        1 dense + 1 MoE layer (DeepseekV2 never renormalises: norm_topk_prob is
                        unused by its router, and it has no scoring_func / correction bias)
+  gpt_oss              GptOssForCausalLM, GQA 4/2 heads of 16 with attention sinks, 4 layers
+                       alternating sliding (window 5 < seq 12) and full attention, biases on
+                       q/k/v/o, the router and the experts, the clamped SwiGLU (limit 1.5: it
+                       clamps), YaRN without truncation (factor 4 over 8 positions)
 Each holds every state-dict tensor (buffers included) under its HF name as float32, `tokens`
 [2, S] int32, `logits` [2, S, V] float32 of the HF forward (positions 0..S-1, causal, no
 padding, no cache) and `config_json` (the HF config's to_json_string, a 0-d string array).
@@ -116,9 +120,17 @@ MODELS = {
     "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config", {
         **_DSV2, "q_lora_rank": 32, "topk_method": "group_limited_greedy", "n_group": 4,
         "topk_group": 2, "norm_topk_prob": False, "routed_scaling_factor": 2.0}, 1, 12),
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
+        vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+        sliding_window=5, attention_bias=True, swiglu_limit=1.5, swiglu_alpha=1.702,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=64,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=8, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False)), 1, 12),
 }
 ROUTERS = ("MixtralTopKRouter", "DeepseekV3TopkRouter", "DeepseekV2TopkRouter",
-           "Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Glm4MoeTopkRouter")
+           "Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Glm4MoeTopkRouter", "GptOssTopKRouter")
 
 
 def bf16_round(a: np.ndarray) -> np.ndarray:
@@ -135,8 +147,12 @@ def redraw(model: torch.nn.Module, rng: np.random.Generator) -> None:
     t = state[name]
     if name.endswith("e_score_correction_bias"):
       v = 0.05 * rng.standard_normal(t.shape)
-    elif name.endswith(".bias"):                                # linear biases
+    elif name.endswith(".bias") or name.endswith("_proj_bias"):   # linear and expert biases
       v = 0.1 * rng.standard_normal(t.shape)
+    elif name.endswith(".sinks"):                               # gpt-oss: one logit per head
+      v = rng.standard_normal(t.shape)
+    elif model.config.model_type == "gpt_oss" and name.endswith("_proj") and t.ndim == 3:
+      v = rng.standard_normal(t.shape) / np.sqrt(t.shape[-2])   # gpt-oss's experts [E, in, out]
     elif t.ndim == 1:                                           # every RMSNorm scale
       assert name.endswith("norm.weight"), f"unexpected 1-D tensor {name}"
       v = 1.0 + 0.1 * rng.standard_normal(t.shape)
@@ -174,9 +190,14 @@ def routing_report(name: str, cfg, inputs: dict, picked: dict, mods: dict) -> No
     x = x.reshape(-1, x.shape[-1]).double()
     w = mod.weight.detach().double()
     logits = x @ w.T                                                         # [T, E]
+    if kind == "GptOssTopKRouter":
+      logits = logits + mod.bias.detach().double()
     k = cfg.num_experts_per_tok
     n_exp = logits.shape[-1]
-    if kind in ("MixtralTopKRouter", "Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter") or (
+    if kind == "GptOssTopKRouter":                            # top-k of the biased logits
+      choice = logits
+      gaps = [_boundary_gap(choice, k)]
+    elif kind in ("MixtralTopKRouter", "Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter") or (
         kind == "DeepseekV2TopkRouter" and cfg.topk_method == "greedy"):
       choice = torch.softmax(logits, -1)                      # softmax over all, then top-k
       gaps = [_boundary_gap(choice, k)]
