@@ -1,4 +1,4 @@
-"""Hugging Face Mixtral / DeepSeek-V3 checkpoints -> this suite's config and parameter pytree.
+"""Hugging Face MoE checkpoints (FAMILIES) -> this suite's config and parameter pytree.
 
 numpy only (no torch, no transformers). A user with a real checkpoint directory:
 
@@ -10,8 +10,9 @@ numpy only (no torch, no transformers). A user with a real checkpoint directory:
   params = convert.from_hf(convert.load_safetensors("ckpt"), cfg)   # float32 numpy pytree
 
 `config_from_hf` refuses (ValueError) what the suite does not model: tied embeddings, attention
-biases, scaled RoPE (yarn, llama3, ...), sliding windows, activations other than SiLU, quantized
-(e.g. FP8) checkpoints and other model types. `from_hf` refuses missing or unexpected tensors
+biases where the family has none, scaled RoPE other than YaRN (llama3, linear, ...), sliding
+windows outside gpt-oss's layer types, activations other than SiLU, other model types; the
+tensor reader refuses quantized (FP8, MXFP4) tensors. `from_hf` refuses missing or unexpected tensors
 and every shape mismatch, so a wrong config never loads silently. DeepSeek-V3's multi-token
 prediction layers (model.layers.61.* in the release) are no part of the suite's model: drop
 them with `ignore=convert.mtp_prefixes(hf)`.
