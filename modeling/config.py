@@ -32,7 +32,9 @@ EXPERT_CHOICES = ("router",       # the top-k of the router's scores
                                   # every layout makes alike (--full_parity in bfloat16)
 ATTENTIONS = ("gqa", "mla")
 LAYER_ATTENTIONS = ("full",      # causal attention over every earlier key
-                    "sliding")   # the last sliding_window keys only (gpt-oss)
+                    "sliding",   # the last sliding_window keys only (gpt-oss)
+                    "local",     # the keys of the query's own local_chunk block only (Llama 4)
+                    "nope")      # every earlier key, no RoPE (Llama 4's NoPE layers)
 GROUP_SCORES = ("top2", "max")    # group-limited routing's group score (modeling/routing.py)
 # --attention: how the softmax(q k^T) v core runs (modeling/attention.py)
 ATTENTION_IMPLS = ("xla",         # the [B, H, S, T] scores materialised: the oracle
@@ -111,6 +113,22 @@ class Config:
   sliding_window: int = _model(0)
   attn_sinks: bool = _model(False)
   attn_o_bias: bool = _model(False)
+  # Llama 4: the "local" layers' block of keys (attention_chunk_size), an L2 norm (an RMSNorm
+  # without weight, eps norm_eps) of each q and k head after RoPE on the RoPE layers
+  # (use_qk_norm), and on the "nope" layers queries scaled by
+  # 1 + nope_attn_scale * log1p(floor((position + 1) / nope_floor_scale)) (attn_temperature_tuning;
+  # nope_attn_scale 0 = off)
+  local_chunk: int = _model(0)
+  qk_l2_norm: bool = _model(False)
+  nope_attn_scale: float = _model(0.0)
+  nope_floor_scale: float = _model(8192.0)
+  # Llama 3's RoPE scaling (rope_type "llama3"): frequencies with wavelength past
+  # original / low_freq_factor divided by the factor, those under original / high_freq_factor
+  # kept, a smooth blend between; 0 = off
+  llama3_factor: float = _model(0.0)
+  llama3_low_freq_factor: float = _model(1.0)
+  llama3_high_freq_factor: float = _model(4.0)
+  llama3_original_max: int = _model(0)
   # gpt-oss's MoE: a trained bias on the router logits (router_bias), biases on every expert's
   # gate / up ([E, F] each) and down ([E, D]) projections (expert_bias), and the clamped SwiGLU
   # when swiglu_limit > 0: g = min(gate, limit), u = clip(up, -limit, limit),
@@ -119,6 +137,9 @@ class Config:
   expert_bias: bool = _model(False)
   swiglu_limit: float = _model(0.0)
   swiglu_alpha: float = _model(1.702)
+  # Llama 4: the routing score scales the expert's input, y = sum_k FFN_k(w_k x), rather than
+  # its output (top_k 1 only: every layout then scales the token before it leaves)
+  route_scale_input: bool = _model(False)
   # attention: "gqa" (Mixtral: n_kv_heads K/V heads of head_dim) or "mla" (DeepSeek's Multi-head
   # Latent Attention, Hugging Face DeepseekV3's conventions; head_dim and n_kv_heads unused)
   attention: str = _model("gqa")
@@ -218,8 +239,12 @@ class Config:
         self.attention_pattern else ("full",)
 
   def window_of(self, kind: str) -> int:
-    """The sliding window of a layer of attention kind `kind`, 0 for full attention."""
+    """The sliding window of a layer of attention kind `kind`, 0 for none."""
     return self.sliding_window if kind == "sliding" else 0
+
+  def local_chunk_of(self, kind: str) -> int:
+    """The local block of keys of a layer of attention kind `kind`, 0 for none."""
+    return self.local_chunk if kind == "local" else 0
 
   @property
   def qk_head_dim(self) -> int:
@@ -280,6 +305,15 @@ class Config:
     need(("sliding" in kinds) == (self.sliding_window >= 1),
          f"sliding_window={self.sliding_window} needs a sliding layer in attention_pattern, and "
          "a sliding layer a sliding_window >= 1")
+    need(("local" in kinds) == (self.local_chunk >= 1),
+         f"local_chunk={self.local_chunk} needs a local layer in attention_pattern, and a local "
+         "layer a local_chunk >= 1")
+    need(self.llama3_factor == 0 or (self.llama3_factor >= 1 and self.llama3_original_max >= 1
+                                     and self.llama3_high_freq_factor >= self.llama3_low_freq_factor > 0),
+         f"llama3_factor={self.llama3_factor} must be 0 (off) or >= 1 with llama3_original_max >= "
+         "1 and llama3_high_freq_factor >= llama3_low_freq_factor > 0")
+    need(not (self.llama3_factor and self.yarn_factor), "llama3_factor and yarn_factor exclude "
+         "each other (one RoPE scaling)")
     need(len(kinds) == 1 or (self.n_layers % len(kinds) == 0 and
                              self.first_k_dense_replace % len(kinds) == 0),
          f"attention_pattern's period {len(kinds)} must divide n_layers={self.n_layers} and "
@@ -287,10 +321,15 @@ class Config:
     need(len(kinds) == 1 or not (self.layer_layout or self.layer_stages),
          "attention_pattern with more than one kind of layer takes no layer_layout / "
          "layer_stages (pipeline stages of different layers are not built yet)")
-    need(not (self.mla and (self.attn_sinks or self.attn_o_bias or len(kinds) > 1)),
-         "attention sinks, the output bias and sliding layers are GQA's here")
+    need(not (self.mla and (self.attn_sinks or self.attn_o_bias or len(kinds) > 1
+                            or self.qk_l2_norm or self.nope_attn_scale)),
+         "attention sinks, the output bias, layers of different attention kinds, the L2 QK-norm "
+         "and NoPE temperature tuning are GQA's here")
     need(self.attention_impl != "cudnn" or not self.attn_sinks,
          "--attention=cudnn takes no attention sinks; use chunked")
+    need(not self.route_scale_input or self.top_k == 1,
+         f"route_scale_input (the score scaling the expert's input) needs top_k=1, not "
+         f"{self.top_k}")
     need(self.swiglu_limit >= 0, f"swiglu_limit={self.swiglu_limit} must be >= 0 (0 = SwiGLU)")
     need(self.n_experts % self.n_group == 0,
          f"n_experts={self.n_experts} not divisible by n_group={self.n_group}")
@@ -394,6 +433,16 @@ PRESETS: dict[str, Config] = {
                            sliding_window=12, attn_sinks=True, qkv_bias=True, attn_o_bias=True,
                            router_bias=True, expert_bias=True, swiglu_limit=1.5, n_experts=8,
                            top_k=2, router="softmax", norm_topk_prob=True, d_ff=64),
+    # Llama 4's text architecture at test size: three RoPE layers of chunked local attention
+    # (blocks of 12 of 32 keys) with the L2 QK-norm, then a NoPE layer with temperature tuning;
+    # llama3 RoPE scaling; top-1 sigmoid routing whose score scales the expert's input; a shared
+    # expert
+    "llama4-test": Config(attention_chunk=8, n_layers=4,
+                          attention_pattern="local,local,local,nope", local_chunk=12,
+                          qk_l2_norm=True, nope_attn_scale=0.5, nope_floor_scale=8.0,
+                          rope_interleave=True, llama3_factor=4.0, llama3_original_max=16,
+                          n_experts=8, top_k=1, router="sigmoid", norm_topk_prob=False,
+                          route_scale_input=True, n_shared_experts=1, d_ff=64),
     # Mixtral-8x7B-shaped, for compile-only scaling studies (never run on CPU)
     "mixtral-8x7b": Config(vocab=32000, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
                            n_layers=32, n_experts=8, top_k=2, d_ff=14336, seq_len=4096,
@@ -459,7 +508,7 @@ def base_config(name: str) -> Config:
 # held by tests/test_model.py, python run.py --model=NAME --describe)
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 for _name in ("mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "kimi-k2",
-              "gpt-oss-120b", "gpt-oss-20b"):
+              "gpt-oss-120b", "gpt-oss-20b", "llama4-scout"):
   PRESETS[_name] = _from_hf(os.path.join(CONFIGS, f"{_name}.json"))
 
 

@@ -10,7 +10,7 @@ numpy only (no torch, no transformers). A user with a real checkpoint directory:
   params = convert.from_hf(convert.load_safetensors("ckpt"), cfg)   # float32 numpy pytree
 
 `config_from_hf` refuses (ValueError) what the suite does not model: tied embeddings, attention
-biases where the family has none, scaled RoPE other than YaRN (llama3, linear, ...), sliding
+biases where the family has none, scaled RoPE other than YaRN and llama3 (linear, ...), sliding
 windows outside gpt-oss's layer types, activations other than SiLU, other model types; the
 tensor reader refuses quantized (FP8, MXFP4) tensors. `from_hf` refuses missing or unexpected tensors
 and every shape mismatch, so a wrong config never loads silently. DeepSeek-V3's multi-token
@@ -46,7 +46,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3",
-            "kimi_k2", "gpt_oss")
+            "kimi_k2", "gpt_oss", "llama4_text", "llama4")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "kimi_k2")   # kimi_k2: DeepSeek-V3's architecture
 
 
@@ -77,8 +77,13 @@ def _rope(hf: dict, default_theta: float) -> dict:
                yarn_mscale=float(params.get("mscale") or 0),
                yarn_mscale_all_dim=float(params.get("mscale_all_dim") or 0),
                yarn_truncate=bool(params.get("truncate", True)))
+  elif kind == "llama3":
+    out.update(llama3_factor=float(params["factor"]),
+               llama3_low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+               llama3_high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+               llama3_original_max=int(params["original_max_position_embeddings"]))
   elif kind != "default":
-    _refuse(f"rope type {kind!r} is not modelled (default and yarn are; llama3, linear, "
+    _refuse(f"rope type {kind!r} is not modelled (default, yarn and llama3 are; linear, "
             "dynamic, longrope ... are not)")
   return out
 
@@ -102,6 +107,9 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> dict:
   Every field that changes the computation is read or refused in one line naming it."""
   hf = dict(hf)
   mt = hf.get("model_type")
+  if mt == "llama4":                            # Llama4ForConditionalGeneration: its text model
+    hf = dict(hf.get("text_config") or {}, model_type="llama4_text")
+    mt = "llama4_text"
   if mt not in FAMILIES:
     _refuse(f"model_type {mt!r} is not supported; supported: {', '.join(FAMILIES)}")
   if hf.get("tie_word_embeddings", False):
@@ -115,7 +123,7 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> dict:
   for name in ("attention_dropout", "hidden_dropout"):
     if hf.get(name):
       _refuse(f"{name}={hf[name]} is not modelled (no dropout)")
-  rope = _rope(hf, {"mixtral": 1e6, "gpt_oss": 150000.0}.get(mt, 10000.0))
+  rope = _rope(hf, {"mixtral": 1e6, "gpt_oss": 150000.0, "llama4_text": 500000.0}.get(mt, 10000.0))
   partial = rope.pop("partial_rotary")
   common = dict(vocab=hf["vocab_size"], d_model=hf["hidden_size"],
                 n_heads=hf["num_attention_heads"], n_layers=hf["num_hidden_layers"],
@@ -155,6 +163,8 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> dict:
         kw.update(n_shared_experts=1, shared_width=shared, shared_gate=True)
     elif mt == "gpt_oss":
       kw.update(_gpt_oss(hf))
+    elif mt == "llama4_text":
+      kw.update(_llama4(hf))
     else:                                                        # glm4_moe
       kw.update(_deepseek_moe(hf), qkv_bias=bool(hf.get("attention_bias", False)),
                 qk_norm=bool(hf.get("use_qk_norm", False)), router="sigmoid")
@@ -193,6 +203,38 @@ def _gpt_oss(hf: dict) -> dict:
               sliding_window=int(hf["sliding_window"]) if "sliding" in pattern else 0,
               router_bias=True, expert_bias=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
               swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+
+
+def _llama4(hf: dict) -> dict:
+  """Llama 4's text model: NoPE layers (no_rope_layers 0) with temperature tuning, chunked local
+  attention on the RoPE layers (attention_chunk_size), the L2 QK-norm (use_qk_norm), top-1
+  sigmoid routing whose score scales the expert's input, a shared expert of the experts' width.
+  Dense layers between the MoE layers (interleave_moe_layer_step > 1) are refused."""
+  n = hf["num_hidden_layers"]
+  moe_layers = hf.get("moe_layers")
+  step = hf.get("interleave_moe_layer_step") or 1
+  moe_layers = list(range(step - 1, n, step)) if moe_layers is None else list(moe_layers)
+  if moe_layers != list(range(n)):
+    _refuse(f"moe_layers {moe_layers[:4]}.. (interleave_moe_layer_step={step}): dense layers "
+            "between MoE layers are not modelled yet")
+  if hf.get("router_jitter_noise"):
+    _refuse(f"router_jitter_noise={hf['router_jitter_noise']} is not modelled")
+  interval = hf.get("no_rope_layer_interval") or 4
+  rope_on = list(hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)])
+  chunk = hf.get("attention_chunk_size")
+  kinds = [("local" if chunk else "full") if on else "nope" for on in rope_on]
+  period = next(p for p in range(1, n + 1)
+                if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
+  pattern = "" if kinds[:period] == ["full"] else ",".join(kinds[:period])
+  bias = bool(hf.get("attention_bias", False))
+  tuning = bool(hf.get("attn_temperature_tuning", True)) and "nope" in kinds
+  return dict(n_experts=hf["num_local_experts"], d_ff=hf["intermediate_size"], router="sigmoid",
+              norm_topk_prob=False, route_scale_input=True, n_shared_experts=1,
+              attention_pattern=pattern, local_chunk=int(chunk) if "local" in kinds else 0,
+              qk_l2_norm=bool(hf.get("use_qk_norm", True)), rope_interleave=True,
+              qkv_bias=bias, attn_o_bias=bias,
+              nope_attn_scale=float(hf.get("attn_scale", 0.1)) if tuning else 0.0,
+              nope_floor_scale=float(hf.get("floor_scale", 8192)))
 
 
 def _deepseek_moe(hf: dict) -> dict:
@@ -378,6 +420,17 @@ def _moe(st: _State, p: str, cfg, mixtral: bool) -> dict:
   return out
 
 
+def _llama4_moe(st: _State, p: str, cfg) -> dict:
+  """Llama 4's MoE: router [E, D]; experts.gate_up_proj [E, D, 2F] (gate the first F columns, up
+  the last), experts.down_proj [E, F, D] (already [in, out])."""
+  d, e, f = _get(cfg, "d_model"), _get(cfg, "n_experts"), _get(cfg, "d_ff")
+  gate_up = st.take(p + "experts.gate_up_proj", (e, d, 2 * f))
+  return {"router": _linear(st, p + "router.weight", d, (e,)), "bias": np.zeros((e,), np.float32),
+          "wi_0": np.ascontiguousarray(gate_up[..., :f]),
+          "wi_1": np.ascontiguousarray(gate_up[..., f:]),
+          "wo": st.take(p + "experts.down_proj", (e, f, d))}
+
+
 def _gpt_oss_moe(st: _State, p: str, d: int, e: int, f: int) -> dict:
   """gpt-oss's MoE: router [E, D] + bias [E]; experts.gate_up_proj [E, D, 2F] with gate and up
   interleaved along 2F (gate the even columns) and its bias [E, 2F]; down_proj [E, F, D] and its
@@ -416,8 +469,14 @@ def from_hf(state: Mapping[str, np.ndarray], cfg, *, ignore: Iterable[str] = ())
       layer["mlp"] = _swiglu(st, p + "mlp.", d, _get(cfg, "dense_d_ff"))
       dense.append(layer)
       continue
-    m = p + ("block_sparse_moe." if any(n.startswith(p + "block_sparse_moe.") for n in state)
-             else "mlp.")
+    m = p + next((k for k in ("block_sparse_moe.", "feed_forward.")
+                  if any(n.startswith(p + k) for n in state)), "mlp.")
+    if m.endswith("feed_forward."):                               # Llama 4
+      layer["moe"] = _llama4_moe(st, m, cfg)
+      layer["shared"] = _swiglu(st, m + "shared_expert.", d, _get(cfg, "shared_width", 0)
+                                or _get(cfg, "d_ff"))
+      moe.append(layer)
+      continue
     layer["moe"] = _moe(st, m, cfg, mixtral=m.endswith("block_sparse_moe."))
     n_shared = _get(cfg, "n_shared_experts", 0) or 0
     width = _get(cfg, "shared_width", 0) or n_shared * _get(cfg, "d_ff")

@@ -373,6 +373,8 @@ def rope_frequencies(cfg: Config, dim: int) -> tuple[np.ndarray, float]:
   ramp between the dims that turn yarn_beta_fast and yarn_beta_slow times over
   yarn_original_max positions (bounds floored / ceiled unless not yarn_truncate), as transformers computes it."""
   base = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))   # [dim/2]
+  if cfg.llama3_factor:
+    return _llama3_frequencies(cfg, base), 1.0
   if not cfg.yarn_factor:
     return base.astype(np.float32), 1.0
   f, n = cfg.yarn_factor, cfg.yarn_original_max
@@ -390,6 +392,21 @@ def rope_frequencies(cfg: Config, dim: int) -> tuple[np.ndarray, float]:
   scale = (yarn_mscale(f, cfg.yarn_mscale) / yarn_mscale(f, cfg.yarn_mscale_all_dim)
            if cfg.yarn_mscale and cfg.yarn_mscale_all_dim else yarn_mscale(f))
   return inv_freq.astype(np.float32), float(scale)
+
+
+def _llama3_frequencies(cfg: Config, inv_freq: np.ndarray) -> np.ndarray:
+  """Llama 3's scaled RoPE frequencies (transformers' llama3 rope type): wavelengths past
+  original / low_freq_factor slowed by the factor, those under original / high_freq_factor kept,
+  the ones between blended by how many turns they make in the original positions."""
+  f, lo, hi = cfg.llama3_factor, cfg.llama3_low_freq_factor, cfg.llama3_high_freq_factor
+  n = cfg.llama3_original_max
+  wavelen = 2 * math.pi / inv_freq
+  out = np.where(wavelen > n / lo, inv_freq / f, inv_freq)
+  medium = (wavelen >= n / hi) & (wavelen <= n / lo)
+  if hi > lo and medium.any():
+    smooth = (n / wavelen - lo) / (hi - lo)
+    out = np.where(medium, (1 - smooth) * out / f + smooth * out, out)
+  return out.astype(np.float32)
 
 
 def rope(x, positions, cfg: Config, interleave=False, dim: int = 0):
@@ -480,8 +497,9 @@ def _split_heads(w, pattern: str, g_axis: int, kv: int):
 
 def gqa(p, x, pos: Positions, cfg: Config, lay: Parallelism, kind: str = "full"):
   """Causal GQA attention. x [B, S, D] -> [B, S, D]; q, k and v all read the gathered x. A
-  "sliding" layer sees its last cfg.sliding_window keys; with cfg.attn_sinks each query head's
-  sink logit joins every softmax denominator (modeling/attention.py)."""
+  "sliding" layer sees its last cfg.sliding_window keys, a "local" one the keys of its own
+  cfg.local_chunk block, a "nope" one every earlier key without RoPE; with cfg.attn_sinks each
+  query head's sink logit joins every softmax denominator (modeling/attention.py)."""
   positions = pos.q
   x = lay.gather_in(x)
   wq, wk, wv, wo = (use(lay, r, p[n], x.dtype) for n, r in (("wq", "attn_q"), ("wk", "attn_kv"),
@@ -502,10 +520,17 @@ def gqa(p, x, pos: Positions, cfg: Config, lay: Parallelism, kind: str = "full")
   if cfg.qk_norm:                                           # RMSNorm of each head, before RoPE
     q = rms_norm(q, lay.use("head_norm", p["q_norm"]), cfg.norm_eps)
     k = rms_norm(k, lay.use("head_norm", p["k_norm"]), cfg.norm_eps)
-  q = rope(q, positions, cfg, dim=cfg.rotary_dim)                              # [B, S, KV, G, Dh]
-  k = rope(k, positions, cfg, dim=cfg.rotary_dim)                              # [B, S, KV, Dh]
+  if kind != "nope":                                        # NoPE layers: no rotation
+    q = rope(q, positions, cfg, cfg.rope_interleave, cfg.rotary_dim)           # [B, S, KV, G, Dh]
+    k = rope(k, positions, cfg, cfg.rope_interleave, cfg.rotary_dim)           # [B, S, KV, Dh]
+    if cfg.qk_l2_norm:                                      # Llama 4: L2 norm after RoPE
+      q, k = rms_norm(q, 1.0, cfg.norm_eps), rms_norm(k, 1.0, cfg.norm_eps)
+  elif cfg.nope_attn_scale:                                 # Llama 4's temperature tuning
+    t = 1 + cfg.nope_attn_scale * jnp.log1p(jnp.floor(
+        (positions.astype(jnp.float32) + 1) / cfg.nope_floor_scale))          # [B, S]
+    q = (q * t[:, :, None, None, None]).astype(q.dtype)                       # [B, S, KV, G, Dh]
   scale = softmax_scale(cfg)
-  extra = {"window": cfg.window_of(kind)}
+  extra = {"window": cfg.window_of(kind), "local_chunk": cfg.local_chunk_of(kind)}
   if cfg.attn_sinks:                                        # [H] -> [KV, G], float32
     extra["sinks"] = _split_heads(use(lay, "attn_sinks", p["sinks"], jnp.float32),
                                   "(k g) -> k g", 1, kv)

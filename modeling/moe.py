@@ -118,6 +118,17 @@ def route_tokens(p: dict, x: jax.Array, positions: jax.Array, cfg: Config,
   return r, keep, stats
 
 
+def scaled_input(x: jax.Array, r: routing.Routing, keep: jax.Array, cfg: Config):
+  """Llama 4's routing (cfg.route_scale_input, top_k 1): the token x [b, s, D] scaled by its
+  score before it reaches its expert, and the combine weights [T, 1] the kept mask (1, or 0 where
+  dropped) -> (x, r). (x, r) as they are otherwise."""
+  if not cfg.route_scale_input:
+    return x, r
+  b, s, _ = x.shape
+  x = (x * r.weights.reshape(b, s, 1).astype(x.dtype)).astype(x.dtype)      # [b, s, D]
+  return x, r._replace(weights=keep.astype(jnp.float32))                     # [T, 1]
+
+
 def moe_local(p: dict, x: jax.Array, positions: jax.Array, cfg: Config, *,
               token_axes=(), gather_sequence=None, seq_axes=()):
   """The whole MoE on local tokens with ALL experts local (dp / fsdp / cp bodies, inside shard_map).
@@ -132,7 +143,8 @@ def moe_local(p: dict, x: jax.Array, positions: jax.Array, cfg: Config, *,
   b, s, d = x.shape
   r, keep, stats = route_tokens(p, x, positions, cfg, experts_all=gather_sequence,
                                 seq_axes=seq_axes)
-  xs, gs, order = permute(x.reshape(b * s, d), r.experts, keep, cfg.n_experts)   # [T*K, D]
+  xin, r = scaled_input(x, r, keep, cfg)
+  xs, gs, order = permute(xin.reshape(b * s, d), r.experts, keep, cfg.n_experts)  # [T*K, D]
   ys = swiglu_experts(xs, gs, p, cfg.gmm_backend, cfg)                           # [T*K, D]
   y = unpermute(ys, order, r.weights).reshape(b, s, d)
   if token_axes:
@@ -147,7 +159,8 @@ def moe_dense(p: dict, x: jax.Array, positions: jax.Array, cfg: Config):
   """
   b, s, d = x.shape
   r, keep, stats = route_tokens(p, x, positions, cfg)
-  xt = x.reshape(b * s, d)
+  xt, r = scaled_input(x, r, keep, cfg)
+  xt = xt.reshape(b * s, d)
   w0, w1, wo = (p[n].astype(x.dtype) for n in ("wi_0", "wi_1", "wo"))  # the compute dtype
   h0 = jnp.einsum("td,edf->tef", xt, w0)                              # [T, E, F]
   h1 = jnp.einsum("td,edf->tef", xt, w1)

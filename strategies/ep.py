@@ -224,9 +224,10 @@ def moe_body(p, x, positions, *, cfg, ep_axes, ep, token_axes, exchange, gather_
   t, k = b * s, cfg.top_k
   r, keep, stats = moe.route_tokens(p, x, positions, cfg, experts_all=gather_sequence,
                                     seq_axes=seq_axes)                   # [T, K]
+  xin, r = moe.scaled_input(x, r, keep, cfg)            # Llama 4: the score scales the input
   c = dispatch.send_rows(cfg, b, s, ep)                 # C: rows for one shard, never exceeded
   plan = dispatch.make_plan(r.experts, keep, cfg.n_experts, ep)          # copy (t, k) -> dst, slot
-  ycopy = exchange(p, x.reshape(t, d), plan, c, cfg=cfg, ep_axes=ep_axes, ep=ep)  # [T*K, D]
+  ycopy = exchange(p, xin.reshape(t, d), plan, c, cfg=cfg, ep_axes=ep_axes, ep=ep)  # [T*K, D]
   ycopy = einops.rearrange(ycopy, "(t k) d -> t k d", k=k)               # 0 where not sent
   y = jnp.einsum("tkd,tk->td", ycopy, r.weights.astype(ycopy.dtype))     # weights 0 if dropped
   return y.reshape(b, s, d), jax.tree.map(lambda v: jax.lax.psum(v, token_axes), stats)
@@ -375,16 +376,21 @@ def exchange_terms(cfg, mesh, exchange_name, b_loc, t_loc, axes=(EXPERT,), calls
   e = mesh_lib.axis_size(mesh, *axes)
   c = dispatch.send_rows(cfg, b_loc, t_loc // b_loc, e)
   act, term = cost_lib.act_bytes(cfg), functools.partial(cost_lib.term, mesh)
+  # the combine's output is read by the backward only for the weights' gradient: where the
+  # weights are the constant kept mask (Llama 4's input-scaled routing), remat does not redo it
+  combine_remat = () if cfg.route_scale_input else cost_lib.RECOMPUTED
   if exchange_name == "a2a":
     buf = e * c * cfg.d_model * act                              # [EP, C, D]
-    return (term("all-to-all", "fwd", "dispatch + combine buffers, counts [EP, e] (int32)",
-                 calls * (2 * buf + cfg.n_experts * 4), axes, cost_lib.RECOMPUTED)
+    return (term("all-to-all", "fwd", "dispatch buffers, counts [EP, e] (int32)",
+                 calls * (buf + cfg.n_experts * 4), axes, cost_lib.RECOMPUTED)
+            + term("all-to-all", "fwd", "combine buffers", calls * buf, axes, combine_remat)
             + term("all-to-all", "bwd", "their transposes", calls * 2 * buf, axes))
   if exchange_name == "ragged":                    # output buffers: [EP*C, D] and [T*K, D]
-    rows = (e * c + t_loc * cfg.top_k) * cfg.d_model * act
+    send, back = e * c * cfg.d_model * act, t_loc * cfg.top_k * cfg.d_model * act
     return (term("all-gather", "fwd", "counts [EP, EP, e] (int32)", calls * e * cfg.n_experts * 4,
                  axes, cost_lib.RECOMPUTED)
-            + term("ragged-all-to-all", "fwd", "dispatch + combine rows", calls * rows, axes,
+            + term("ragged-all-to-all", "fwd", "dispatch rows", calls * send, axes,
                    cost_lib.RECOMPUTED)
-            + term("ragged-all-to-all", "bwd", "their transposes", calls * rows, axes))
+            + term("ragged-all-to-all", "fwd", "combine rows", calls * back, axes, combine_remat)
+            + term("ragged-all-to-all", "bwd", "their transposes", calls * (send + back), axes))
   return []

@@ -270,6 +270,9 @@ def moe_local_experts(p, x, positions, cfg, n_local: int, rows: int):
     xs = jnp.where(c.valid[:, None], x.reshape(t, d)[jnp.minimum(tok, t - 1)],
                    buffers.pad_value(x.dtype))                          # [M, D], pad rows
     w = jnp.where(c.valid, w_all[jnp.minimum(c.copy, t * k - 1)], 0)   # [M]
+    if cfg.route_scale_input:                # Llama 4: the score scales the row, not its output
+      xs = jnp.where(c.valid[:, None], xs * w[:, None].astype(xs.dtype), xs).astype(xs.dtype)
+      w = c.valid.astype(w.dtype)
   with jax.named_scope("expert_gmm"):
     ys = moe.swiglu_experts(xs, c.group_sizes, p, cfg.gmm_backend, cfg)  # [M, D]
   y = jnp.zeros((t, d), ys.dtype).at[tok].add(ys * w[:, None].astype(ys.dtype), mode="drop")

@@ -120,6 +120,7 @@ def layout(cfg, mesh, opts):
       # unreduced and the layer's ONE psum over t happens in gather_in's backward
       xv = jax.lax.pcast(x, TENSOR, to="varying")                      # [b, S, D]
       r, keep, stats = moe.route_tokens(p, xv, pos, cfg)          # the same on every t rank
+      xv, r = moe.scaled_input(xv, r, keep, cfg)                    # Llama 4: scaled input
       xv = xv.reshape(b * s, d)                                     # [T, D]
       xs, gs, order = moe.permute(xv, r.experts, keep, cfg.n_experts)  # [T*K, D]
       ys = moe.swiglu_experts(xs, gs, tensor.bias_once(p, TENSOR), cfg.gmm_backend,

@@ -20,7 +20,10 @@ strategies, must give transformers' logits within 1e-5 of their largest magnitud
                        group-limited routing with correction bias, a shared expert, a dense layer
   gpt_oss              attention sinks, sliding (window 5) and full layers in turn, biases on
                        q/k/v/o, the router and the experts, the clamped SwiGLU, YaRN untruncated
-The fixtures of the last seven have 12 positions (not a power of two).
+  llama4               three RoPE layers of chunked local attention (blocks of 5) with the L2
+                       QK-norm, a NoPE layer with temperature tuning, llama3 RoPE scaling, top-1
+                       sigmoid routing whose score scales the expert's input, a shared expert
+The fixtures of the last eight have 12 positions (not a power of two).
 """
 import json
 import math
@@ -64,7 +67,11 @@ CASES = [("mixtral", "reference", None), ("mixtral", "ep", "expert:2"),
          ("gpt_oss", "reference", None), ("gpt_oss", "ep", "expert:2"),
          ("gpt_oss", "tp", "tensor:2"), ("gpt_oss", "fsdp", "fsdp:2"),
          ("gpt_oss", "cp", "context:2"), ("gpt_oss", "ep_tp", "expert:2"),
-         ("gpt_oss", "ep_x_tp", "expert:2,tensor:2")]
+         ("gpt_oss", "ep_x_tp", "expert:2,tensor:2"),
+         ("llama4", "reference", None), ("llama4", "ep", "expert:2"),
+         ("llama4", "tp", "tensor:2"), ("llama4", "fsdp", "fsdp:2"),
+         ("llama4", "cp", "context:2"), ("llama4", "ep_tp", "expert:2"),
+         ("llama4", "ep_x_tp", "expert:2,tensor:2")]
 FAMILIES = sorted({f for f, _, _ in CASES})
 
 

@@ -8,14 +8,16 @@ from modeling.config import get_config
 # (total, activated per token, how the publisher counts the embedding) as published: Mixtral of
 # Experts (arXiv 2401.04088) and Mistral's 8x22B announcement; DeepSeek-V2-Lite's model card;
 # DeepSeek-V3 technical report (arXiv 2412.19437), MTP excluded; the Qwen3, GLM-4.5 and Kimi-K2
-# model cards; OpenAI's gpt-oss model card (116.8B / 5.1B, 20.9B / 3.6B, embedding not active). "row": a token's one embedding row (param_counts' activated); "table": the whole
+# model cards; OpenAI's gpt-oss model card (116.8B / 5.1B, 20.9B / 3.6B, embedding not active);
+# Meta's Llama 4 Scout model card (109B / 17B, the vision encoder in its total, not modelled). "row": a token's one embedding row (param_counts' activated); "table": the whole
 # embedding table counted as activated (Qwen's and Moonshot's convention). Publishers round to
 # 2-3 digits and some count their multi-token-prediction layers in: totals within 1.5%.
 PUBLISHED = {"mixtral-8x7b": (46.7e9, 12.9e9, "row"), "deepseek-v2-lite": (15.7e9, 2.4e9, "row"),
              "deepseek-v3": (671e9, 37e9, "row"), "mixtral-8x22b": (141e9, 39e9, "row"),
              "qwen3-30b-a3b": (30.5e9, 3.3e9, "table"), "qwen3-235b-a22b": (235e9, 22e9, "table"),
              "glm-4.5": (355e9, 32e9, "row"), "kimi-k2": (1.04e12, 32.6e9, "table"),
-             "gpt-oss-120b": (116.8e9, 5.1e9, "row"), "gpt-oss-20b": (20.9e9, 3.6e9, "row")}
+             "gpt-oss-120b": (116.8e9, 5.1e9, "row"), "gpt-oss-20b": (20.9e9, 3.6e9, "row"),
+             "llama4-scout": (109e9, 17e9, "table")}
 
 
 @pytest.mark.parametrize("name", PUBLISHED)

@@ -33,6 +33,11 @@ one's exact config, seed and sequence length):
                        alternating sliding (window 5 < seq 12) and full attention, biases on
                        q/k/v/o, the router and the experts, the clamped SwiGLU (limit 1.5: it
                        clamps), YaRN without truncation (factor 4 over 8 positions)
+  llama4               Llama4ForCausalLM (text), GQA 4/2 heads of 16, 4 layers: three RoPE layers
+                       with chunked local attention (blocks of 5 of 12 positions) and the L2
+                       QK-norm, one NoPE layer with temperature tuning (floor 4, scale 0.5),
+                       llama3 RoPE scaling (factor 4 over 8), top-1 sigmoid routing scaling the
+                       expert's input over 4 experts, a shared expert
 Each holds every state-dict tensor (buffers included) under its HF name as float32, `tokens`
 [2, S] int32, `logits` [2, S, V] float32 of the HF forward (positions 0..S-1, causal, no
 padding, no cache) and `config_json` (the HF config's to_json_string, a 0-d string array).
@@ -128,9 +133,20 @@ MODELS = {
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                              original_max_position_embeddings=8, beta_fast=32.0, beta_slow=1.0,
                              truncate=False)), 1, 12),
+    "llama4": ("Llama4ForCausalLM", "Llama4TextConfig", dict(
+        vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=1, intermediate_size=32,
+        intermediate_size_mlp=48, interleave_moe_layer_step=1, attention_chunk_size=5,
+        use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
+        attention_bias=False, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=64,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=4.0,
+                             low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=8)), 1, 12),
 }
 ROUTERS = ("MixtralTopKRouter", "DeepseekV3TopkRouter", "DeepseekV2TopkRouter",
-           "Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Glm4MoeTopkRouter", "GptOssTopKRouter")
+           "Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "Glm4MoeTopkRouter", "GptOssTopKRouter",
+           "Llama4Router")
 
 
 def bf16_round(a: np.ndarray) -> np.ndarray:
@@ -151,8 +167,9 @@ def redraw(model: torch.nn.Module, rng: np.random.Generator) -> None:
       v = 0.1 * rng.standard_normal(t.shape)
     elif name.endswith(".sinks"):                               # gpt-oss: one logit per head
       v = rng.standard_normal(t.shape)
-    elif model.config.model_type == "gpt_oss" and name.endswith("_proj") and t.ndim == 3:
-      v = rng.standard_normal(t.shape) / np.sqrt(t.shape[-2])   # gpt-oss's experts [E, in, out]
+    elif model.config.model_type in ("gpt_oss", "llama4_text") and name.endswith("_proj") and \
+        t.ndim == 3:
+      v = rng.standard_normal(t.shape) / np.sqrt(t.shape[-2])   # experts stored [E, in, out]
     elif t.ndim == 1:                                           # every RMSNorm scale
       assert name.endswith("norm.weight"), f"unexpected 1-D tensor {name}"
       v = 1.0 + 0.1 * rng.standard_normal(t.shape)
@@ -194,7 +211,7 @@ def routing_report(name: str, cfg, inputs: dict, picked: dict, mods: dict) -> No
       logits = logits + mod.bias.detach().double()
     k = cfg.num_experts_per_tok
     n_exp = logits.shape[-1]
-    if kind == "GptOssTopKRouter":                            # top-k of the biased logits
+    if kind in ("GptOssTopKRouter", "Llama4Router"):          # top-k of the (biased) logits
       choice = logits
       gaps = [_boundary_gap(choice, k)]
     elif kind in ("MixtralTopKRouter", "Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter") or (
@@ -246,7 +263,10 @@ def build(name: str, out_dir: str) -> str:
 
   def hook(m, a, o, n):
     captured[n] = a[0].detach()
-    picked[n] = o[2].detach()                   # (router_logits, top-k weights, top-k indices)
+    if type(m).__name__ == "Llama4Router":      # (scores: sigmoid of the top-k logits, 0 elsewhere, logits)
+      picked[n] = o[0].detach().topk(config.num_experts_per_tok, -1)[1]
+    else:
+      picked[n] = o[2].detach()                 # (router_logits, top-k weights, top-k indices)
   hooks = [m.register_forward_hook(lambda m, a, o, n=n: hook(m, a, o, n)) for n, m in mods.items()]
   with torch.no_grad():
     out = model(input_ids=torch.from_numpy(tokens).long(),
