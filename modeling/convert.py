@@ -175,9 +175,18 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> dict:
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
+def _pattern(kinds: list) -> str:
+  """Each layer's attention kind (Config.LAYER_ATTENTIONS) -> Config.attention_pattern: the
+  shortest period that repeats over the depth ("" when every layer is full)."""
+  n = len(kinds)
+  period = next(p for p in range(1, n + 1)
+                if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
+  return "" if kinds[:period] == ["full"] else ",".join(kinds[:period])
+
+
 def _attention_pattern(hf: dict) -> str:
-  """layer_types (one per layer) -> Config.attention_pattern: its shortest repeating period, as
-  "sliding,full"; refused when no period divides the depth or a type is not modelled."""
+  """gpt-oss's layer_types (one per layer) -> Config.attention_pattern (_pattern); refused when a
+  type is not modelled."""
   n = hf["num_hidden_layers"]
   types = list(hf.get("layer_types") or
                ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
@@ -185,11 +194,7 @@ def _attention_pattern(hf: dict) -> str:
   if unknown or len(types) != n:
     _refuse(f"layer_types {unknown or len(types)} not modelled (full_attention, "
             f"sliding_attention; one per layer of {n})")
-  period = next(p for p in range(1, n + 1)
-                if n % p == 0 and all(types[i] == types[i % p] for i in range(n)))
-  if period == 1 and types[0] == "full_attention":
-    return ""
-  return ",".join(_LAYER_TYPES[t] for t in types[:period])
+  return _pattern([_LAYER_TYPES[t] for t in types])
 
 
 def _gpt_oss(hf: dict) -> dict:
@@ -223,9 +228,7 @@ def _llama4(hf: dict) -> dict:
   rope_on = list(hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)])
   chunk = hf.get("attention_chunk_size")
   kinds = [("local" if chunk else "full") if on else "nope" for on in rope_on]
-  period = next(p for p in range(1, n + 1)
-                if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
-  pattern = "" if kinds[:period] == ["full"] else ",".join(kinds[:period])
+  pattern = _pattern(kinds)
   bias = bool(hf.get("attention_bias", False))
   tuning = bool(hf.get("attn_temperature_tuning", True)) and "nope" in kinds
   return dict(n_experts=hf["num_local_experts"], d_ff=hf["intermediate_size"], router="sigmoid",

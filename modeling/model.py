@@ -480,7 +480,7 @@ def layer_positions(positions, lay: Parallelism) -> Positions:
 def attention(p, x, pos: Positions, cfg: Config, lay: Parallelism, kind: str = "full"):
   """Causal self-attention of cfg.attention. x [B, S, D], the normed residual in its own layout
   (Parallelism.x) -> [B, S, D]; the attention gathers what it reads (lay.gather_in). kind: the
-  layer's attention kind (Config.layer_attentions: "full" or "sliding")."""
+  layer's attention kind (config.LAYER_ATTENTIONS: full, sliding, local or nope)."""
   if cfg.mla:
     return mla(p, x, pos, cfg, lay)
   return gqa(p, x, pos, cfg, lay, kind)
