@@ -95,6 +95,8 @@ def check_flags(F):
     if not os.path.isdir(d) or not os.access(d, os.W_OK):
       raise UsageError(f"--metrics_file={F.metrics_file}: directory {d} does not exist or "
                        "is not writable")
+  if F.target is not None:
+    check_target(F, dist)
   if F.compile_only and (F.checkpoint_dir or F.metrics_file and not F.strategy):
     raise UsageError("--compile_only runs no step: it takes no --checkpoint_dir (and in compare "
                      "mode no --metrics_file; --report_dir writes the table)")
@@ -118,6 +120,33 @@ def check_flags(F):
     if getattr(F, flag):
       writable_dir(flag, getattr(F, flag))
   return dist
+
+
+def check_target(F, dist=None) -> None:
+  """--target=NAME (runtime/target.py): a compile-only study, compare mode's or one strategy's,
+  single-process, of --devices devices the profile makes, its package installed; one line
+  otherwise, before JAX starts. --plan compiles its candidates on this host's devices: it
+  refuses --target."""
+  from runtime import target
+  if F.target not in target.PROFILES:
+    raise UsageError(f"--target={F.target}: unknown target; choose from "
+                     f"{', '.join(target.PROFILES)}")
+  if F.plan:
+    raise UsageError(f"--target={F.target} with --plan is not built: the planner compiles its "
+                     "candidates on this host's devices; compile one of its layouts with "
+                     f"--strategy=NAME --mesh=... --compile_only --target={F.target}")
+  if not F.compile_only:
+    raise UsageError(f"--target={F.target} compiles for hardware this host lacks: it needs "
+                     "--compile_only (nothing can run on the target's devices)")
+  if F.strategy == "reference":
+    raise UsageError(f"--target={F.target} compiles a strategy's mesh; the reference runs on "
+                     "one device of this host")
+  if dist is not None:
+    raise UsageError(f"--target={F.target} compiles on this host alone: not multi-process")
+  if F.attention == "cudnn":
+    raise UsageError(f"--attention=cudnn is not compiled for --target={F.target}: jax asks the "
+                     "installed cuDNN for its version as it lowers; use --attention=chunked")
+  target.check(F.target, F.devices)
 
 
 def check_hf_flags(F) -> None:
@@ -239,10 +268,20 @@ def make_config(F):
     raise
 
 
-def setup_devices(n: int, dist, cache: str = "") -> None:
-  """n CPU devices per process; starts the multi-process runtime first when asked (dist);
-  cache: the persistent compilation cache's directory ('' = off)."""
+def setup_devices(n: int, dist, cache: str = "", target_name: str | None = None):
+  """-> the Target whose devices the run's meshes are built from (runtime/target.py): with
+  target_name, n compile-only devices of that profile (no persistent cache); else this host's
+  own, n CPU devices per process, the multi-process runtime started first when asked (dist);
+  cache: the persistent compilation cache's directory ('' = off). On a host with no accelerator
+  and JAX_PLATFORMS unset, JAX starts only its CPU backend: an installed libtpu or CUDA plugin is
+  not probed for."""
   import jax
+  from runtime import target
+  if target_name:
+    target.configure(target_name)
+    return target.devices(target_name, n)
+  if not jax.config.jax_platforms and target.without_accelerator():
+    jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", n)
   if cache:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache))
@@ -255,14 +294,21 @@ def setup_devices(n: int, dist, cache: str = "") -> None:
     distributed.initialize(dist)
   if jax.default_backend() == "cpu" and jax.local_device_count() != n:
     raise UsageError(f"asked for {n} CPU devices, got {jax.local_device_count()}")
+  return target.host(jax.devices())
 
 
-def compile_only_gmm(F, cfg):
+def compile_only_gmm(F, cfg, devices):
   """--compile_only on XLA:CPU without --gmm: the grouped matmul lowers through `scan`, whose
   buffers are what a grouped-matmul kernel holds (XLA:CPU densifies ragged_dot into an
-  [E, M, K] buffer no accelerator allocates), as the planner compiles. Said on stderr."""
-  import jax
-  if not F.compile_only or F["gmm"].present or jax.default_backend() != "cpu":
+  [E, M, K] buffer no accelerator allocates), as the planner compiles. Said on stderr. For a
+  --target (devices: its Target), the default ragged_dot is the target compiler's own lowering,
+  kept, and said."""
+  if not F.compile_only or F["gmm"].present:
+    return cfg
+  if devices.platform != "cpu":
+    if devices.name:
+      print(f"note: --compile_only for {devices.name}: gmm {cfg.gmm_backend}, as "
+            f"{devices.compiler} lowers it (no --gmm=scan stand-in)", file=sys.stderr)
     return cfg
   print("note: --compile_only on XLA:CPU: gmm scan (XLA:CPU densifies ragged_dot over the "
         "experts, memory no kernel holds); --gmm=ragged_dot compiles that instead",

@@ -64,12 +64,13 @@ def default_spec(strat, n: int, cfg=None, opts=None) -> str | None:
   return ",".join(f"{k}:{v}" for k, v in sizes.items())
 
 
-def _mesh_for(strat, spec: str | None, n: int, cfg=None, opts=None):
-  """--mesh if given, else default_spec."""
+def _mesh_for(strat, spec: str | None, devices, cfg=None, opts=None):
+  """--mesh if given, else default_spec, over `devices`."""
   if not strat.AXES:
     return None
+  n = len(devices)
   return mesh_lib.for_strategy(strat, spec if spec is not None else
-                               default_spec(strat, n, cfg, opts), n)
+                               default_spec(strat, n, cfg, opts), n, devices)
 
 
 def _mesh_str(mesh, strat=None, cfg=None) -> str:
@@ -81,13 +82,13 @@ def _mesh_str(mesh, strat=None, cfg=None) -> str:
   return out
 
 
-def _fallback_meshes(strat, n: int):
-  """Main axis n, n/2, n/4, ... with the rest on the strategy's first axis: the largest degree of
-  the strategy's own parallelism that the model admits (e.g. EP <= E)."""
-  first, main = strat.AXES[0], strat.MAIN_AXIS
+def _fallback_meshes(strat, devices):
+  """Main axis n, n/2, n/4, ... with the rest on the strategy's first axis, over the n `devices`:
+  the largest degree of the strategy's own parallelism that the model admits (e.g. EP <= E)."""
+  first, main, n = strat.AXES[0], strat.MAIN_AXIS, len(devices)
   m = n // 2
   while first != main and m >= 1:
-    yield mesh_lib.for_strategy(strat, f"{first}:{n // m},{main}:{m}", n)
+    yield mesh_lib.for_strategy(strat, f"{first}:{n // m},{main}:{m}", n, devices)
     m //= 2
 
 
@@ -96,14 +97,14 @@ def _fallback_meshes(strat, n: int):
 SEARCH_COMPILES = 3
 
 
-def candidate_meshes(strat, cfg, n: int, opts=None) -> list[dict]:
-  """Every split of n devices (power-of-two axis sizes) over the strategy's axes that its check()
-  admits -> [{"mesh", "param_opt" (bytes/dev, analytic), "predicted" (cost-model wire
+def candidate_meshes(strat, cfg, devices, opts=None) -> list[dict]:
+  """Every split of the n `devices` (power-of-two axis sizes) over the strategy's axes that its
+  check() admits -> [{"mesh", "param_opt" (bytes/dev, analytic), "predicted" (cost-model wire
   bytes/dev: what each device sends)}]."""
   axes, out, shapes = strat.AXES, [], model.init_params_shapes(cfg)
 
-  for sizes in mesh_lib.splits(n, len(axes), powers_of_two=True):
-    mesh = mesh_lib.make_mesh(dict(zip(axes, sizes)))
+  for sizes in mesh_lib.splits(len(devices), len(axes), powers_of_two=True):
+    mesh = mesh_lib.make_mesh(dict(zip(axes, sizes)), devices)
     try:
       strat.check(cfg, mesh, opts)
     except ConfigError:
@@ -120,13 +121,13 @@ def candidate_meshes(strat, cfg, n: int, opts=None) -> list[dict]:
   return out
 
 
-def search(strat, cfg, hbm_gb: float, compile_only: bool, opts):
+def search(strat, cfg, hbm_gb: float, compile_only: bool, opts, devices):
   """The mesh search, over the candidate meshes whose params + optimizer state fit hbm_gb:
   first the one the cost model says sends the fewest wire bytes/dev; if XLA's temp bytes push it over,
   then the ones holding the least memory (`memory_proxy`: params + optimizer + 3 x one layer's
   gathered weights) -- until one fits, SEARCH_COMPILES compiles at most; else the one that came
-  closest. -> (job, note for the mesh cell)."""
-  cands = candidate_meshes(strat, cfg, jax.device_count(), opts)
+  closest, over `devices`. -> (job, note for the mesh cell)."""
+  cands = candidate_meshes(strat, cfg, devices, opts)
   if not cands:
     raise ConfigError("no mesh over its axes admits this model")
   hbm = hbm_gb * 2**30
@@ -150,21 +151,23 @@ def search(strat, cfg, hbm_gb: float, compile_only: bool, opts):
 
 
 def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = None,
-          opts=None, with_grads: bool = False, init=None):
+          opts=None, with_grads: bool = False, init=None, devices=None):
   """-> (row, job or None). Thread-safe: compare compiles several strategies at once. Without
   --mesh, a layout the model does not admit falls back to a smaller main axis (see above);
   mesh_spec "search": the mesh search (`search`). A strategy that fails to build, trace or
-  compile becomes its row's error (one line); the other rows still run."""
+  compile becomes its row's error (one line); the other rows still run. devices: the meshes'
+  (default jax.devices(); a --target's compile-only devices)."""
+  devices = jax.devices() if devices is None else devices
   strat = strategies.of_entry(name)
   opts = strategies.parse_options([name], {})[name] if opts is None else opts   # its own options
   row = {"strategy": name}                   # the entry: "cp", or "cp:kv_exchange=ring"
   try:
     if mesh_spec == "search" and strat.AXES:
-      job, note = search(strat, cfg, hbm_gb, compile_only, opts)
+      job, note = search(strat, cfg, hbm_gb, compile_only, opts, devices)
       row["mesh"] = f"{_mesh_str(job.mesh, strat, cfg)} ({note})"
       return row, job
     mesh_spec = None if mesh_spec == "search" else mesh_spec
-    mesh = _mesh_for(strat, mesh_spec, jax.device_count(), cfg, opts)
+    mesh = _mesh_for(strat, mesh_spec, devices, cfg, opts)
     given = cfg
     stored = lambda m: strategies.stored_config(strat, given, m, opts)   # how its options
     cfg = stored(mesh)                                                    # store the model
@@ -175,7 +178,7 @@ def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = 
       except ConfigError:
         if mesh_spec is not None:
           raise
-        for m in _fallback_meshes(strat, jax.device_count()):
+        for m in _fallback_meshes(strat, devices):
           try:
             cfg = stored(m)
             strat.check(cfg, m, opts)
@@ -304,9 +307,16 @@ def parity_rule(cfg, full_parity: bool) -> str:
 
 
 def settings(cfg, model_name: str, steps: int, compile_only: bool, opts: dict,
-             full_parity: bool = False) -> dict:
-  """What a report was measured under (table.json / table.csv / table.md and the header)."""
-  return {"model": model_name, "devices": jax.device_count(), "backend": jax.default_backend(),
+             full_parity: bool = False, devices=None) -> dict:
+  """What a report was measured under (table.json / table.csv / table.md and the header).
+  devices: the runtime.target.Target compiled for (None: this host's): its compiler (whose
+  memory_analysis the temp column is), its --target name and topology."""
+  if devices is None:
+    from runtime import target
+    devices = target.host(jax.devices())
+  return {"model": model_name, "devices": len(devices.devices), "backend": devices.platform,
+          "compiler": devices.compiler, "target": devices.name or None,
+          "topology": devices.topology or None,
           "steps": 0 if compile_only else steps, "batch": cfg.batch, "seq_len": cfg.seq_len,
           "layers": cfg.n_layers, "dtype": cfg.dtype, "remat": cfg.remat,
           "microbatches": cfg.microbatches, "capacity_factor": cfg.capacity_factor,
@@ -322,13 +332,17 @@ def settings(cfg, model_name: str, steps: int, compile_only: bool, opts: dict,
 def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: str | None,
          compile_only: bool, model_name: str, hbm_gb: float | None = None,
          opts: dict | None = None, full_parity: bool = False, breakdown: bool = False,
-         every_what: bool = False, init=None) -> list[dict]:
+         every_what: bool = False, init=None, devices=None) -> list[dict]:
   """names: the strategies to compare (run.py resolves 'all'); opts: {name: its Options};
   full_parity: hold every gradient and post-step parameter to the reference's, not only the
   losses (measure/agreement.py; in bf16 every row, the reference's too, then runs at
   agreement.parity_config: experts chosen by position); breakdown: print bytes per (kind, axes,
   phase) and per layer, naming every cost term with every_what (--breakdown_all). init: cfg ->
-  numpy params, every row's starting point (--init_from), else model.init_params."""
+  numpy params, every row's starting point (--init_from), else model.init_params. devices: the
+  runtime.target.Target whose devices the meshes are built from (None: this host's)."""
+  if devices is None:
+    from runtime import target
+    devices = target.host(jax.devices())
   wanted, opts = list(names), opts or {}
   if full_parity and not compile_only:
     cfg = agreement.parity_config(cfg)
@@ -336,7 +350,7 @@ def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: s
     wanted = [n for n in wanted if n != "reference"]     # E x the FLOPs of the layer it checks
   elif "reference" not in wanted:
     wanted = ["reference"] + wanted
-  simulated = jax.default_backend() == "cpu"
+  simulated = devices.platform == "cpu"
   t_start = time.perf_counter()
   if mesh_spec not in (None, "search"):
     for n in wanted:
@@ -350,7 +364,8 @@ def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: s
   built = {}
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
     futs = {pool.submit(build, n, cfg, mesh_spec if n != "reference" else None, compile_only,
-                        hbm_gb, opts.get(n), full_parity, init): n for n in wanted}
+                        hbm_gb, opts.get(n), full_parity, init, devices.devices): n
+            for n in wanted}
     for done, fut in enumerate(concurrent.futures.as_completed(futs), 1):
       n = futs[fut]
       built[n] = fut.result()
@@ -379,7 +394,7 @@ def main(cfg, names: list[str], mesh_spec: str | None, steps: int, report_dir: s
         r["parity"] = "PASS" if r["parity"] == "PASS" and not off else "FAIL"
         r["disagreements"] = off[:20]
         r.update(agreement.worst(r["trace"], ref["trace"], r["params0"]))
-  info = settings(cfg, model_name, steps, compile_only, opts, full_parity)
+  info = settings(cfg, model_name, steps, compile_only, opts, full_parity, devices)
   for r in rows:
     r["settings"] = info
   print(report.header(info, simulated))

@@ -99,9 +99,15 @@ def header(info: dict, simulated: bool) -> str:
   opts = "; ".join(f"{n} {', '.join(f'{k}={v}' for k, v in o.items())}"
                    for n, o in info["options"].items())
   data = f", data {info['data']}" if info.get("data", "synthetic") != "synthetic" else ""
-  return (f"\n{info['model']}, {info['devices']} {info['backend'].upper()} devices"
-          f"{' (simulated on this host: times are not hardware times)' if simulated else ''}, "
-          f"{'compile only' if not info['steps'] else str(info['steps']) + ' steps'}, "
+  target = info.get("target")
+  where = (f" ({target}, topology {info['topology']}: compiled on this host)" if target else
+           " (simulated on this host: times are not hardware times)" if simulated else "")
+  # compile only: the temp column is this compiler's memory_analysis()
+  memory = (f", memory: {info['compiler']}" + (f" ({target}, {info['devices']} devices)"
+                                               if target else "")
+            if not info["steps"] and info.get("compiler") else "")
+  return (f"\n{info['model']}, {info['devices']} {info['backend'].upper()} devices{where}, "
+          f"{'compile only' if not info['steps'] else str(info['steps']) + ' steps'}{memory}, "
           f"global batch {info['batch']} x seq {info['seq_len']}, {info['layers']} layers, "
           f"{info['dtype']}, remat {info['remat']}, microbatches {info['microbatches']}, "
           f"capacity factor {info['capacity_factor'] or 'dropless'}, {info['optimizer']}, "
@@ -214,7 +220,8 @@ def write_report(rows, report_dir: str, model_name: str, info: dict, verdict_lin
     f.write(header(info, simulated).strip() + "\n\n" + render(rows, compile_only, simulated, hbm_gb)
             + "\n\n" + verdict_line + "\n")
   settings_cols = ["model", "devices", "steps", "batch", "seq_len", "layers", "dtype", "remat",
-                   "microbatches", "capacity_factor", "seed", "optimizer", "jax"]
+                   "microbatches", "capacity_factor", "seed", "optimizer", "jax", "compiler",
+                   "target"]
   fields = ["strategy", "mesh", "final_loss", "max_dloss", "parity", "step_s", "dropped_frac",
             "a2a_routed",
             "param_bytes", "opt_bytes", "temp_bytes", "compile_s", "total_bytes", "fits",

@@ -10,15 +10,19 @@
   python run.py --strategy=fsdp --steps=2 --checkpoint_dir=ck --restore=latest
   python run.py --strategy=ep --opt=exchange=none                          # a strategy's options
   python run.py --plan --model=mixtral-8x7b --devices=64 --cluster=h100   # rank layouts (planning/)
+  python run.py --strategy=ep --model=mixtral-8x7b --layers=2 --devices=64 --mesh=fsdp:8,expert:8 \
+      --compile_only --dtype=bfloat16 --remat=block --target=tpu-v5p      # XLA:TPU on this host
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 from absl import app, flags
 
 import command_line as command
 from command_line import UsageError
+from runtime import target as target_lib
 
 F = flags.FLAGS
 flags.DEFINE_string("strategy", None, "strategy to train (see strategies/); omit to compare all")
@@ -45,7 +49,8 @@ flags.DEFINE_string("mesh", None, "e.g. data:2,expert:4; omitted axes get size 1
                     "no flag = all devices on the strategy's main axis; 'search' (compare with "
                     "--compile_only --hbm_gb): per strategy, the mesh over its axes that fits "
                     "(compare.py search)")
-flags.DEFINE_integer("devices", 8, "simulated CPU devices per process (ignored on GPU/TPU hosts)")
+flags.DEFINE_integer("devices", 8, "simulated CPU devices per process (ignored on GPU/TPU "
+                     "hosts); with --target, the target's devices")
 flags.DEFINE_string("remat", "none", "jax.checkpoint of each layer: none | block (recompute the "
                     "layer) | dots_saveable | dots_with_no_batch_dims_saveable (jax policies)")
 flags.DEFINE_string("dtype", "float32", "compute dtype: float32 | bfloat16 (mixed precision: "
@@ -129,6 +134,11 @@ flags.DEFINE_string("plan_find", None, "--plan: also print where one layout rank
                     "was refused: STRATEGY@MESH, e.g. pp@stage:16,data:2,expert:64")
 flags.DEFINE_float("plan_efficiency", 0.5, "--plan: the fraction of peak FLOP/s the step's "
                    "matmuls are assumed to reach")
+flags.DEFINE_string("target", None, "with --compile_only: compile for --devices devices of this "
+                    "hardware, on this host, with its own compiler (runtime/target.py): "
+                    + ", ".join(target_lib.PROFILES) + " (TPU: pip install -r "
+                    "requirements-tpu.txt; GPU: -r requirements-gpu.txt); the report's memory is "
+                    "that compiler's")
 flags.DEFINE_string("compilation_cache", "~/.cache/moe-sharding/jax",
                     "persistent XLA compilation cache ('' = off); reruns skip compiles")
 
@@ -139,9 +149,10 @@ class CheckFailed(Exception):
   """A check the run was asked for did not pass: one `error:` line, exit status 1."""
 
 
-def on_compiled(job, strat, stats, mesh_desc, say) -> None:
+def on_compiled(job, strat, stats, mesh_desc, say, memory: str = "") -> None:
   """--strategy: what the flags ask about the compiled step (--dump_sharding, --hlo_stats,
-  --compile_only's memory and fit, --breakdown), printed before any step runs."""
+  --compile_only's memory, whose compiler it comes from (memory: its Target's label), and its
+  fit, --breakdown), printed before any step runs."""
   import report
   cfg, mesh, opts = job.cfg, job.mesh, job.opts
   if F.dump_sharding:
@@ -151,6 +162,7 @@ def on_compiled(job, strat, stats, mesh_desc, say) -> None:
   if F.hlo_stats or F.compile_only:
     say(report.hlo_lines(stats))
   if F.compile_only and mesh is not None:
+    say(f"  memory: {memory}")
     say(report.fit_line(cfg, strat, mesh, opts, stats, F.hbm_gb))
   if (F.breakdown or F.breakdown_all) and mesh is not None:
     from measure import cost
@@ -159,8 +171,9 @@ def on_compiled(job, strat, stats, mesh_desc, say) -> None:
     say(report.breakdown(row, cfg.n_layers, every_what=F.breakdown_all))
 
 
-def train_one(cfg, opts) -> None:
-  """--strategy: its mesh and stored model (notes said), then runtime.session's run."""
+def train_one(cfg, opts, devices) -> None:
+  """--strategy: its mesh over `devices` (a runtime.target.Target) and stored model (notes
+  said), then runtime.session's run."""
   import jax
 
   from layout import mesh as mesh_lib
@@ -168,13 +181,15 @@ def train_one(cfg, opts) -> None:
   import strategies
   say = print if jax.process_index() == 0 else (lambda *a, **k: None)
   strat = strategies.get(F.strategy)
-  mesh = mesh_lib.for_strategy(strat, F.mesh)
+  mesh = mesh_lib.for_strategy(strat, F.mesh, len(devices.devices), devices.devices)
   notes = [getattr(strat, "layout_note", lambda *a: None)(cfg, mesh, opts),  # pp: its layout
            mesh_lib.order_note(strat, F.mesh)]
   for note in filter(None, notes):
     say(f"note: {note}")
   cfg = strategies.stored_config(strat, cfg, mesh, opts)     # how its options store the model
-  session.train_one(F, strat, cfg, mesh, opts, on_compiled, say)
+  session.train_one(F, strat, cfg, mesh, opts,
+                    functools.partial(on_compiled, memory=devices.memory_label()), say,
+                    devices=devices)
 
 
 def main(argv):
@@ -185,6 +200,8 @@ def main(argv):
   if F.strategy and F.compare:
     raise UsageError("give --strategy or --compare, not both")
   if F.plan:
+    if F.target is not None:
+      command.check_target(F)
     from planning import cli
     import strategies
     find = cli.check_flags(F)
@@ -205,14 +222,14 @@ def main(argv):
           f"activated_params_with_embeddings {active - cfg.d_model + table}\n"
           f"model {F.model}: {total / 1e9:.2f}B total, {active / 1e9:.2f}B activated per token "
           f"({(active - cfg.d_model + table) / 1e9:.2f}B counting the embedding table whole); "
-          f"{cfg.n_layers} layers ({cfg.first_k_dense_replace} dense), {cfg.n_experts} experts "
+          f"{cfg.n_layers} layers ({cfg.n_dense_layers} dense), {cfg.n_experts} experts "
           f"top-{cfg.top_k}, {cfg.attention}, vocab {cfg.vocab}")
     return
   if F.full_parity and F.adam_eps is None:
     from measure import agreement
     cfg = cfg.replace(adam_eps=agreement.parity_eps(cfg))   # see measure/agreement.py
-  command.setup_devices(F.devices, dist, F.compilation_cache)
-  cfg = command.compile_only_gmm(F, cfg)
+  devices = command.setup_devices(F.devices, dist, F.compilation_cache, F.target)
+  cfg = command.compile_only_gmm(F, cfg, devices)
   if cfg.attention_impl == "cudnn":
     import jax
     from modeling.config import ConfigError
@@ -220,7 +237,7 @@ def main(argv):
       raise ConfigError(f"--attention=cudnn needs a GPU (this host's backend: "
                         f"{jax.default_backend()}); use --attention=chunked")
   if F.strategy:
-    train_one(cfg, opts[F.strategy])
+    train_one(cfg, opts[F.strategy], devices)
     return
   import compare
   init = None
@@ -231,7 +248,7 @@ def main(argv):
                       report_dir=F.report_dir, compile_only=F.compile_only, model_name=F.model,
                       hbm_gb=F.hbm_gb, opts=opts, full_parity=F.full_parity,
                       breakdown=F.breakdown or F.breakdown_all, every_what=F.breakdown_all,
-                      init=init)
+                      init=init, devices=devices)
   failures, skipped = compare.outcome(rows, F.compile_only)
   for line in skipped:
     print(f"skipped: {line}", file=sys.stderr)

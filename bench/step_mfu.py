@@ -27,6 +27,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def one_device():
+  """The reference strategy with the strategies' MoE (modeling.moe.moe_local: tokens sorted by
+  expert through the grouped matmul) in place of its dense oracle: one device's train step."""
+  from modeling import model, moe
+  import strategies
+  ref = strategies.get("reference")
+  one = types.SimpleNamespace(**{k: getattr(ref, k) for k in dir(ref) if not k.startswith("__")})
+  one.__name__, one.NAME = "one_device", "one_device"
+  one.layout = lambda cfg, mesh, opts: model.Parallelism(
+      moe=lambda p, x, pos: moe.moe_local(p, x, pos, cfg))
+  return one
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--model", default="tiny")
@@ -44,11 +57,9 @@ def main() -> None:
   a = ap.parse_args()
 
   import jax
-  from modeling import model, moe
   from modeling.config import get_config
   from planning import clusters, plan
   from runtime import train
-  import strategies
 
   if a.gmm == "mgpu":
     import kernels.mgpu  # noqa: F401  (registers the Hopper kernel with modeling.gmm)
@@ -57,13 +68,8 @@ def main() -> None:
   cfg = get_config(a.model, dtype=a.dtype, remat=a.remat, gmm_backend=a.gmm, **over)
   if cfg.first_k_dense_replace >= cfg.n_layers:
     cfg = cfg.replace(first_k_dense_replace=cfg.n_layers - 1)
-  ref = strategies.get("reference")
-  one = types.SimpleNamespace(**{k: getattr(ref, k) for k in dir(ref) if not k.startswith("__")})
-  one.__name__, one.NAME = "one_device", "one_device"
-  one.layout = lambda cfg, mesh, opts: model.Parallelism(
-      moe=lambda p, x, pos: moe.moe_local(p, x, pos, cfg))     # sorted tokens, grouped matmul
   t0 = time.perf_counter()
-  job = train.build(one, cfg, None)
+  job = train.build(one_device(), cfg, None)
   compile_s = time.perf_counter() - t0
   times = [dt for *_, dt in train.steps(job, a.warmup + a.steps)][a.warmup:]
   step_s = statistics.median(times)

@@ -41,9 +41,10 @@ def mesh_shape(axes: tuple[str, ...], main_axis: str, spec: str | None, n_device
   return shape
 
 
-def for_strategy(strat, spec: str | None, n_devices: int | None = None):
+def for_strategy(strat, spec: str | None, n_devices: int | None = None, devices=None):
   """The one mesh builder (run.py, compare, tests): `spec` ('data:2,expert:4', omitted axes 1;
-  None = every device on the strategy's main axis) -> an explicit Mesh, or None for a strategy
+  None = every device on the strategy's main axis) -> an explicit Mesh over the first devices of
+  `devices` (default jax.devices(); a --target's compile-only devices), or None for a strategy
   with no axes (the single-device reference), which takes no spec."""
   name = getattr(strat, "NAME", "")
   if not strat.AXES:
@@ -51,13 +52,32 @@ def for_strategy(strat, spec: str | None, n_devices: int | None = None):
       raise ConfigError(f"strategy {name!r} runs on one device and takes no --mesh")
     return None
   n = jax.device_count() if n_devices is None else n_devices
-  return make_mesh(mesh_shape(strat.AXES, strat.MAIN_AXIS, spec, n, name))
+  return make_mesh(mesh_shape(strat.AXES, strat.MAIN_AXIS, spec, n, name), devices)
 
 
-def make_mesh(shape: dict[str, int]) -> jax.sharding.Mesh:
+def make_mesh(shape: dict[str, int], devices=None) -> jax.sharding.Mesh:
+  """An explicit mesh of these axis sizes over the first prod(sizes) of `devices` (default
+  jax.devices()), laid out by jax.make_mesh for their topology. On a TPU torus whose axes the
+  mesh's sizes do not each match (fsdp:8,expert:8 on 4x4x4 chips), a mesh axis may span part
+  of a physical axis (mesh_utils' allow_split_physical_axes)."""
   n = math.prod(shape.values())
-  return jax.make_mesh(tuple(shape.values()), tuple(shape), devices=jax.devices()[:n],
-                       axis_types=(AxisType.Explicit,) * len(shape))
+  devices = list(jax.devices() if devices is None else devices)[:n]
+  types = (AxisType.Explicit,) * len(shape)
+  try:
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), devices=devices, axis_types=types)
+  except NotImplementedError:
+    from jax.experimental import mesh_utils
+    grid = mesh_utils.create_device_mesh(tuple(shape.values()), devices,
+                                         allow_split_physical_axes=True)
+    return jax.sharding.Mesh(grid, tuple(shape), axis_types=types)
+
+
+def platform(mesh) -> str:
+  """The platform a mesh compiles for: its devices' ('cpu', 'gpu', 'tpu'; a --target's
+  compile-only devices are the target's), or the default backend's for an abstract mesh."""
+  if isinstance(mesh, jax.sharding.Mesh):
+    return mesh.devices.flat[0].platform
+  return jax.default_backend()
 
 
 def abstract_mesh(shape: dict[str, int]) -> jax.sharding.AbstractMesh:
@@ -85,7 +105,7 @@ def require_head_split(cfg, mesh, axis: str, expert_ff: bool = False) -> None:
     require_divisible("d_ff", cfg.d_ff, mesh, axis)
   if cfg.n_shared_experts:
     require_divisible("shared_d_ff", cfg.shared_d_ff, mesh, axis)
-  if cfg.first_k_dense_replace:
+  if cfg.n_dense_layers:
     require_divisible("dense_d_ff", cfg.dense_d_ff, mesh, axis)
 
 

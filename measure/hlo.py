@@ -451,10 +451,12 @@ def compiled_stats(compiled, mesh=None, text: str | None = None) -> dict:
 WIRE_PASS = "all-reduce-promotion"
 
 
-def wire_dump_needed(mixed: bool) -> bool:
-  """A bf16 program on XLA:CPU: its collectives are read from the WIRE_PASS dump."""
+def wire_dump_needed(mixed: bool, platform: str | None = None) -> bool:
+  """A bf16 program on XLA:CPU: its collectives are read from the WIRE_PASS dump. platform: the
+  one it compiles for (default: the default backend's; a --target's compile-only devices are
+  the target's, whose final HLO keeps bf16 collectives and is read as it is)."""
   import jax
-  return mixed and jax.default_backend() == "cpu"
+  return mixed and (platform or jax.default_backend()) == "cpu"
 
 
 def wire_dump_options(dump_dir: str) -> dict:

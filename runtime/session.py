@@ -42,11 +42,12 @@ def prepare_checkpoints(F, cfg, strat, mesh, opts, steps: int, say, main: bool):
   return start, state, planned
 
 
-def train_one(F, strat, cfg, mesh, opts, on_compiled: Callable, say) -> None:
+def train_one(F, strat, cfg, mesh, opts, on_compiled: Callable, say, devices=None) -> None:
   """Build, compile and train `strat` (F.strategy's module) on `mesh`, with cfg as its options
   store the model (strategies.stored_config). on_compiled(job, strat, stats, mesh_desc, say)
   prints what the flags ask about the compiled step, before any step runs. say: print on
-  process 0, nothing on the others."""
+  process 0, nothing on the others. devices: the runtime.target.Target the mesh is built from
+  (its compiler and --target name go into the header and the metrics summary)."""
   main = jax.process_index() == 0               # only process 0 writes files
   steps = 20 if F.steps is None else F.steps
   start, state, planned = 0, None, []
@@ -57,8 +58,9 @@ def train_one(F, strat, cfg, mesh, opts, on_compiled: Callable, say) -> None:
   init, hf_config = hf_start(F, cfg, say)      # --init_from / --export_hf: before compiling
   job = train.build(strat, cfg, mesh, opts, state=state, compile_only=F.compile_only, init=init)
   mesh_desc = ",".join(f"{k}:{v}" for k, v in mesh.shape.items()) if mesh is not None else "single"
-  say(f"{F.strategy} on mesh {mesh_desc}, model {F.model}, gmm {cfg.gmm_backend}: compiled in "
-      f"{job.compile_s:.1f}s"
+  for_target = f" for {devices.name} ({devices.topology})" if devices and devices.name else ""
+  say(f"{F.strategy} on mesh {mesh_desc}, model {F.model}, gmm {cfg.gmm_backend}: compiled"
+      f"{for_target} in {job.compile_s:.1f}s"
       + (f", restored step {start} from {F.checkpoint_dir}" if F.restore is not None else ""),
       flush=True)
   stats = hlo.compiled_stats(job.compiled, mesh, job.hlo)
@@ -96,7 +98,9 @@ def train_one(F, strat, cfg, mesh, opts, on_compiled: Callable, say) -> None:
                           "aux_loss_kind": cfg.aux_loss_kind,
                           "attention": cfg.attention_impl, "gmm": cfg.gmm_backend,
                           "optimizer": cfg.optimizer, "options": vars(opts),
-                          "compile_only": F.compile_only, "jax": jax.__version__}) + "\n")
+                          "compile_only": F.compile_only, "jax": jax.__version__,
+                          "compiler": devices.compiler if devices else None,
+                          "target": devices.name or None if devices else None}) + "\n")
     out.close()
 
 

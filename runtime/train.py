@@ -212,7 +212,7 @@ def build(strategy, cfg, mesh, opts=None, *, with_grads: bool = False, compile_o
     donate = (0, 1) if compile_only else ()
     compiled, hlo_text = _compile(
         jax.jit(step_fn, donate_argnums=donate).lower(params, opt_state, b0), cfg.mixed,
-        dump_dir)
+        dump_dir, mesh_lib.platform(mesh) if mesh is not None else None)
     compile_s = time.perf_counter() - t0
 
   def run_step(p, o, b):
@@ -241,12 +241,12 @@ def check_init(params, cfg) -> None:
 _DUMP_LOCK = threading.Lock()     # compare compiles strategies in threads; the cache switch is global
 
 
-def _compile(lowered, mixed: bool, dump_dir: str | None = None):
+def _compile(lowered, mixed: bool, dump_dir: str | None = None, platform: str | None = None):
   """-> (compiled, the HLO text to count collectives in: see measure/hlo.py WIRE_PASS). A dump
   (the wire pass's, or dump_dir's) needs a real compile: the persistent compilation cache is
   off for it (its key ignores the dump flags, and jax memoises "cache on", hence reset_cache
-  both ways)."""
-  wire = hlo.wire_dump_needed(mixed)
+  both ways). platform: the mesh's (layout/mesh.platform), None for the default backend's."""
+  wire = hlo.wire_dump_needed(mixed, platform)
   if not wire and dump_dir is None:
     compiled = lowered.compile()
     return compiled, compiled.as_text()

@@ -152,7 +152,7 @@ def check(cfg, mesh, opts):
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)
   fsdp.check(cfg, mesh, FSDP)
-  check_exchange(opts.exchange)
+  check_exchange(opts.exchange, mesh_lib.platform(mesh))
 
 
 def param_specs(cfg, mesh, opts=None):

@@ -72,6 +72,16 @@ def compare_table(stdout: str) -> dict:
 
 import jax  # noqa: E402
 
+from runtime import target as _target  # noqa: E402
+
+# With libtpu or the CUDA plugin installed (requirements-tpu.txt, requirements-gpu.txt), jax
+# would start them on a host with neither chip, warn and fall back to the CPU: on such a host
+# the tests and their subprocesses ask for the CPU alone, as run.py does
+# (command_line.setup_devices).
+if not jax.config.jax_platforms and _target.without_accelerator():
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  jax.config.update("jax_platforms", "cpu")
+
 # The persistent compilation cache, shared by both xdist workers. jax writes an entry in place; a
 # size limit turns on its file lock (filelock), which reads and writes take, so a worker never
 # reads an entry the other is still writing.
