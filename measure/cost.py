@@ -134,9 +134,9 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
   A layout that gathers its weights once per step (lay.gathers_once, ZeRO-1) gathers them once
   for both passes and reduce-scatters (and all-reduces) their summed gradients once. In float32
   (no cast before a gather) XLA hoists the gathers of the leaves outside the layer stack
-  (OUTSIDE_ROLES) out of the microbatch loop and shares them with pass 1, those of a one-layer
-  dense prefix (its scan of one step is no loop), and the dropped counts' constant all-reduce
-  (HOISTED): once per step."""
+  (OUTSIDE_ROLES) out of the microbatch loop and shares them with pass 1, those of the stacked
+  layers that run in scans of one step (no loop: `unlooped_share`), and the dropped counts'
+  constant all-reduce (HOISTED): once per step."""
   m = cfg.microbatches
   times = lambda ts, k, note: [dataclasses.replace(t, bytes=t.bytes * k, what=t.what + note)
                                for t in ts]
@@ -148,8 +148,14 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
     once = [t for t in step if is_weight_gather(t) or (t.phase == "bwd" and t.what.endswith(
         " grads") and weight_role(t) in roles)]
   elif not cfg.mixed:
-    once = [t for t in step if (is_weight_gather(t) and (weight_role(t) in OUTSIDE_ROLES or (
-        t.params == "dense_layers" and cfg.first_k_dense_replace == 1))) or t.what == HOISTED]
+    once = [t for t in step if (is_weight_gather(t) and weight_role(t) in OUTSIDE_ROLES)
+            or t.what == HOISTED]
+    # a stacked leaf's gathers in runs of one scan step: their share of its bytes, once
+    once += [dataclasses.replace(t, bytes=t.bytes * unlooped_share(cfg, t.params))
+             for t in step if is_weight_gather(t) and unlooped_share(cfg, t.params)]
+    looped = lambda t: dataclasses.replace(t, bytes=t.bytes * (1 - unlooped_share(cfg, t.params)))
+    step = [looped(t) if is_weight_gather(t) and 0 < unlooped_share(cfg, t.params) < 1 else t
+            for t in step if not (is_weight_gather(t) and unlooped_share(cfg, t.params) == 1)]
   once_ids = {id(t) for t in once}    # `once` takes every term its predicates name: equal ones too
   step = [t for t in step if id(t) not in once_ids]
   pass1 = []
@@ -205,6 +211,20 @@ def is_weight_gather(t: Term) -> bool:
 def weight_role(t: Term) -> str:
   """The role a weight_terms term moves ("<role> gathered", "<role> grads")."""
   return t.what.split()[0]
+
+
+def unlooped_share(cfg, group: str) -> float:
+  """The share of a stacked param group's rows ("dense_layers", "layers"; 0 for any other
+  group) whose layers run in a scan of one step (config.layer_segments): XLA unrolls those, so
+  their weights' gathers are loop-invariant (a one-layer DeepSeek prefix; a stack of one
+  period, as gpt-oss-test's)."""
+  if group not in ("dense_layers", "layers") or cfg.layer_layout:
+    return 0.0
+  is_moe = group == "layers"
+  rows = [(reps, reps * sum(1 for _, m in period if m == is_moe))
+          for period, reps in cfg.layer_segments]
+  total = sum(n for _, n in rows)
+  return sum(n for reps, n in rows if reps == 1) / total if total else 0.0
 
 
 def counts_pass(cfg) -> bool:
@@ -473,7 +493,7 @@ def tensor_terms(cfg, mesh, tensor_axis: str, b_loc: int) -> list[Term]:
   return (term(mesh, "all-reduce", "fwd", "attention wo output", cfg.n_layers * x, tensor_axis,
                BLOCK_ONLY)
           + term(mesh, "all-reduce", "fwd", "MoE / shared / dense FFN wo outputs",
-                 (cfg.n_moe_layers * (1 + sh) + cfg.first_k_dense_replace) * x, tensor_axis)
+                 (cfg.n_moe_layers * (1 + sh) + cfg.n_dense_layers) * x, tensor_axis)
           + term(mesh, "all-reduce", "bwd", "d(normed h) of the MLP blocks and of "
                  "attention's h or MLA latents",
                  cfg.n_layers * x * (attn_gather_values(cfg) + cfg.d_model) // cfg.d_model,

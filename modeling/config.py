@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -154,6 +155,10 @@ class Config:
   # intermediate_size)
   first_k_dense_replace: int = _model(0)
   dense_d_ff: int = _model(0)
+  # dense layers inside the stack (Qwen-MoE's mlp_only_layers and decoder_sparse_step, Llama 4's
+  # interleave_moe_layer_step): their depth indices, comma-separated, each >= first_k_dense_replace;
+  # they have the dense SwiGLU of width dense_d_ff, as the prefix's
+  mlp_only_layers: str = _model("")
   # the MoE layer stack in groups ("4,4,3": MoE layers per group, in depth order; "" = one group
   # of all of them): each group padded to the largest with inert slots, so that pp's stages can
   # hold different numbers of layers (strategies/pp.py; layer_slots below)
@@ -194,8 +199,37 @@ class Config:
     return self.shared_width or self.n_shared_experts * self.d_ff
 
   @property
+  def dense_inside(self) -> tuple[int, ...]:
+    """The depth indices of the dense layers after the prefix (mlp_only_layers)."""
+    return tuple(int(i) for i in self.mlp_only_layers.split(",")) if self.mlp_only_layers else ()
+
+  @property
+  def layer_is_moe(self) -> tuple[bool, ...]:
+    """Per layer in depth order: an MoE layer (True) or a dense one (the prefix, mlp_only_layers)."""
+    inside = set(self.dense_inside)
+    return tuple(i >= self.first_k_dense_replace and i not in inside for i in range(self.n_layers))
+
+  @property
+  def n_dense_layers(self) -> int:
+    return self.n_layers - self.n_moe_layers
+
+  @property
   def n_moe_layers(self) -> int:
-    return self.n_layers - self.first_k_dense_replace
+    return sum(self.layer_is_moe)
+
+  @property
+  def layer_kinds(self) -> tuple[tuple[str, bool], ...]:
+    """Per layer in depth order: (its attention kind, whether it is an MoE layer)."""
+    kinds = self.layer_attentions
+    return tuple((kinds[i % len(kinds)], moe) for i, moe in enumerate(self.layer_is_moe))
+
+  @property
+  def layer_segments(self) -> tuple[tuple[tuple[tuple[str, bool], ...], int], ...]:
+    """The layers in depth order as runs of a repeated period: ((period's layer_kinds, repeats),
+    ..); each run is one scan over its repeats (model.run_layers), so compile time follows the
+    number of runs, not the depth. DeepSeek-V3: ((dense,) x 3), ((moe,) x 58); gpt-oss: one run
+    of its (sliding, full) period; Llama 4 Maverick: one run of (dense, MoE, dense, MoE NoPE)."""
+    return segments(self.layer_kinds)
 
   @property
   def layer_groups(self) -> tuple[int, ...]:
@@ -314,13 +348,15 @@ class Config:
          "1 and llama3_high_freq_factor >= llama3_low_freq_factor > 0")
     need(not (self.llama3_factor and self.yarn_factor), "llama3_factor and yarn_factor exclude "
          "each other (one RoPE scaling)")
-    need(len(kinds) == 1 or (self.n_layers % len(kinds) == 0 and
-                             self.first_k_dense_replace % len(kinds) == 0),
-         f"attention_pattern's period {len(kinds)} must divide n_layers={self.n_layers} and "
-         f"first_k_dense_replace={self.first_k_dense_replace}")
-    need(len(kinds) == 1 or not (self.layer_layout or self.layer_stages),
-         "attention_pattern with more than one kind of layer takes no layer_layout / "
-         "layer_stages (pipeline stages of different layers are not built yet)")
+    groups = self.layer_groups if all(g.strip().isdigit() for g in
+                                      (self.layer_layout or "0").split(",")) else (0,)
+    need(len(kinds) == 1 or not (self.layer_layout or self.layer_stages) or (
+        len(set(groups)) == 1 and groups[0] % len(kinds) == 0
+        and self.first_k_dense_replace % len(kinds) == 0),
+         f"attention_pattern's period {len(kinds)} with layer_layout="
+         f"{self.layer_layout or self.n_moe_layers}: pipeline stages hold whole periods, so every "
+         f"group must hold the same multiple of {len(kinds)} MoE layers (no padding) after a "
+         f"dense prefix of a multiple of {len(kinds)}")
     need(not (self.mla and (self.attn_sinks or self.attn_o_bias or len(kinds) > 1
                             or self.qk_l2_norm or self.nope_attn_scale)),
          "attention sinks, the output bias, layers of different attention kinds, the L2 QK-norm "
@@ -371,8 +407,18 @@ class Config:
     need(not self.layer_stages or len(self.layer_groups) % self.layer_stages == 0,
          f"layer_layout={self.layer_layout or self.n_moe_layers}: {len(self.layer_groups)} "
          f"groups are not a multiple of layer_stages={self.layer_stages}")
-    need(not self.first_k_dense_replace or self.dense_d_ff >= 1,
-         "dense_d_ff must be >= 1 with first_k_dense_replace > 0")
+    inside = self.mlp_only_layers.split(",") if self.mlp_only_layers else []
+    need(all(i.strip().isdigit() for i in inside) and
+         list(self.dense_inside) == sorted(set(self.dense_inside)) and
+         all(self.first_k_dense_replace <= i < self.n_layers for i in self.dense_inside),
+         f"mlp_only_layers={self.mlp_only_layers!r}: expected increasing depth indices in "
+         f"[first_k_dense_replace={self.first_k_dense_replace}, n_layers={self.n_layers})")
+    need(self.n_moe_layers >= 1, f"mlp_only_layers={self.mlp_only_layers} leaves no MoE layer")
+    need(not self.dense_inside or not (self.layer_layout or self.layer_stages),
+         "mlp_only_layers (dense layers inside the stack) takes no layer_layout / layer_stages "
+         "(pipeline stages of dense and MoE layers are not built yet)")
+    need(not self.n_dense_layers or self.dense_d_ff >= 1,
+         "dense_d_ff must be >= 1 with dense layers (first_k_dense_replace, mlp_only_layers)")
     if self.mla:
       for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1 (mla)")
@@ -382,6 +428,25 @@ class Config:
     else:
       need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (RoPE)")
     return self
+
+
+@functools.lru_cache(maxsize=256)
+def segments(kinds: tuple) -> tuple:
+  """A sequence of layer kinds -> runs ((period, repeats), ..) covering it in order: from each
+  position, the period repeated at least twice that covers the most layers (the shortest such
+  period on a tie), else one layer on its own. [a a a b a b a b] -> ((a,), 3), ((b, a), 2), ((b,), 1)."""
+  out, i, n = [], 0, len(kinds)
+  while i < n:
+    best = (kinds[i:i + 1], 1)
+    for p in range(1, (n - i) // 2 + 1):
+      period, r = kinds[i:i + p], 1
+      while kinds[i + r * p:i + (r + 1) * p] == period:
+        r += 1
+      if r >= 2 and p * r > len(best[0]) * best[1]:
+        best = (period, r)
+    out.append(best)
+    i += len(best[0]) * best[1]
+  return tuple(out)
 
 
 def balanced_layout(n: int, groups: int) -> str:
@@ -443,6 +508,14 @@ PRESETS: dict[str, Config] = {
                           rope_interleave=True, llama3_factor=4.0, llama3_original_max=16,
                           n_experts=8, top_k=1, router="sigmoid", norm_topk_prob=False,
                           route_scale_input=True, n_shared_experts=1, d_ff=64),
+    # Llama 4 Maverick's stack at test size: dense layers (their own width) between the MoE
+    # layers, chunked local attention and NoPE layers in turn; no QK-norm
+    "llama4-maverick-test": Config(attention_chunk=8, n_layers=4, attention_pattern="local,nope",
+                                   local_chunk=12, mlp_only_layers="0,2", dense_d_ff=96,
+                                   nope_attn_scale=0.5, nope_floor_scale=8.0,
+                                   rope_interleave=True, n_experts=8, top_k=1, router="sigmoid",
+                                   norm_topk_prob=False, route_scale_input=True,
+                                   n_shared_experts=1, d_ff=64),
     # Mixtral-8x7B-shaped, for compile-only scaling studies (never run on CPU)
     "mixtral-8x7b": Config(vocab=32000, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
                            n_layers=32, n_experts=8, top_k=2, d_ff=14336, seq_len=4096,
@@ -508,7 +581,7 @@ def base_config(name: str) -> Config:
 # held by tests/test_model.py, python run.py --model=NAME --describe)
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 for _name in ("mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "kimi-k2",
-              "gpt-oss-120b", "gpt-oss-20b", "llama4-scout"):
+              "gpt-oss-120b", "gpt-oss-20b", "llama4-scout", "llama4-maverick"):
   PRESETS[_name] = _from_hf(os.path.join(CONFIGS, f"{_name}.json"))
 
 

@@ -88,17 +88,22 @@ def _rope(hf: dict, default_theta: float) -> dict:
   return out
 
 
-def _dense_layers(hf: dict) -> int:
-  """Qwen-MoE's dense layers (mlp_only_layers, and every layer not on decoder_sparse_step) ->
-  how many lead the stack; dense layers anywhere else are refused."""
+def _qwen_dense(hf: dict) -> list[int]:
+  """Qwen-MoE's dense layers: mlp_only_layers, and every layer not on decoder_sparse_step."""
   n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1
   only = set(hf.get("mlp_only_layers") or ())
-  dense = [i for i in range(n) if i in only or (i + 1) % step != 0]
-  if dense != list(range(len(dense))):
-    _refuse(f"dense layers {dense} (mlp_only_layers={sorted(only)}, decoder_sparse_step={step}) "
-            "are not all at the front of the stack: the suite stacks a dense prefix, then the "
-            "MoE layers")
-  return len(dense)
+  bad = sorted(i for i in only if not 0 <= i < n)
+  if bad:
+    _refuse(f"mlp_only_layers {bad} outside [0, num_hidden_layers={n})")
+  return [i for i in range(n) if i in only or (i + 1) % step != 0]
+
+
+def _dense_fields(dense: list[int], width: int) -> dict:
+  """Dense layers at these depth indices -> Config fields: the leading run is the prefix
+  (first_k_dense_replace), the others mlp_only_layers; dense_d_ff their width."""
+  k = next((j for j, i in enumerate(dense) if i != j), len(dense))
+  return dict(first_k_dense_replace=k, mlp_only_layers=",".join(map(str, dense[k:])),
+              dense_d_ff=width if dense else 0)
 
 
 def config_from_hf(hf: Mapping[str, Any], **overrides) -> dict:
@@ -151,13 +156,12 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> dict:
       if mt == "qwen3_moe" and hf.get("attention_bias"):
         _refuse("attention_bias=True is not modelled for qwen3_moe (its o_proj would carry a "
                 "bias too)")
-      n_dense = _dense_layers(hf)
-      kw.update(n_experts=hf.get("num_experts") or hf["num_local_experts"],
+      kw.update(_dense_fields(_qwen_dense(hf), hf["intermediate_size"]),
+                n_experts=hf.get("num_experts") or hf["num_local_experts"],
                 d_ff=hf["moe_intermediate_size"], router="softmax",
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                 qkv_bias=mt == "qwen2_moe" and bool(hf.get("qkv_bias", True)),
-                qk_norm=mt == "qwen3_moe", first_k_dense_replace=n_dense,
-                dense_d_ff=hf["intermediate_size"] if n_dense else 0)
+                qk_norm=mt == "qwen3_moe")
       shared = (hf.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
       if shared:                              # one shared expert of its own width, gated
         kw.update(n_shared_experts=1, shared_width=shared, shared_gate=True)
@@ -214,14 +218,13 @@ def _llama4(hf: dict) -> dict:
   """Llama 4's text model: NoPE layers (no_rope_layers 0) with temperature tuning, chunked local
   attention on the RoPE layers (attention_chunk_size), the L2 QK-norm (use_qk_norm), top-1
   sigmoid routing whose score scales the expert's input, a shared expert of the experts' width.
-  Dense layers between the MoE layers (interleave_moe_layer_step > 1) are refused."""
+  Dense layers (of width intermediate_size_mlp) between the MoE layers: every layer not in
+  moe_layers (by default every interleave_moe_layer_step-th layer is MoE)."""
   n = hf["num_hidden_layers"]
   moe_layers = hf.get("moe_layers")
   step = hf.get("interleave_moe_layer_step") or 1
-  moe_layers = list(range(step - 1, n, step)) if moe_layers is None else list(moe_layers)
-  if moe_layers != list(range(n)):
-    _refuse(f"moe_layers {moe_layers[:4]}.. (interleave_moe_layer_step={step}): dense layers "
-            "between MoE layers are not modelled yet")
+  moe_layers = set(range(step - 1, n, step) if moe_layers is None else moe_layers)
+  dense = [i for i in range(n) if i not in moe_layers]
   if hf.get("router_jitter_noise"):
     _refuse(f"router_jitter_noise={hf['router_jitter_noise']} is not modelled")
   interval = hf.get("no_rope_layer_interval") or 4
@@ -231,7 +234,8 @@ def _llama4(hf: dict) -> dict:
   pattern = _pattern(kinds)
   bias = bool(hf.get("attention_bias", False))
   tuning = bool(hf.get("attn_temperature_tuning", True)) and "nope" in kinds
-  return dict(n_experts=hf["num_local_experts"], d_ff=hf["intermediate_size"], router="sigmoid",
+  return dict(_dense_fields(dense, hf.get("intermediate_size_mlp") or 0),
+              n_experts=hf["num_local_experts"], d_ff=hf["intermediate_size"], router="sigmoid",
               norm_topk_prob=False, route_scale_input=True, n_shared_experts=1,
               attention_pattern=pattern, local_chunk=int(chunk) if "local" in kinds else 0,
               qk_l2_norm=bool(hf.get("use_qk_norm", True)), rope_interleave=True,
@@ -459,6 +463,8 @@ def from_hf(state: Mapping[str, np.ndarray], cfg, *, ignore: Iterable[str] = ())
   n_dense = _get(cfg, "first_k_dense_replace", 0) or 0
   if not 0 <= n_dense <= n_layers:
     _refuse(f"first_k_dense_replace={n_dense} outside [0, n_layers={n_layers}]")
+  inside = _get(cfg, "mlp_only_layers", "") or ""
+  dense_at = set(range(n_dense)) | {int(i) for i in inside.split(",") if inside}
   if _get(cfg, "layer_layout", ""):
     _refuse(f"layer_layout={_get(cfg, 'layer_layout')}: convert to the unpadded model, then "
             "train with the layout from a fresh init (the padded stack has no HF form)")
@@ -468,12 +474,12 @@ def from_hf(state: Mapping[str, np.ndarray], cfg, *, ignore: Iterable[str] = ())
     layer = {"attn_norm": st.take(p + "input_layernorm.weight", (d,)),
              "mlp_norm": st.take(p + "post_attention_layernorm.weight", (d,)),
              "attn": _attention(st, p + "self_attn.", cfg)}
-    if i < n_dense:
-      layer["mlp"] = _swiglu(st, p + "mlp.", d, _get(cfg, "dense_d_ff"))
-      dense.append(layer)
-      continue
     m = p + next((k for k in ("block_sparse_moe.", "feed_forward.")
                   if any(n.startswith(p + k) for n in state)), "mlp.")
+    if i in dense_at:                                             # mlp. / Llama 4's feed_forward.
+      layer["mlp"] = _swiglu(st, m, d, _get(cfg, "dense_d_ff"))
+      dense.append(layer)
+      continue
     if m.endswith("feed_forward."):                               # Llama 4
       layer["moe"] = _llama4_moe(st, m, cfg)
       layer["shared"] = _swiglu(st, m + "shared_expert.", d, _get(cfg, "shared_width", 0)

@@ -78,10 +78,10 @@ def _mixtral(cfg: Config) -> dict:
 
 
 def _qwen(cfg: Config) -> dict:
-  """Qwen2-MoE / Qwen3-MoE: a dense prefix is mlp_only_layers."""
+  """Qwen2-MoE / Qwen3-MoE: every dense layer (the prefix and those inside) is in mlp_only_layers."""
   out = {**_gqa_fields(cfg), "num_experts": cfg.n_experts, "moe_intermediate_size": cfg.d_ff,
          "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
-         "mlp_only_layers": list(range(cfg.first_k_dense_replace)),
+         "mlp_only_layers": [i for i, moe in enumerate(cfg.layer_is_moe) if not moe],
          "intermediate_size": cfg.dense_d_ff or cfg.d_ff, "router_aux_loss_coef": cfg.aux_loss_coef,
          "use_sliding_window": False, "sliding_window": None}
   if cfg.n_shared_experts:
@@ -92,6 +92,10 @@ def _qwen(cfg: Config) -> dict:
 
 
 def _deepseek_moe(cfg: Config) -> dict:
+  if cfg.dense_inside:
+    raise ValueError(f"mlp_only_layers={cfg.mlp_only_layers}: DeepSeek's, Kimi's and GLM's "
+                     "config.json place dense layers only before the MoE layers "
+                     "(first_k_dense_replace)")
   return {"n_routed_experts": cfg.n_experts, "moe_intermediate_size": cfg.d_ff,
           "n_shared_experts": cfg.n_shared_experts, "n_group": cfg.n_group,
           "topk_group": cfg.topk_group, "routed_scaling_factor": cfg.routed_scaling_factor,
@@ -151,7 +155,7 @@ def _comparable(cfg: Config) -> Config:
   off = {"layer_layout": d["layer_layout"], "layer_stages": d["layer_stages"]}
   if cfg.mla:
     off.update(head_dim=d["head_dim"], n_kv_heads=d["n_kv_heads"])
-  if not cfg.first_k_dense_replace:
+  if not cfg.n_dense_layers:
     off["dense_d_ff"] = d["dense_d_ff"]
   if not cfg.yarn_factor:
     off.update({k: d[k] for k in d if k.startswith("yarn_")})
@@ -289,13 +293,14 @@ def to_hf(params: dict, cfg: Config, hf_config: Mapping, *, fused: bool = False)
   down_proj) instead of the per-expert tensors of checkpoints on disk."""
   fam = family(hf_config)
   params = unpadded(params, cfg)
-  n_dense = cfg.first_k_dense_replace
   out = {"model.embed_tokens.weight": np.asarray(params["embed"], np.float32)}
-  for i in range(cfg.n_layers):
+  row = {False: 0, True: 0}                       # the next row of each stack, in depth order
+  for i, is_moe in enumerate(cfg.layer_is_moe):
     p = f"model.layers.{i}."
-    lp = _layer(params["dense_layers"], i) if i < n_dense else _layer(params["layers"], i - n_dense)
+    lp = _layer(params["layers" if is_moe else "dense_layers"], row[is_moe])
+    row[is_moe] += 1
     out.update(_attention(lp["attn"], p + "self_attn.", cfg.mla))
-    if i < n_dense:
+    if not is_moe:
       out.update(_swiglu(lp["mlp"], p + "mlp."))
     else:
       m = p + ("mlp." if fused else fam.moe)

@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from modeling import attention as attention_lib, moe as moe_lib, ring_attention, routing
-from modeling.config import Config
+from modeling.config import Config, segments
 from parallel import sharding
 
 
@@ -107,8 +107,9 @@ class Parallelism:
 # Every parameter's role, declared once below next to its shape. Strategies lay parameters out by
 # role (a role -> PartitionSpec table, `param_specs`); the optimizer, weight decay and the cost
 # models read roles too. Per-layer roles are stacked, one stack per kind of layer, each scanned
-# by `forward`: "dense_layers" [first_k_dense_replace, ...] (DeepSeek's leading dense layers,
-# absent when 0), then "layers" [n_moe_layers, ...] (the MoE layers).
+# by `forward`: "dense_layers" [n_dense_layers, ...] (the dense-FFN layers in depth order:
+# DeepSeek's leading ones, Qwen's mlp_only_layers, Llama 4's between MoE layers; absent when
+# none), and "layers" [n_moe_layers, ...] (the MoE layers in depth order).
 ATTN_ROLES = ("attn_q", "attn_kv", "attn_o",                        # GQA, and MLA's wq / wo
               "attn_q_bias", "attn_kv_bias", "head_norm",           # GQA's biases, QK-norm
               "attn_sinks", "attn_o_bias",                          # gpt-oss: sinks [H], bo [D]
@@ -207,12 +208,12 @@ def _param_tree(cfg: Config, leaf) -> dict:
   # drawn layer by layer in depth order (the dense prefix first), then stacked per kind; the
   # MoE stack's padding rows (cfg.layer_slots -1, layer_layout) are zeros, drawn from nothing,
   # so the real layers hold the same values whatever the layout
-  layers = [layer(i < cfg.first_k_dense_replace) for i in range(cfg.n_layers)]
-  moe = layers[cfg.first_k_dense_replace:]
+  layers = [layer(not is_moe) for is_moe in cfg.layer_is_moe]
+  moe = [lp for lp, is_moe in zip(layers, cfg.layer_is_moe) if is_moe]
   pad = lambda: layer(False, lambda shape, fan_in, role: leaf(shape, -1, role))
   tree = {"embed": leaf((v, d), 1, "embed")}
-  if cfg.first_k_dense_replace:
-    tree["dense_layers"] = layers[:cfg.first_k_dense_replace]
+  if cfg.n_dense_layers:
+    tree["dense_layers"] = [lp for lp, is_moe in zip(layers, cfg.layer_is_moe) if not is_moe]
   return {**tree, "layers": [moe[j] if j >= 0 else pad() for j in cfg.layer_slots],
           "final_norm": leaf((d,), 0, "final_norm"), "unembed": leaf((d, v), d, "unembed")}
 
@@ -677,12 +678,14 @@ def remat(body, cfg: Config):
 
 
 def dense_prefix(x, params, positions, cfg: Config, lay: Parallelism):
-  """The leading dense layers (none unless cfg.first_k_dense_replace): x [B, S, D] -> [B, S, D].
-  positions: [B, S] or their Positions."""
-  if "dense_layers" not in params:
+  """The leading dense layers (none unless cfg.first_k_dense_replace; a model with dense layers
+  inside the stack runs whole through `run_layers`): x [B, S, D] -> [B, S, D]. positions: [B, S]
+  or their Positions."""
+  if not cfg.first_k_dense_replace:
     return x
   pos = layer_positions(positions, lay)                  # once, outside the scan and its remat
-  return scan_layers(x, params["dense_layers"], pos, cfg, lay)[0]
+  return run_layers(x, params["dense_layers"], None, pos, cfg, lay,
+                    cfg.layer_kinds[:cfg.first_k_dense_replace])[0]
 
 
 def slot_mask(cfg: Config):
@@ -697,65 +700,108 @@ def moe_stack(x, layers, positions, cfg: Config, lay: Parallelism, mask=None):
   -> (x, router stats {name: [rows, ...]}). mask [rows] bool (default: slot_mask(cfg), for the
   whole stack): a False row is a padding slot, its block computed and discarded (x passes
   through unchanged, its stats are zeros, its parameters get zero gradients). positions: [B, S]
-  or their Positions."""
+  or their Positions. The rows start on a period of cfg.layer_attentions (pp's stages and
+  chunks hold whole periods: config.validate, pp.check): row i has attention kind [i % period]."""
   mask = slot_mask(cfg) if mask is None else mask
   pos = layer_positions(positions, lay)                  # once, outside the scan and its remat
-  return scan_layers(x, layers, pos, cfg, lay, mask)
+  rows, kinds = jax.tree.leaves(layers)[0].shape[0], cfg.layer_attentions
+  return run_layers(x, None, layers, pos, cfg, lay,
+                    tuple((kinds[i % len(kinds)], True) for i in range(rows)), mask)
 
 
-def scan_layers(x, layers, pos: Positions, cfg: Config, lay: Parallelism, mask=None):
-  """x [B, S, D] through stacked layers [L, ...] -> (x, router stats {name: [L, ...]}, None for
-  dense layers). One lax.scan whose step is one period of cfg.layer_attentions (the layers of a
-  period differ in their attention; the period repeats over depth), each layer of it under
-  its own remat: compile time stays flat in depth. The stack [L, ...] is viewed as
-  [L / period, period, ...] (the layer dim is never sharded where a period is longer than 1).
-  mask [L] bool: moe_stack's padding rows, or None."""
-  kinds = cfg.layer_attentions
-  n = len(kinds)
-  bodies = [remat(functools.partial(lambda x, lp, kind: block(x, lp, pos, cfg, lay, kind),
-                                    kind=kind), cfg) for kind in kinds]
-  if mask is not None:
-    assert n == 1, "padding rows come with layer_layout, which a layer period refuses"
-    body = bodies[0]
+def run_layers(x, dense, moe, pos: Positions, cfg: Config, lay: Parallelism, kinds, mask=None):
+  """x [B, S, D] through layers of `kinds` ((attention kind, MoE?) per layer, in depth order),
+  reading the dense ones' params from the stack `dense` [n_dense, ...] and the MoE ones' from
+  `moe` [n_moe, ...] in turn -> (x, the MoE layers' router stats {name: [n_moe, ...]}).
 
-    def masked(x, xs):
-      lp, real = xs
-      y, stats = body(x, lp)
-      return jnp.where(real, y, x), jax.tree.map(
-          lambda v: jnp.where(real, v, 0).astype(v.dtype), stats)
-    return jax.lax.scan(masked, x, (layers, jnp.asarray(mask)))
-  if n == 1:
-    return jax.lax.scan(bodies[0], x, layers)
+  The layers are cut into runs of a repeated period (config.segments): each run is one lax.scan
+  whose step is one period, each layer of it under its own remat, so compile time follows the
+  runs, not the depth. A run's rows of each stack are viewed as [repeats, per period, ...] (the
+  layer dim is never sharded where a model has more than one run or a period longer than 1).
+  mask [n_moe] bool: moe_stack's padding rows (a single MoE run), or None."""
+  xs_of = {False: dense, True: moe}
+  at = {False: 0, True: 0}                               # rows of each stack taken so far
+  stats = []
+  for period, reps in segments(tuple(kinds)):
+    counts = {m: sum(1 for _, k in period if k == m) for m in (False, True)}
+    xs = {}
+    for m, n in counts.items():
+      if n:
+        stack, lo = xs_of[m], at[m]
+        whole = lo == 0 and jax.tree.leaves(stack)[0].shape[0] == n * reps
+        xs[m] = stack if whole else jax.tree.map(lambda a: a[lo:lo + n * reps], stack)
+        at[m] += n * reps                                               # xs: [reps * n, ...]
+    if len(period) == 1:                                  # a run of one kind: [reps, ...] rows
+      kind, is_moe = period[0]
+      body, xs = _layer_body(kind, pos, cfg, lay), xs[is_moe]
+    else:                                                 # [reps, n, ...]: one period per step
+      body = _period_body(period, pos, cfg, lay)
+      xs = {m: jax.tree.map(lambda a: a.reshape(reps, counts[m], *a.shape[1:]), v)
+            for m, v in xs.items()}
+    if mask is not None:
+      assert len(period) == 1 and period[0][1], "padding rows come with a pure MoE stack"
 
-  def period(x, lps):                                   # lps: one period's layers [n, ...]
-    stats = []
-    for i, body in enumerate(bodies):
-      x, st = body(x, jax.tree.map(lambda a: a[i], lps))
+      def masked(x, xs_real, body=body):
+        lp, real = xs_real
+        y, st = body(x, lp)
+        return jnp.where(real, y, x), jax.tree.map(
+            lambda v: jnp.where(real, v, 0).astype(v.dtype), st)
+      x, st = jax.lax.scan(masked, x, (xs, jnp.asarray(mask)))
+    else:
+      x, st = jax.lax.scan(body, x, xs)
+    if counts[True] and len(period) > 1:                  # [reps, n_moe, ...] -> [rows, ...]
+      st = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), st)
+    if counts[True]:
       stats.append(st)
-    return x, (None if stats[0] is None else
-               jax.tree.map(lambda *a: jnp.stack(a), *stats))               # [n, ...]
-  grouped = jax.tree.map(lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:]), layers)
-  x, stats = jax.lax.scan(period, x, grouped)                            # stats [L/n, n, ...]
-  return x, jax.tree.map(lambda a: a.reshape(a.shape[0] * n, *a.shape[2:]), stats)
+  return x, (None if not stats else stats[0] if len(stats) == 1 else
+             jax.tree.map(lambda *a: jnp.concatenate(a), *stats))          # [n_moe, ...]
+
+
+def _layer_body(kind: str, pos: Positions, cfg: Config, lay: Parallelism):
+  """One layer of attention kind `kind` under remat: (x, its params) -> (x, its stats)."""
+  return remat(functools.partial(lambda x, lp, kind: block(x, lp, pos, cfg, lay, kind),
+                                 kind=kind), cfg)
+
+
+def _period_body(period, pos: Positions, cfg: Config, lay: Parallelism):
+  """One scan step over a period's layers: (x, {False: dense rows [n, ...], True: MoE rows [n,
+  ...]}) -> (x, the MoE layers' stats {name: [n_moe in the period, ...]}), each layer under its
+  own remat."""
+  bodies = [_layer_body(kind, pos, cfg, lay) for kind, _ in period]
+
+  def step(x, xs):
+    stats, seen = [], {False: 0, True: 0}
+    for body, (_, is_moe) in zip(bodies, period):
+      x, st = body(x, jax.tree.map(lambda a: a[seen[is_moe]], xs[is_moe]))
+      seen[is_moe] += 1
+      if is_moe:
+        stats.append(st)
+    return x, (None if not stats else jax.tree.map(lambda *a: jnp.stack(a), *stats))
+  return step
 
 
 def forward(params, batch, cfg: Config, lay: Parallelism):
-  """-> (logits [B, S, V], router stats {name: [L_moe, ...]}). Each kind of layer is one `block`
-  scanned over its stacked params (the dense prefix, then the MoE layers): compile time does not
-  grow with depth."""
+  """-> (logits [B, S, V], router stats {name: [L_moe, ...]}). The layers run as runs of a
+  repeated period (`run_layers`), one `block` per layer of the period, scanned over the run's
+  stacked params: compile time does not grow with depth."""
   tokens = batch["tokens"]
   positions = layer_positions(batch["positions"], lay)     # each layout's, once per step
   params = lay.params(params)
   embed = use(lay, "embed", params["embed"], cfg.dtype)
   x = embed.at[tokens].get(out_sharding=lay.x)                                 # [B, S, D] cfg.dtype
+  order, real = cfg.layer_order, slot_mask(cfg)
+  if order is None and real is None:
+    x, stats = run_layers(x, params.get("dense_layers"), params["layers"], positions, cfg, lay,
+                          cfg.layer_kinds)
+    return head(x, params, cfg, lay), stats                                      # [B, S, V]
+  # pp's stored stack (padding rows, stages' round-robin rows) run whole: the prefix, then the
+  # MoE rows in depth order
   x = dense_prefix(x, params, positions, cfg, lay)
-  order = cfg.layer_order                 # rows stored round-robin over stages: depth order
   if order is None:
-    x, stats = moe_stack(x, params["layers"], positions, cfg, lay)             # the MoE layers
+    x, stats = moe_stack(x, params["layers"], positions, cfg, lay)             # padding rows
   else:
     order = np.asarray(order)
     layers = jax.tree.map(lambda a: a[order], params["layers"])
-    real = slot_mask(cfg)                                                        # None: no padding
     x, stats = moe_stack(x, layers, positions, cfg, lay, None if real is None else real[order])
     stats = jax.tree.map(lambda a: a[np.argsort(order)], stats)                # stored row order
   return head(x, params, cfg, lay), stats                                        # [B, S, V]

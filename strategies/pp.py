@@ -6,6 +6,8 @@ layers (L = n_layers - first_k_dense_replace); M = --microbatches per step; EP =
 P x max(c) rows (modeling/config.py layer_slots; a padding row is inert), so "L/P" below reads
 "max(c)"; without it, a P that does not divide L gets balanced_layout(L, P) (`stored_config`).
 The interleaved schedules store P x v groups round-robin (stage s holds groups s, s+P, ..).
+Layers of different attention kinds (attention_pattern: gpt-oss, Llama 4) run where every
+chunk holds whole periods of them (check); dense layers inside the stack are refused.
 
 | tensor                                   | sharding                                          |
 |------------------------------------------|---------------------------------------------------|
@@ -189,9 +191,15 @@ BAD_INPUT = [
 
 
 def check(cfg, mesh, opts):
-  if len(cfg.layer_attentions) > 1:
-    raise ConfigError(f"pp: attention_pattern={cfg.attention_pattern} (layers of different "
-                      "kinds) is not placed on stages yet; use another strategy")
+  if cfg.dense_inside:
+    raise ConfigError(f"pp: mlp_only_layers={cfg.mlp_only_layers} (dense layers inside the "
+                      "stack) are not placed on stages yet; use another strategy")
+  period = len(cfg.layer_attentions)              # layers of different attention kinds
+  per_chunk = cfg.n_layer_slots // mesh_lib.axis_size(mesh, STAGE) // chunks(cfg)
+  if period > 1 and (per_chunk % period or cfg.first_k_dense_replace % period):
+    raise ConfigError(f"pp: attention_pattern={cfg.attention_pattern}: each stage's chunk of "
+                      f"{per_chunk} MoE layers (and the dense prefix of "
+                      f"{cfg.first_k_dense_replace}) must hold whole periods of {period} layers")
   check_layout(cfg, mesh, opts)               # the schedule's options and the layer layout
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)

@@ -16,7 +16,8 @@ from tests.conftest import compare_table, run_py_in_one_process
 
 CONFIGS = ["configs/qwen3-30b-a3b.json", "configs/qwen3-235b-a22b.json", "configs/glm-4.5.json",
            "configs/kimi-k2.json", "configs/mixtral-8x22b.json", "configs/deepseek-v3.json",
-           "configs/gpt-oss-120b.json", "configs/gpt-oss-20b.json", "configs/llama4-scout.json"]
+           "configs/gpt-oss-120b.json", "configs/gpt-oss-20b.json", "configs/llama4-scout.json",
+           "configs/llama4-maverick.json"]
 
 
 def test_yarn_frequencies_match_transformers():
@@ -49,8 +50,8 @@ BAD = [  # (name, fields over Qwen3-30B-A3B's config.json, what the one line nam
     ("family", dict(model_type="llama"), "model_type 'llama' is not supported"),
     ("sliding", dict(use_sliding_window=True, sliding_window=4096), "sliding_window=4096"),
     ("o_bias", dict(attention_bias=True), "attention_bias=True is not modelled for qwen3_moe"),
-    ("dense_inside", dict(mlp_only_layers=[3]), "not all at the front of the stack"),
-    ("sparse_step", dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+    ("dense_outside", dict(mlp_only_layers=[3, 48]), "mlp_only_layers [48] outside [0, "
+     "num_hidden_layers=48)"),
     ("rope_kind", dict(rope_scaling={"rope_type": "linear", "factor": 8.0}), "rope type 'linear'"),
     ("act", dict(hidden_act="gelu"), "hidden_act='gelu'"),
     ("tied", dict(tie_word_embeddings=True), "tie_word_embeddings=True"),
@@ -59,9 +60,9 @@ BAD = [  # (name, fields over Qwen3-30B-A3B's config.json, what the one line nam
     ("gpt_oss_layer_type", dict(model_type="gpt_oss", num_local_experts=128, intermediate_size=768,
                                 sliding_window=128, layer_types=["chunked_attention"] * 48),
      "layer_types ['chunked_attention'] not modelled"),
-    ("llama4_interleaved", dict(model_type="llama4_text", num_local_experts=128,
-                                intermediate_size=768, interleave_moe_layer_step=2),
-     "moe_layers [1, 3, 5, 7].. (interleave_moe_layer_step=2): dense layers between MoE layers"),
+    ("llama4_jitter", dict(model_type="llama4_text", num_local_experts=128,
+                           intermediate_size=768, router_jitter_noise=0.1),
+     "router_jitter_noise=0.1 is not modelled"),
 ]
 
 
@@ -78,6 +79,8 @@ def results(tmp_path_factory):
                "not_json": [f"--model={tmp / 'broken.json'}", "--describe"],
                "unknown_preset": ["--model=qwen4", "--describe"]})
   rows.update({c: [f"--model={c}", "--describe"] for c in CONFIGS})
+  rows.update({name: [f"--model={_write(tmp, name, **fields)}", "--describe"]
+               for name, fields, _ in DENSE_INSIDE})
   rows["plan"] = ["--plan", f"--model={CONFIGS[0]}", "--devices=32", "--cluster=h100",
                   "--plan_compile=0", "--plan_top=5"]
   return run_py_in_one_process(rows)
@@ -111,6 +114,36 @@ def test_released_configs_describe_as_their_presets(results, path):
   total, active = model.param_counts(get_config(preset))
   assert (int(counts["total_params"]), int(counts["activated_params"])) == (total, active)
   assert f"model {path}:" in stdout
+
+
+DENSE_INSIDE = [  # (name, fields over Qwen3-30B-A3B's config.json, the dense layers it has)
+    ("sparse_step", dict(decoder_sparse_step=2), list(range(0, 48, 2))),
+    ("only_inside", dict(mlp_only_layers=[3, 17, 18]), [3, 17, 18]),
+    ("both", dict(mlp_only_layers=[0, 1, 4], decoder_sparse_step=3),
+     sorted({0, 1, 4} | {i for i in range(48) if (i + 1) % 3})),
+]
+
+
+@pytest.mark.parametrize("name,fields,dense", DENSE_INSIDE, ids=[d[0] for d in DENSE_INSIDE])
+def test_dense_layers_anywhere_in_the_stack(results, name, fields, dense, tmp_path):
+  """Qwen-MoE's dense layers (mlp_only_layers, decoder_sparse_step) wherever they are: the
+  model's layer kinds, its counts (each dense layer a SwiGLU of intermediate_size in place of
+  the MoE) and the runs its layers are scanned in."""
+  code, stdout, stderr = results[name]
+  assert code == 0, stderr
+  cfg = get_config(_write(tmp_path, name, **fields))
+  assert [i for i, moe in enumerate(cfg.layer_is_moe) if not moe] == dense
+  assert f"48 layers ({len(dense)} dense)" in stdout
+  moe_cfg = get_config(CONFIGS[0])
+  moe_layer = 3 * 2048 * 768 * 128 + 2048 * 128 + 128      # experts, router, correction bias
+  dense_layer = 3 * 2048 * 6144
+  counts = dict(l.split() for l in stdout.splitlines()[:2])
+  assert int(counts["total_params"]) == (model.param_counts(moe_cfg)[0]
+                                         - len(dense) * (moe_layer - dense_layer))
+  # one scan per run of a repeated period: decoder_sparse_step=2 is one run of (dense, MoE)
+  runs = {"sparse_step": 1, "only_inside": 5, "both": None}[name]
+  if runs is not None:
+    assert len(cfg.layer_segments) == runs, cfg.layer_segments
 
 
 def test_qwen3_config_plans_on_32_h100(results):

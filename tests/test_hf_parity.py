@@ -15,15 +15,17 @@ strategies, must give transformers' logits within 1e-5 of their largest magnitud
   deepseek_v2_lite     DeepSeek-V2: softmax greedy top-2, unnormalised, two shared experts
   deepseek_v2          DeepSeek-V2 with q_lora and group_limited_greedy routing (a group's max)
   qwen3_moe            QK-norm on every GQA head, a dense first layer (mlp_only_layers)
+  qwen3_moe_inside     the same with its dense layer inside the stack (MoE, dense, MoE, MoE)
   qwen2_moe            q/k/v biases, a shared expert of its own width behind a sigmoid gate
   glm4_moe             partial rotary (half of each head), q/k/v biases, QK-norm, sigmoid
                        group-limited routing with correction bias, a shared expert, a dense layer
   gpt_oss              attention sinks, sliding (window 5) and full layers in turn, biases on
                        q/k/v/o, the router and the experts, the clamped SwiGLU, YaRN untruncated
   llama4               three RoPE layers of chunked local attention (blocks of 5) with the L2
-                       QK-norm, a NoPE layer with temperature tuning, llama3 RoPE scaling, top-1
-                       sigmoid routing whose score scales the expert's input, a shared expert
-The fixtures of the last eight have 12 positions (not a power of two).
+                       QK-norm, a NoPE layer with temperature tuning, llama3 RoPE scaling, dense
+                       and MoE layers in turn (Maverick's interleave step 2), top-1 sigmoid
+                       routing whose score scales the expert's input, a shared expert
+The fixtures of the last nine have 12 positions (not a power of two).
 """
 import json
 import math
@@ -56,6 +58,10 @@ CASES = [("mixtral", "reference", None), ("mixtral", "ep", "expert:2"),
          ("qwen3_moe", "reference", None), ("qwen3_moe", "ep", "expert:2"),
          ("qwen3_moe", "tp", "tensor:2"), ("qwen3_moe", "fsdp", "fsdp:2"),
          ("qwen3_moe", "cp", "context:2"), ("qwen3_moe", "pp", "stage:2,expert:2"),
+         ("qwen3_moe_inside", "reference", None), ("qwen3_moe_inside", "ep", "expert:2"),
+         ("qwen3_moe_inside", "tp", "tensor:2"), ("qwen3_moe_inside", "fsdp", "fsdp:2"),
+         ("qwen3_moe_inside", "cp", "context:2"), ("qwen3_moe_inside", "ep_x_tp",
+                                                   "expert:2,tensor:2"),
          ("qwen2_moe", "reference", None), ("qwen2_moe", "ep", "expert:2"),
          ("qwen2_moe", "tp", "tensor:2"), ("qwen2_moe", "fsdp", "fsdp:2"),
          ("qwen2_moe", "ep_tp", "expert:2"), ("qwen2_moe", "ep_x_tp", "expert:2,tensor:2"),

@@ -1,6 +1,7 @@
 """gpt-oss and Llama 4 trained under every strategy that runs them: layers of different
-attention kinds (sliding / full, local-chunk / NoPE) in one scan, sinks, the router and expert
-biases, the clamped SwiGLU, input-scaled top-1 routing. Every row passes full parity (losses,
+attention kinds (sliding / full, local-chunk / NoPE) in one scan, dense layers between the MoE
+layers (Maverick), sinks, the router and expert biases, the clamped SwiGLU, input-scaled top-1
+routing. Every row passes full parity (losses,
 every gradient and updated parameter) with its compiled collective bytes equal to the cost
 model's (meas/pred 1.00). Their own file, so that the test workers run them beside
 tests/test_families.py's rows."""
@@ -25,6 +26,17 @@ TRAIN = {
                "--model=llama4-test"],
     "llama4_bf16": ["--compare=tp,ep,ep_x_tp", "--model=llama4-test", "--dtype=bfloat16",
                     "--remat=block"],
+    # Llama 4 Maverick's dense layers between the MoE layers, five layers: a scanned run of
+    # (dense, MoE) twice, then one MoE layer (two runs; each stack's rows sliced per run)
+    "maverick": ["--compare=tp,ep,fsdp,shard_exp_on_fsdp,cp:kv_exchange=ring,ep_tp,"
+                 "ep_x_tp:sequence_parallel=true", "--model=llama4-maverick-test", "--layers=5"],
+    # pp's stages and chunks holding whole periods (sliding, full), every schedule; seed 1: at
+    # seed 0 eight layers put a top-k choice within float32 rounding of a tie (ep as pp)
+    "gpt_oss_pp": ["--compare=pp,pp:schedule=1f1b,pp:schedule=interleaved:virtual_stages=2",
+                   "--model=gpt-oss-test", "--layers=8", "--batch=16", "--microbatches=4",
+                   "--seed=1"],
+    "maverick_bf16": ["--compare=tp,ep", "--model=llama4-maverick-test", "--dtype=bfloat16",
+                      "--remat=block"],
 }
 
 

@@ -17,7 +17,7 @@ PUBLISHED = {"mixtral-8x7b": (46.7e9, 12.9e9, "row"), "deepseek-v2-lite": (15.7e
              "qwen3-30b-a3b": (30.5e9, 3.3e9, "table"), "qwen3-235b-a22b": (235e9, 22e9, "table"),
              "glm-4.5": (355e9, 32e9, "row"), "kimi-k2": (1.04e12, 32.6e9, "table"),
              "gpt-oss-120b": (116.8e9, 5.1e9, "row"), "gpt-oss-20b": (20.9e9, 3.6e9, "row"),
-             "llama4-scout": (109e9, 17e9, "table")}
+             "llama4-scout": (109e9, 17e9, "table"), "llama4-maverick": (400e9, 17e9, "table")}
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -29,6 +29,18 @@ def test_parameter_counts_match_publications(name):
     active += cfg.vocab * cfg.d_model - cfg.d_model
   assert abs(total / want_total - 1) <= 0.015, (name, total)
   assert abs(active / want_active - 1) <= 0.03, (name, active)
+
+
+def test_maverick_interleaves_dense_and_moe_layers():
+  """Llama 4 Maverick: 24 dense layers (width 16384) and 24 MoE layers (128 experts of 8192) in
+  turn, NoPE every fourth layer: one scanned run of a four-layer period."""
+  cfg = get_config("llama4-maverick")
+  shapes = model.init_params_shapes(cfg)
+  assert shapes["dense_layers"]["mlp"]["wi_0"].shape == (24, 5120, 16384)
+  assert shapes["layers"]["moe"]["wi_0"].shape == (24, 128, 5120, 8192)
+  assert cfg.layer_is_moe == (False, True) * 24
+  assert cfg.layer_segments == (((("local", False), ("local", True), ("local", False),
+                                  ("nope", True)), 12),)
 
 
 def test_deepseek_presets_are_the_real_architecture():

@@ -18,6 +18,8 @@ one's exact config, seed and sequence length):
                        1 dense + 1 MoE layer (to stay small)
   qwen3_moe            Qwen3MoeForCausalLM, GQA 4/2 heads of 16, per-head QK RMSNorm, one dense
                        layer (mlp_only_layers [0]) + 2 MoE layers, softmax top-2 renormalised
+  qwen3_moe_inside     the same with a dense layer inside the stack: MoE, dense
+                       (mlp_only_layers [1]), MoE, MoE
   qwen2_moe            Qwen2MoeForCausalLM, GQA, q/k/v biases, 2 MoE layers, softmax top-2 not
                        renormalised, a shared expert behind its sigmoid gate
   glm4_moe             Glm4MoeForCausalLM, GQA, q/k/v biases, QK norm, partial RoPE (half of
@@ -36,8 +38,9 @@ one's exact config, seed and sequence length):
   llama4               Llama4ForCausalLM (text), GQA 4/2 heads of 16, 4 layers: three RoPE layers
                        with chunked local attention (blocks of 5 of 12 positions) and the L2
                        QK-norm, one NoPE layer with temperature tuning (floor 4, scale 0.5),
-                       llama3 RoPE scaling (factor 4 over 8), top-1 sigmoid routing scaling the
-                       expert's input over 4 experts, a shared expert
+                       llama3 RoPE scaling (factor 4 over 8), dense layers (width 48) and MoE
+                       layers in turn (interleave_moe_layer_step 2, as Maverick), top-1 sigmoid
+                       routing scaling the expert's input over 4 experts, a shared expert
 Each holds every state-dict tensor (buffers included) under its HF name as float32, `tokens`
 [2, S] int32, `logits` [2, S, V] float32 of the HF forward (positions 0..S-1, causal, no
 padding, no cache) and `config_json` (the HF config's to_json_string, a 0-d string array).
@@ -84,6 +87,12 @@ _DSV2 = dict(
     moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
     attention_bias=False, mlp_bias=False, rms_norm_eps=1e-6, rope_theta=10000.0,
     tie_word_embeddings=False, max_position_embeddings=64)
+_QWEN3 = dict(
+    vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_hidden_layers=3, mlp_only_layers=[0], decoder_sparse_step=1, intermediate_size=48,
+    moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+    attention_bias=False, use_sliding_window=False, rms_norm_eps=1e-6, rope_theta=10000.0,
+    tie_word_embeddings=False, max_position_embeddings=64)
 MODELS = {
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(
         vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -99,12 +108,9 @@ MODELS = {
         "rope_parameters": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                 original_max_position_embeddings=8, beta_fast=32, beta_slow=1,
                                 mscale=1.0, mscale_all_dim=1.0)}, 2, 12),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
-        vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_hidden_layers=3, mlp_only_layers=[0], decoder_sparse_step=1, intermediate_size=48,
-        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-        attention_bias=False, use_sliding_window=False, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=False, max_position_embeddings=64), 1, 12),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", _QWEN3, 1, 12),
+    "qwen3_moe_inside": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                         {**_QWEN3, "num_hidden_layers": 4, "mlp_only_layers": [1]}, 4, 12),
     "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
         vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
         num_hidden_layers=2, mlp_only_layers=[], decoder_sparse_step=1, intermediate_size=96,
@@ -136,7 +142,7 @@ MODELS = {
     "llama4": ("Llama4ForCausalLM", "Llama4TextConfig", dict(
         vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=1, intermediate_size=32,
-        intermediate_size_mlp=48, interleave_moe_layer_step=1, attention_chunk_size=5,
+        intermediate_size_mlp=48, interleave_moe_layer_step=2, attention_chunk_size=5,
         use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
         attention_bias=False, rms_norm_eps=1e-5, tie_word_embeddings=False,
         max_position_embeddings=64,
