@@ -415,8 +415,8 @@ class Config:
          f"[first_k_dense_replace={self.first_k_dense_replace}, n_layers={self.n_layers})")
     need(self.n_moe_layers >= 1, f"mlp_only_layers={self.mlp_only_layers} leaves no MoE layer")
     need(not self.dense_inside or not (self.layer_layout or self.layer_stages),
-         "mlp_only_layers (dense layers inside the stack) takes no layer_layout / layer_stages "
-         "(pipeline stages of dense and MoE layers are not built yet)")
+         "mlp_only_layers (dense layers inside the stack) takes no layer_layout / layer_stages: "
+         "pp's stages hold whole periods of the layers, one chunk each, no padding")
     need(not self.n_dense_layers or self.dense_d_ff >= 1,
          "dense_d_ff must be >= 1 with dense layers (first_k_dense_replace, mlp_only_layers)")
     if self.mla:

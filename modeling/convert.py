@@ -99,11 +99,12 @@ def _qwen_dense(hf: dict) -> list[int]:
 
 
 def _dense_fields(dense: list[int], width: int) -> dict:
-  """Dense layers at these depth indices -> Config fields: the leading run is the prefix
-  (first_k_dense_replace), the others mlp_only_layers; dense_d_ff their width."""
-  k = next((j for j, i in enumerate(dense) if i != j), len(dense))
-  return dict(first_k_dense_replace=k, mlp_only_layers=",".join(map(str, dense[k:])),
-              dense_d_ff=width if dense else 0)
+  """Dense layers at these depth indices -> Config fields: a prefix (first_k_dense_replace)
+  when they all lead the stack, else every one in mlp_only_layers (so that a periodic stack,
+  Maverick's, is one period from its first layer); dense_d_ff their width."""
+  if dense == list(range(len(dense))):
+    return dict(first_k_dense_replace=len(dense), dense_d_ff=width if dense else 0)
+  return dict(mlp_only_layers=",".join(map(str, dense)), dense_d_ff=width)
 
 
 def config_from_hf(hf: Mapping[str, Any], **overrides) -> dict:

@@ -288,14 +288,17 @@ def param_roles(cfg: Config) -> dict:
                       is_leaf=lambda l: isinstance(l, ShapeLeaf))
 
 
-def param_specs(cfg: Config, table: dict, layer_axis=None, dense_table=None) -> dict:
+def param_specs(cfg: Config, table: dict, layer_axis=None, dense_table=None,
+                dense_layer_axis=None) -> dict:
   """A strategy's role -> PartitionSpec table (one layer's array; roles it omits are replicated)
   -> the spec pytree of the params; layer roles get the leading [L] dim: the MoE stack's sharded
   over `layer_axis` (pipeline stages) or not at all, the dense prefix's never. dense_table: the
   dense prefix's own role table (pp splits its matrices over every stage, as the embedding's),
-  else `table`. One tree per (cfg, tables, layer_axis), shared as init_params_shapes' is."""
+  else `table`; dense_layer_axis: the dense stack's [L] over it, as the MoE stack's over
+  layer_axis (pp's stages holding dense layers inside the stack). One tree per (cfg, tables,
+  axes), shared as init_params_shapes' is."""
   frozen = lambda tbl: None if tbl is None else tuple(sorted(tbl.items()))
-  return _param_specs(cfg, frozen(table), layer_axis, frozen(dense_table))
+  return _param_specs(cfg, frozen(table), layer_axis, frozen(dense_table), dense_layer_axis)
 
 
 def _derived(table: dict) -> dict:
@@ -309,7 +312,8 @@ def _derived(table: dict) -> dict:
 
 
 @functools.lru_cache(maxsize=4096)
-def _param_specs(cfg: Config, table: tuple, layer_axis, dense_table: tuple | None) -> dict:
+def _param_specs(cfg: Config, table: tuple, layer_axis, dense_table: tuple | None,
+                 dense_layer_axis=None) -> dict:
   table = _derived(dict(table))
   dense_table = None if dense_table is None else _derived(dict(dense_table))
 
@@ -321,6 +325,9 @@ def _param_specs(cfg: Config, table: tuple, layer_axis, dense_table: tuple | Non
   out = jax.tree.map(spec(None, table), shapes, is_leaf=is_leaf)
   if dense_table is not None and "dense_layers" in shapes:
     out["dense_layers"] = jax.tree.map(spec(None, dense_table), shapes["dense_layers"],
+                                       is_leaf=is_leaf)
+  elif dense_layer_axis is not None and "dense_layers" in shapes:
+    out["dense_layers"] = jax.tree.map(spec(dense_layer_axis, table), shapes["dense_layers"],
                                        is_leaf=is_leaf)
   return {**out, "layers": jax.tree.map(spec(layer_axis, table), shapes["layers"],
                                         is_leaf=is_leaf)}
@@ -695,16 +702,23 @@ def slot_mask(cfg: Config):
   return None if (slots >= 0).all() else slots >= 0
 
 
-def moe_stack(x, layers, positions, cfg: Config, lay: Parallelism, mask=None):
+def moe_stack(x, layers, positions, cfg: Config, lay: Parallelism, mask=None, dense=None):
   """x [B, S, D] through a stack of MoE layers (stacked params `layers`, one `block` scanned)
   -> (x, router stats {name: [rows, ...]}). mask [rows] bool (default: slot_mask(cfg), for the
   whole stack): a False row is a padding slot, its block computed and discarded (x passes
   through unchanged, its stats are zeros, its parameters get zero gradients). positions: [B, S]
   or their Positions. The rows start on a period of cfg.layer_attentions (pp's stages and
-  chunks hold whole periods: config.validate, pp.check): row i has attention kind [i % period]."""
+  chunks hold whole periods: config.validate, pp.check): row i has attention kind [i % period].
+  dense: the dense rows [n, ...] of a stack with dense layers inside, interleaved with the MoE
+  rows as the model's one repeated period orders them (a pp stage of whole periods, pp.check)."""
   mask = slot_mask(cfg) if mask is None else mask
   pos = layer_positions(positions, lay)                  # once, outside the scan and its remat
-  rows, kinds = jax.tree.leaves(layers)[0].shape[0], cfg.layer_attentions
+  rows = jax.tree.leaves(layers)[0].shape[0]
+  if dense is not None:
+    period = cfg.layer_segments[0][0]
+    n = rows + jax.tree.leaves(dense)[0].shape[0]
+    return run_layers(x, dense, layers, pos, cfg, lay, period * (n // len(period)), mask)
+  kinds = cfg.layer_attentions
   return run_layers(x, None, layers, pos, cfg, lay,
                     tuple((kinds[i % len(kinds)], True) for i in range(rows)), mask)
 

@@ -475,7 +475,8 @@ def _layers_held(name: str, cfg, shape: dict, opts=None) -> float:
     return cfg.n_layers
   # 1f1b: stage 0 runs the prefix inside its phases, its residuals in the ring too
   prefix = _in_flight(cfg, shape, opts) if _one_f(opts) else 1
-  return (cfg.n_layer_slots / shape["stage"] * _in_flight(cfg, shape, opts)
+  # a stage's rows: its MoE rows and the dense layers inside the stack it holds with them
+  return ((cfg.n_layer_slots + len(cfg.dense_inside)) / shape["stage"] * _in_flight(cfg, shape, opts)
           + cfg.first_k_dense_replace * prefix)
 
 

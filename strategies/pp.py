@@ -7,7 +7,9 @@ P x max(c) rows (modeling/config.py layer_slots; a padding row is inert), so "L/
 "max(c)"; without it, a P that does not divide L gets balanced_layout(L, P) (`stored_config`).
 The interleaved schedules store P x v groups round-robin (stage s holds groups s, s+P, ..).
 Layers of different attention kinds (attention_pattern: gpt-oss, Llama 4) run where every
-chunk holds whole periods of them (check); dense layers inside the stack are refused.
+chunk holds whole periods of them (check). Dense layers inside the stack (mlp_only_layers:
+Maverick) are stage rows as the MoE layers are, their stack's L over stage, where the model is
+one repeated period with no prefix and each stage holds whole periods (`_check_dense_inside`).
 
 | tensor                                   | sharding                                          |
 |------------------------------------------|---------------------------------------------------|
@@ -187,16 +189,20 @@ BAD_INPUT = [
              "chunk per stage"),
     BadInput(dict(n_layers=4, layer_layout="1,1,1,1", layer_stages=2), "stage:2,expert:4",
              INTERLEAVED, "interleaved runs microbatches in rounds of stage=2: microbatches=1 "
-             "is not a multiple of 2")]
+             "is not a multiple of 2"),
+    # a dense layer inside the stack that is no period of it: MoE, dense, MoE, MoE
+    BadInput(dict(n_layers=4, mlp_only_layers="1", dense_d_ff=64), "stage:2,expert:4", Options(),
+             "pp: mlp_only_layers=1 (dense layers inside the stack) go on the stages in whole "
+             "periods of the layers; not with 3 runs of layers, not one repeated period")]
 
 
 def check(cfg, mesh, opts):
   if cfg.dense_inside:
-    raise ConfigError(f"pp: mlp_only_layers={cfg.mlp_only_layers} (dense layers inside the "
-                      "stack) are not placed on stages yet; use another strategy")
+    _check_dense_inside(cfg, mesh)
   period = len(cfg.layer_attentions)              # layers of different attention kinds
   per_chunk = cfg.n_layer_slots // mesh_lib.axis_size(mesh, STAGE) // chunks(cfg)
-  if period > 1 and (per_chunk % period or cfg.first_k_dense_replace % period):
+  if period > 1 and not cfg.dense_inside and (per_chunk % period
+                                              or cfg.first_k_dense_replace % period):
     raise ConfigError(f"pp: attention_pattern={cfg.attention_pattern}: each stage's chunk of "
                       f"{per_chunk} MoE layers (and the dense prefix of "
                       f"{cfg.first_k_dense_replace}) must hold whole periods of {period} layers")
@@ -210,15 +216,35 @@ def check(cfg, mesh, opts):
   mesh_lib.require_microbatches(cfg, mesh, batch_spec(cfg, mesh))  # B % (M x data x expert)
 
 
+def _check_dense_inside(cfg, mesh) -> None:
+  """Dense layers inside the stack (mlp_only_layers) go on the stages with the MoE layers: the
+  model one repeated period of layers (config.layer_segments) with no dense prefix, each stage
+  holding whole periods, one chunk per stage; one line otherwise."""
+  p = mesh_lib.axis_size(mesh, STAGE)
+  runs = cfg.layer_segments
+  period = len(runs[0][0])
+  why = ("a dense prefix before them" if cfg.first_k_dense_replace else
+         f"{len(runs)} runs of layers, not one repeated period" if len(runs) > 1 else
+         f"{cfg.n_layers} layers on stage={p} split a period of {period}"
+         if cfg.n_layers % (p * period) else
+         "the interleaved schedules' chunks" if chunks(cfg) > 1 else None)
+  if why:
+    raise ConfigError(f"pp: mlp_only_layers={cfg.mlp_only_layers} (dense layers inside the "
+                      f"stack) go on the stages in whole periods of the layers; not with {why}")
+
+
 def param_specs(cfg, mesh, opts=None):
   # role -> spec of one layer: every non-expert matrix on its D dim over data (wq [D@data, H, Dh],
   # ...), embed and unembed over (stage, data), the routed experts' E over expert; norms and the
   # router bias replicated. The MoE stack's L over stage; the dense prefix's matrices on D over
-  # (stage, data) (wq [L_dense, D@(stage,data), H, Dh]).
+  # (stage, data) (wq [L_dense, D@(stage,data), H, Dh]); dense layers inside the stack: their L
+  # over stage, as the MoE stack's (wi_0 [L_dense@stage, D@data, F]).
+  inside = bool(cfg.dense_inside)
   return model.param_specs(cfg, {**fsdp.table(DATA), **fsdp.table(SPREAD, ("embed", "unembed")),
                                  "expert_in": P(EXPERT, None, None),     # [L@stage, E@x, D, F]
                                  "expert_out": P(EXPERT, None, None)}, layer_axis=STAGE,
-                           dense_table=fsdp.table(SPREAD))
+                           dense_table=None if inside else fsdp.table(SPREAD),
+                           dense_layer_axis=STAGE if inside else None)
 
 
 def batch_spec(cfg, mesh):
@@ -327,7 +353,8 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
 
   def run_chunk(x, pos_m, r):                                       # chunk r of this stage
     if v == 1:
-      return model.moe_stack(x, p["layers"], pos_m, cfg, lay, mask)
+      return model.moe_stack(x, p["layers"], pos_m, cfg, lay, mask,
+                             p["dense_layers"] if cfg.dense_inside else None)
     return _chunk(p["layers"], x, pos_m, r, per=per, mask=mask, cfg=cfg, lay=lay)
 
   # ring: with v chunks the last stage's output feeds the first stage's next chunk
@@ -430,7 +457,7 @@ def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, t
   run = _Run(p, tokens, targets, positions, specs=specs, cfg=cfg, n_stage=n_stage,
              ep_size=ep_size, table=table, pre_pass=pre_pass)
   carry, _ = jax.lax.scan(run.tick, run.carry0(), jnp.arange(len(table["F"])))
-  grads = {**carry["g_pre"], **carry["g_head"], "layers": carry["g_layers"]}
+  grads = {**carry["g_pre"], **carry["g_head"], **carry["g_layers"]}
   grads = jax.tree.map(functools.partial(_reduce_grad, cfg=cfg), grads, p, run.home, specs)
   st = carry["stats"]
   ce = jax.lax.psum(st["ce"], ALL)
@@ -466,7 +493,9 @@ class _Run:
     self.pos, self.tgt = _split(positions, m), _split(targets, m)   # [M, b/M, S]
     self.home = jax.tree.map(sharding.varying_axes, p)     # the axes each weight varies over
     pc = _use(p, specs, cfg)          # gathered over data; its gradients are summed explicitly
-    self.layers, self.lay = pc["layers"], _moe_layout(cfg, ep_size)
+    # the stage's stacks: the MoE rows, and the dense rows inside the stack
+    stacks = ("layers", "dense_layers") if cfg.dense_inside else ("layers",)
+    self.layers, self.lay = {k: pc[k] for k in stacks}, _moe_layout(cfg, ep_size)
     # the batch-wise loss's f needs the step's counts before the first backward: v = 1 unrolled
     # (a second while loop crashes XLA:CPU when reloaded from the persistent compilation cache);
     # v > 1 a loop (unrolled, XLA keeps every tick's share live)
@@ -478,7 +507,8 @@ class _Run:
     self.mask = _stage_mask(cfg, n_stage)
     self.rows = cfg.n_layer_slots // n_stage        # the stage's stored rows, self.per a chunk's
     self.per = self.rows // v
-    self.pe = {k: pc[k] for k in ("embed", "dense_layers") if k in pc}   # stage 0's phases'
+    self.pe = {k: pc[k] for k in ("embed", "dense_layers")              # stage 0's phases'
+               if k in pc and k not in self.layers}
     self.ph = {k: pc[k] for k in ("final_norm", "unembed")}              # the last stage's
     self.tok = _split(tokens, m)                                    # [M, b/M, S]
     self.tab = {k: jnp.asarray(a) for k, a in table.items()}
@@ -515,7 +545,8 @@ class _Run:
                                                       model.Parallelism()),
                      lambda pe, x: x, pe, x)
     mk = None if self.mask is None else self.cut(self.mask, r)
-    y, st = model.moe_stack(x, lp, pos_m, cfg, self.lay, mk)       # st: {name: [rows/v, ...]}
+    y, st = model.moe_stack(x, lp["layers"], pos_m, cfg, self.lay, mk,
+                            lp.get("dense_layers"))                 # st: {name: [rows/v, ...]}
     cnt = None if self.counts is None else self.cut(self.counts, r)
     aux, z = routing.aux_losses(st if cnt is None else {**st, "counts": cnt}, self.n_tokens, cfg)
     part = cfg.aux_loss_coef * jnp.sum(aux) + cfg.z_loss_coef * jnp.sum(z)

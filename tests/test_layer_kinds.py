@@ -35,6 +35,9 @@ TRAIN = {
     "gpt_oss_pp": ["--compare=pp,pp:schedule=1f1b,pp:schedule=interleaved:virtual_stages=2",
                    "--model=gpt-oss-test", "--layers=8", "--batch=16", "--microbatches=4",
                    "--seed=1"],
+    # Maverick's dense layers on the stages with the MoE layers, one period (dense, MoE) each
+    "maverick_pp": ["--compare=pp", "--model=llama4-maverick-test", "--batch=16",
+                    "--microbatches=4"],
     "maverick_bf16": ["--compare=tp,ep", "--model=llama4-maverick-test", "--dtype=bfloat16",
                       "--remat=block"],
 }
