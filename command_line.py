@@ -128,9 +128,7 @@ def check_target(F, dist=None) -> None:
   otherwise, before JAX starts. --plan compiles its candidates on this host's devices: it
   refuses --target."""
   from runtime import target
-  if F.target not in target.PROFILES:
-    raise UsageError(f"--target={F.target}: unknown target; choose from "
-                     f"{', '.join(target.PROFILES)}")
+  target.profile(F.target)
   if F.plan:
     raise UsageError(f"--target={F.target} with --plan is not built: the planner compiles its "
                      "candidates on this host's devices; compile one of its layouts with "

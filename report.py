@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 
+from runtime import target as target_lib
+
 KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute",
          "ragged-all-to-all")
 SHORT = {"all-to-all": "a2a", "all-gather": "ag", "reduce-scatter": "rs", "all-reduce": "ar",
@@ -103,8 +105,7 @@ def header(info: dict, simulated: bool) -> str:
   where = (f" ({target}, topology {info['topology']}: compiled on this host)" if target else
            " (simulated on this host: times are not hardware times)" if simulated else "")
   # compile only: the temp column is this compiler's memory_analysis()
-  memory = (f", memory: {info['compiler']}" + (f" ({target}, {info['devices']} devices)"
-                                               if target else "")
+  memory = (f", memory: {target_lib.memory_label(info['compiler'], target, info['devices'])}"
             if not info["steps"] and info.get("compiler") else "")
   return (f"\n{info['model']}, {info['devices']} {info['backend'].upper()} devices{where}, "
           f"{'compile only' if not info['steps'] else str(info['steps']) + ' steps'}{memory}, "

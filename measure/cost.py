@@ -150,12 +150,12 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
   elif not cfg.mixed:
     once = [t for t in step if (is_weight_gather(t) and weight_role(t) in OUTSIDE_ROLES)
             or t.what == HOISTED]
-    # a stacked leaf's gathers in runs of one scan step: their share of its bytes, once
-    once += [dataclasses.replace(t, bytes=t.bytes * unlooped_share(cfg, t.params))
-             for t in step if is_weight_gather(t) and unlooped_share(cfg, t.params)]
-    looped = lambda t: dataclasses.replace(t, bytes=t.bytes * (1 - unlooped_share(cfg, t.params)))
-    step = [looped(t) if is_weight_gather(t) and 0 < unlooped_share(cfg, t.params) < 1 else t
-            for t in step if not (is_weight_gather(t) and unlooped_share(cfg, t.params) == 1)]
+    # a stacked leaf's gathers in runs of one scan step: their share of its bytes, once; the
+    # rest per microbatch
+    share = [unlooped_share(cfg, t.params) if is_weight_gather(t) else 0.0 for t in step]
+    part = lambda t, k: dataclasses.replace(t, bytes=t.bytes * k)
+    once += [part(t, k) for t, k in zip(step, share) if k]
+    step = [part(t, 1 - k) if k else t for t, k in zip(step, share) if k < 1]
   once_ids = {id(t) for t in once}    # `once` takes every term its predicates name: equal ones too
   step = [t for t in step if id(t) not in once_ids]
   pass1 = []

@@ -348,15 +348,6 @@ class Config:
          "1 and llama3_high_freq_factor >= llama3_low_freq_factor > 0")
     need(not (self.llama3_factor and self.yarn_factor), "llama3_factor and yarn_factor exclude "
          "each other (one RoPE scaling)")
-    groups = self.layer_groups if all(g.strip().isdigit() for g in
-                                      (self.layer_layout or "0").split(",")) else (0,)
-    need(len(kinds) == 1 or not (self.layer_layout or self.layer_stages) or (
-        len(set(groups)) == 1 and groups[0] % len(kinds) == 0
-        and self.first_k_dense_replace % len(kinds) == 0),
-         f"attention_pattern's period {len(kinds)} with layer_layout="
-         f"{self.layer_layout or self.n_moe_layers}: pipeline stages hold whole periods, so every "
-         f"group must hold the same multiple of {len(kinds)} MoE layers (no padding) after a "
-         f"dense prefix of a multiple of {len(kinds)}")
     need(not (self.mla and (self.attn_sinks or self.attn_o_bias or len(kinds) > 1
                             or self.qk_l2_norm or self.nope_attn_scale)),
          "attention sinks, the output bias, layers of different attention kinds, the L2 QK-norm "
@@ -395,6 +386,16 @@ class Config:
     need(0 <= self.first_k_dense_replace < self.n_layers,
          f"first_k_dense_replace={self.first_k_dense_replace} must be in [0, n_layers="
          f"{self.n_layers}) (at least one MoE layer)")
+    inside = self.mlp_only_layers.split(",") if self.mlp_only_layers else []
+    need(all(i.strip().isdigit() for i in inside) and
+         list(self.dense_inside) == sorted(set(self.dense_inside)) and
+         all(self.first_k_dense_replace <= i < self.n_layers for i in self.dense_inside),
+         f"mlp_only_layers={self.mlp_only_layers!r}: expected increasing depth indices in "
+         f"[first_k_dense_replace={self.first_k_dense_replace}, n_layers={self.n_layers})")
+    need(self.n_moe_layers >= 1, f"mlp_only_layers={self.mlp_only_layers} leaves no MoE layer")
+    need(not self.dense_inside or not (self.layer_layout or self.layer_stages),
+         "mlp_only_layers (dense layers inside the stack) takes no layer_layout / layer_stages: "
+         "pp's stages hold whole periods of the layers, one chunk each, no padding")
     if self.layer_layout:
       groups = self.layer_layout.split(",")
       need(all(g.strip().isdigit() and int(g) >= 1 for g in groups),
@@ -407,16 +408,14 @@ class Config:
     need(not self.layer_stages or len(self.layer_groups) % self.layer_stages == 0,
          f"layer_layout={self.layer_layout or self.n_moe_layers}: {len(self.layer_groups)} "
          f"groups are not a multiple of layer_stages={self.layer_stages}")
-    inside = self.mlp_only_layers.split(",") if self.mlp_only_layers else []
-    need(all(i.strip().isdigit() for i in inside) and
-         list(self.dense_inside) == sorted(set(self.dense_inside)) and
-         all(self.first_k_dense_replace <= i < self.n_layers for i in self.dense_inside),
-         f"mlp_only_layers={self.mlp_only_layers!r}: expected increasing depth indices in "
-         f"[first_k_dense_replace={self.first_k_dense_replace}, n_layers={self.n_layers})")
-    need(self.n_moe_layers >= 1, f"mlp_only_layers={self.mlp_only_layers} leaves no MoE layer")
-    need(not self.dense_inside or not (self.layer_layout or self.layer_stages),
-         "mlp_only_layers (dense layers inside the stack) takes no layer_layout / layer_stages: "
-         "pp's stages hold whole periods of the layers, one chunk each, no padding")
+    sizes = self.layer_groups
+    need(len(kinds) == 1 or not (self.layer_layout or self.layer_stages) or (
+        len(set(sizes)) == 1 and sizes[0] % len(kinds) == 0
+        and self.first_k_dense_replace % len(kinds) == 0),
+         f"attention_pattern's period {len(kinds)} with layer_layout="
+         f"{self.layer_layout or self.n_moe_layers}: pipeline stages hold whole periods, so every "
+         f"group must hold the same multiple of {len(kinds)} MoE layers (no padding) after a "
+         f"dense prefix of a multiple of {len(kinds)}")
     need(not self.n_dense_layers or self.dense_d_ff >= 1,
          "dense_d_ff must be >= 1 with dense layers (first_k_dense_replace, mlp_only_layers)")
     if self.mla:

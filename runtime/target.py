@@ -149,17 +149,26 @@ class Target:
   devices: tuple
 
   def memory_label(self) -> str:
-    """Whose memory a compile-only report shows: `XLA:TPU (tpu-v5p, 64 devices)`, `XLA:CPU`."""
-    return f"{self.compiler} ({self.name}, {len(self.devices)} devices)" if self.name \
-        else self.compiler
+    """Whose memory a compile-only report shows (`memory_label`)."""
+    return memory_label(self.compiler, self.name, len(self.devices))
+
+
+def memory_label(compiler: str, name: str, n: int) -> str:
+  """`XLA:TPU (tpu-v5p, 64 devices)` for target `name`, `XLA:CPU` for this host's (name "")."""
+  return f"{compiler} ({name}, {n} devices)" if name else compiler
+
+
+def profile(name: str) -> Profile:
+  """The profile `name`, or one-line ConfigError for an unknown one."""
+  if name not in PROFILES:
+    raise ConfigError(f"--target={name}: unknown target; choose from {', '.join(PROFILES)}")
+  return PROFILES[name]
 
 
 def check(name: str, n: int) -> Profile:
   """The profile `name` for n devices, judged before JAX starts: an unknown name, a count the
   profile does not make, or its package missing -> one-line ConfigError."""
-  if name not in PROFILES:
-    raise ConfigError(f"--target={name}: unknown target; choose from {', '.join(PROFILES)}")
-  p = PROFILES[name]
+  p = profile(name)
   if n not in p.counts:
     raise ConfigError(f"--target={name} --devices={n}: {name} makes {p.counts_said} devices")
   if not any(_importable(m) for m in p.packages):
