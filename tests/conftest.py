@@ -49,6 +49,14 @@ print("RESULTS " + json.dumps(out))
 """
 
 
+def one_error_line(code: int, stderr: str, prefix: str = "error: ") -> str:
+  """A refused run: exit status 2 and one non-blank stderr line, starting with `prefix` -> that
+  line (the command line's bad-input rule, docs/command-line.md)."""
+  lines = [l for l in stderr.strip().splitlines() if l.strip()]
+  assert code == 2 and len(lines) == 1 and lines[0].startswith(prefix), stderr[-2000:]
+  return lines[0]
+
+
 def run_py_in_one_process(rows: dict, timeout: float = 600) -> dict:
   """{key: run.py's arguments} -> {key: [exit status, stdout, stderr]}, every row through
   run._run in one subprocess (JAX_PLATFORMS=cpu, the tests' codegen flags)."""

@@ -10,7 +10,7 @@ import pytest
 
 from modeling.config import ConfigError, get_config
 from runtime import data
-from tests.conftest import run_py_in_one_process
+from tests.conftest import one_error_line, run_py_in_one_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -143,9 +143,8 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name, says", [(n, s) for n, _, s in BAD], ids=[n for n, _, _ in BAD])
 def test_bad_data_is_one_line_error(runs, name, says):
   code, out, err = runs[2][name]
-  lines = [l for l in err.strip().splitlines() if l.strip()]
-  assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --data="), err
-  assert says in lines[0], lines[0]
+  line = one_error_line(code, err, "error: --data=")
+  assert says in line, line
   assert "compiled" not in out                            # refused before anything compiles
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from modeling import model
 from modeling.config import Config, get_config
-from tests.conftest import compare_table, run_py_in_one_process
+from tests.conftest import compare_table, one_error_line, run_py_in_one_process
 
 CONFIGS = ["configs/qwen3-30b-a3b.json", "configs/qwen3-235b-a22b.json", "configs/glm-4.5.json",
            "configs/kimi-k2.json", "configs/mixtral-8x22b.json", "configs/deepseek-v3.json",
@@ -88,19 +88,16 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("name,fields,message", BAD, ids=[b[0] for b in BAD])
 def test_unmodelled_fields_are_one_line_errors(results, name, fields, message):
-  code, _, stderr = results[name]
-  lines = [l for l in stderr.strip().splitlines() if l.strip()]
-  assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --model="), stderr
-  assert message in lines[0], lines[0]
+  line = one_error_line(*results[name][::2], "error: --model=")
+  assert message in line, line
 
 
 @pytest.mark.parametrize("name,message", [
     ("no_file", "no such file no/such/config.json"), ("no_config_in_dir", "has no config.json"),
     ("not_json", "is not a readable JSON file"), ("unknown_preset", "unknown model 'qwen4'")])
 def test_bad_model_paths_are_one_line_errors(results, name, message):
-  code, _, stderr = results[name]
-  lines = [l for l in stderr.strip().splitlines() if l.strip()]
-  assert code == 2 and len(lines) == 1 and message in lines[0], stderr
+  line = one_error_line(*results[name][::2])
+  assert message in line, line
 
 
 @pytest.mark.parametrize("path", CONFIGS)

@@ -22,7 +22,7 @@ import pytest
 from modeling import convert, export_hf, model
 from modeling.config import Config, get_config
 from runtime import data as data_lib
-from tests.conftest import compare_table, run_py_in_one_process
+from tests.conftest import compare_table, one_error_line, run_py_in_one_process
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 NAMES = sorted(p.stem for p in FIXTURES.glob("*.npz"))
@@ -312,7 +312,6 @@ BAD = {"no_config": "has no config.json", "missing": "1 tensor(s) the config nee
 @pytest.mark.parametrize("row", sorted(BAD))
 def test_bad_input_one_line(cli, row):
   code, out, err = cli["results"][row]
-  lines = [l for l in err.strip().splitlines() if l.strip()]
-  assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
-  assert BAD[row] in lines[0], lines[0]
+  line = one_error_line(code, err)
+  assert BAD[row] in line, line
   assert "compiled" not in out

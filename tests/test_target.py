@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import run_py_in_one_process, subprocess_env
+from tests.conftest import one_error_line, run_py_in_one_process, subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,10 +113,8 @@ def bad_results():
 
 @pytest.mark.parametrize("row", range(len(BAD)), ids=[m for _, m in BAD])
 def test_bad_target_one_line_error(bad_results, row):
-  code, _, stderr = bad_results[str(row)]
-  lines = [l for l in stderr.strip().splitlines() if l.strip()]
-  assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), stderr
-  assert BAD[row][1] in lines[0], lines[0]
+  line = one_error_line(*bad_results[str(row)][::2])
+  assert BAD[row][1] in line, line
 
 
 # run.py with the target packages hidden from importlib.util.find_spec: as if never installed
