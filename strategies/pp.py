@@ -1,7 +1,9 @@
-"""pp — pipeline parallelism over `stage`, expert parallelism inside each stage.
+"""pp — pipeline parallelism over `stage`, expert and tensor parallelism inside each stage
+(Megatron's TP x PP x EP layouts: experts over `expert`, heads and widths over `tensor`).
 
-Mesh axes: (stage, data, expert), stage outermost. P = |stage| stages of L/P contiguous MoE
-layers (L = n_layers - first_k_dense_replace); M = --microbatches per step; EP = |expert|.
+Mesh axes: (stage, data, expert, tensor), stage outermost. P = |stage| stages of L/P contiguous
+MoE layers (L = n_layers - first_k_dense_replace); M = --microbatches per step; EP = |expert|,
+t = |tensor| (Megatron's TP, with ETP = TP: each expert's F split over tensor, as ep_x_tp's).
 --layer_layout=c_0,..,c_{P-1} puts c_s MoE layers on stage s, the stack stored padded to
 P x max(c) rows (modeling/config.py layer_slots; a padding row is inert), so "L/P" below reads
 "max(c)"; without it, a P that does not divide L gets balanced_layout(L, P) (`stored_config`).
@@ -14,20 +16,25 @@ one repeated period with no prefix and each stage holds whole periods (`_check_d
 | tensor                                   | sharding                                          |
 |------------------------------------------|---------------------------------------------------|
 | MoE layer params [L, ...]                | L over stage: stage s holds layers s*L/P..(s+1)*L/P-1 (uneven: its group's padded rows) |
-| experts wi_0/wi_1 [L, E, D, F], wo       | (stage, expert, None, None): e = E/EP per device  |
-| attn, router, shared experts [L, ..]     | (stage, D over data): wq [L@stage, D@data, H, Dh] |
+| experts wi_0/wi_1 [L, E, D, F], wo       | (stage, expert, None, tensor): [L@stage, E@x, D, F@t] |
+| attn, router, shared experts [L, ..]     | (stage, D over data): wq [L@stage, D@data, H@t, Dh] |
+|                                          | heads and SwiGLU widths over tensor (layout/tensor.py) |
 | norms, router bias [L, ..]               | (stage, ...), replicated over (data, expert)      |
-| dense prefix matrices [L_dense, ..]      | D over (stage, data): wq [L_dense, D@(stage,data), H, Dh] |
+| dense prefix matrices [L_dense, ..]      | D over (stage, data): wq [L_dense, D@(stage,data), H@t, Dh] |
 | embed [V, D], unembed [D, V]             | D over (stage, data): [V, D@(stage,data)]         |
 | final_norm, the prefix's norms           | replicated                                        |
 | optimizer state                          | like its parameter                                |
-| tokens / targets / positions [B, S]      | ((data, expert), None), replicated over stage     |
-| a microbatch between stages [b/M, S, D]  | per device: its b = B/(data*expert) rows, 1/M     |
+| tokens / targets / positions [B, S]      | ((data, expert), None), replicated over stage, tensor |
+| a microbatch between stages [b/M, S, D]  | per device: its b = B/(data*expert) rows, 1/M; each tensor rank the same |
 
 The whole model is one full-manual shard_map. Stage 0 feeds microbatch t at time t; stage s runs
 its L/P layers (model.block, scanned) on what stage s-1 sent at t-1 and ppermutes its output to
 s+1; the last stage computes the head, one microbatch's logits at a time. Inside a stage the MoE
-is ep.py's moe_body with its padded all-to-all over expert. The leading dense layers (DeepSeek's)
+is ep.py's moe_body with its padded all-to-all over expert. With t > 1 every tensor rank of a
+stage holds the same residual and routes the same tokens; attention runs H/t heads, the SwiGLUs
+and the experts their F/t slice, and each block's row-parallel output is all-reduced over
+tensor (`_stage_layout`); tensor rank 0 alone counts the CE and the aux and z losses, the other
+ranks' gradients arriving through those all-reduces. The leading dense layers (DeepSeek's)
 run before the pipeline on every device, under 1f1b in stage 0's phases. The non-expert matrices
 are stored split on D over data (embedding, head, dense prefix: (stage, data)), all-gathered
 once per step before the time loop (`_use`), their gradients reduce-scattered once after it.
@@ -47,13 +54,20 @@ Collectives per step (x = expert):
             2. per stage pass (`stage_passes`) and local layer, moe_body: all-to-all over x of
                the counts [EP, e], the send buffer [EP, C, D] (C = ep.py's bound for b/M
                sequences) and the expert outputs; all-reduce over (data, x) of router statistics
+            2t. t > 1, per pass and layer: all-reduce over tensor of attention's output and of
+               the MLP block's (MoE + shared, or a dense FFN's), [b/M, S, D] each (the prefix's
+               per microbatch)
   backward: 3. collective-permute over stage of the activation cotangents, as many
-            4. the all-to-all transposes; weight grads once after the loop: the matrices
+            4. the all-to-all transposes; t > 1: all-reduce over tensor of the cotangent of each
+               block's output (2t's transpose: every rank's residual holds a copy of the sum);
+               weight grads once after the loop: the matrices
                reduce-scattered over data (embed, unembed, the prefix's: over (stage, data)),
-               then the shard all-reduced over x; the experts all-reduced over data; norms over
-               (data, x) (a layer's) or (stage, data, x) (final_norm, the prefix's)
+               then the shard all-reduced over x (and tensor where replicated over it); the
+               experts all-reduced over data; norms over (data, x, t) (a layer's) or (stage,
+               data, x, t) (final_norm, the prefix's)
   before  : the matrices all-gathered over data (embed, unembed, the prefix's: (stage, data))
-  once    : the loss sums: CE over (stage, data, x), aux / z / dropped over stage; grad norm;
+  once    : the loss sums: CE over (stage, data, x, t), aux / z / dropped over (stage, t); grad
+            norm; t > 1: the step's counts [rows, E] over tensor (tensor rank 0's);
             1f1b with the batch-wise aux loss: the counts pre-pass, 1. and 2. once more.
 HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
 (kind, axes) set equals it, and tests/test_strategies.py holds both to the program, both ways):
@@ -63,14 +77,49 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
   reduce-scatter over (stage, data): embed, unembed and dense-prefix matrix grads
   collective-permute over stage: activations forward, cotangents backward
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
-  all-reduce over (data, expert): router statistics per microbatch, layer norm-scale grads
-  all-reduce over expert: layer matrix, prefix matrix, embed and unembed grad shards after the
-    reduce-scatter
+  all-reduce over (data, expert): router statistics per microbatch
+  all-reduce over (data, expert, tensor): layer norm-scale and router grads; t > 1, 1f1b: the
+    step's counts (with the counts pre-pass, or for the bias update)
+  all-reduce over expert: tensor-split layer and prefix matrix grad shards after the reduce-scatter
+  all-reduce over (expert, tensor): replicated matrices' (embed, unembed, MLA down-projections)
+    grad shards after the reduce-scatter
+  all-reduce over data: expert grads
+  all-reduce over (stage, tensor): aux / z / dropped sums
+  all-reduce over tensor: t > 1, the row-parallel outputs and their cotangents; the step's counts
+  all-reduce over (stage, data, expert, tensor): final_norm and dense-prefix norm grads, CE sum,
+    grad norm
+  all-gather over tensor [muon]: the tensor-split matrices' float32 directions, whole for
+    Newton-Schulz, once per step
+  (Muon adds its float32 directions all-gathered over data, the prefix's over (stage, data), and
+  the tensor-split ones over tensor, for Newton-Schulz, after the step.)
+
+--opt=experts=fold (Megatron's parallel folding: ETP 1, EP = |expert| x |tensor|): the experts
+are stored whole, [L@stage, E@(expert,tensor), D, F], e = E/(EP t) per device. Tensor rank r
+routes its own S/t positions of the microbatch ([b/M, S/t, D]) through the all-to-all over
+(expert, tensor) and writes the outputs into its slice of a zero [b/M, S, D]; the MLP block's
+all-reduce over tensor assembles the slices with the shared expert's partial sums, so a layer
+keeps its two all-reduces. The router statistics are summed over tensor where they are formed.
+HLO contract, experts=fold (under the capacity rule; dropless drops the all-gather over tensor):
+  all-gather over data: the non-expert matrices, once per step before the time loop
+  all-gather over (stage, data): embed, unembed and the dense prefix's matrices, with them
+  reduce-scatter over data: their gradients, once after it
+  reduce-scatter over (stage, data): embed, unembed and dense-prefix matrix grads
+  collective-permute over stage: activations forward, cotangents backward
+  all-to-all over (expert, tensor): counts, dispatch and combine buffers of each rank's S/t
+    positions, fwd and bwd
+  all-gather over tensor: the capacity rule's expert ids [b/M, S, K] per run and positions
+    [b/M, S] per pass (it orders whole sequences)
+  all-reduce over (data, expert, tensor): router statistics per microbatch, layer norm-scale and
+    router grads; 1f1b: the step's counts
+  all-reduce over expert: tensor-split layer and prefix matrix grad shards after the reduce-scatter
+  all-reduce over (expert, tensor): replicated matrices' grad shards after the reduce-scatter
   all-reduce over data: expert grads
   all-reduce over stage: aux / z / dropped sums
-  all-reduce over (stage, data, expert): final_norm and dense-prefix norm grads, CE sum, grad norm
-  (Muon adds its float32 directions all-gathered over data, the prefix's over (stage, data),
-  for Newton-Schulz, after the step.)
+  all-reduce over tensor: the row-parallel outputs and their cotangents; the sequence-wise
+    loss's per-sequence partials and their cotangents; 1f1b: each phase's aux term's cotangent
+  all-reduce over (stage, data, expert, tensor): final_norm and dense-prefix norm grads, CE sum,
+    grad norm
+  all-gather over tensor [muon]: the tensor-split matrices' float32 directions, once per step
 When to use: the model's layers do not fit on one EP group (pipeline across nodes over slow
 links: only [b/M, S, D] activations cross a stage boundary), with M >= P microbatches to keep
 the bubble small. Cost: the bubble (P-1 stages idle in warm-up and drain); gpipe keeps (M+P-1)/M
@@ -84,6 +133,8 @@ microbatches' activations.
   python run.py --strategy=pp --mesh=stage:2,expert:4 --microbatches=8 --opt=schedule=1f1b
   python run.py --strategy=pp --mesh=stage:2,expert:4 --layers=4 --batch=16 --microbatches=4 \
       --opt=schedule=interleaved,virtual_stages=2
+  python run.py --strategy=pp --mesh=stage:2,data:2,tensor:2 --model=mixtral-test --layers=4 \
+      --microbatches=2 --opt=schedule=1f1b,experts=fold --steps=3
 """
 import dataclasses
 import functools
@@ -94,7 +145,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from layout import dispatch, fsdp, mesh as mesh_lib, options
+from layout import context, dispatch, fsdp, mesh as mesh_lib, options, tensor
 from layout.schedule import (bubble, check_layout, chunks, counts_pre_pass, in_flight, permutes,
                              schedule, stage_passes)
 from layout.schedule import layout_note, stored_config  # noqa: F401 (hooks: the stored layers)
@@ -105,13 +156,13 @@ from parallel import sharding
 from strategies import BadInput, Case, ep
 
 NAME = "pp"
-STAGE, DATA, EXPERT = mesh_lib.STAGE, mesh_lib.DATA, mesh_lib.EXPERT
-AXES = (STAGE, DATA, EXPERT)
+STAGE, DATA, EXPERT, TENSOR = mesh_lib.STAGE, mesh_lib.DATA, mesh_lib.EXPERT, mesh_lib.TENSOR
+AXES = (STAGE, DATA, EXPERT, TENSOR)
 MAIN_AXIS = STAGE
 COMPARE_MESH = "data:1,stage:2,expert:4"        # tiny's 2 layers on 2 stages; more devices: data
 TOKENS = (DATA, EXPERT)                         # the batch axes (replicated over stage)
 SPREAD = (STAGE, DATA)                          # embed, unembed and the dense prefix: D over every stage
-ALL = (STAGE,) + TOKENS                         # every axis (a gradient's sums run over them)
+ALL = (STAGE,) + TOKENS + (TENSOR,)             # every axis (a gradient's sums run over them)
 LAYER_LAYOUT = True       # --layer_layout: stage s holds group s of the padded MoE stack
 KEYS = ("tokens", "targets", "positions")
 METRICS = {"loss": P(), "ce_loss": P(), "aux_loss": P(), "z_loss": P(), "dropped": P(),
@@ -128,11 +179,18 @@ class Options:
                                  "round-robin (interleaved; 1f1b with virtual_stages > 1 is "
                                  "Megatron's interleaved 1F1B)")
   virtual_stages: int = options.integer(1, "interleaved, 1f1b: layer chunks per stage (v)", lo=1)
+  experts: str = options.choice("split", ("split", "fold"),
+                                "with a tensor axis: each expert's F split over tensor (split: "
+                                "Megatron's ETP = TP), or the experts whole, E over (expert, "
+                                "tensor), each tensor rank routing its S/t positions through "
+                                "the all-to-all over both (fold: Megatron's parallel folding, "
+                                "ETP 1, EP = |expert| x |tensor|)")
 
 
 ONE_F = Options(schedule="1f1b")
 INTERLEAVED = Options(schedule="interleaved", virtual_stages=2)
 ONE_F_INTERLEAVED = Options(schedule="1f1b", virtual_stages=2)
+FOLD, FOLD_1F = Options(experts="fold"), Options(schedule="1f1b", experts="fold")
 TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               Case("tiny", "stage:4,data:2", dict(n_layers=4, batch=16, microbatches=8)),
               # two dense layers before the pipeline: 2 MoE layers, 1 per stage, not n_layers / 2
@@ -167,7 +225,25 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               Case("deepseek-test", "stage:2,data:2,expert:2",
                    dict(n_layers=6, layer_layout="2,1,1,1", layer_stages=2, batch=16,
                         microbatches=4, capacity_factor=1.0, aux_loss_kind="batch"),
-                   ONE_F_INTERLEAVED)]
+                   ONE_F_INTERLEAVED),
+              # tensor parallelism inside the stages (Megatron's TP x PP x EP): Mixtral-style
+              # GQA under 1f1b with the counts pre-pass; DeepSeek's MLA, dense prefix, shared
+              # expert and bias update, interleaved, and under 1f1b with Muon
+              Case("mixtral-test", "stage:2,data:2,tensor:2",
+                   dict(n_layers=4, batch=8, microbatches=2), ONE_F),
+              Case("deepseek-test", "stage:2,expert:2,tensor:2",
+                   dict(n_layers=5, microbatches=2, layer_layout="1,1,1,1", layer_stages=2),
+                   INTERLEAVED),
+              Case("deepseek-test", "stage:2,expert:2,tensor:2",
+                   dict(n_layers=5, microbatches=2, optimizer="muon"), ONE_F),
+              # experts=fold (Megatron's parallel folding): the experts whole over (expert,
+              # tensor), each tensor rank routing its S/t positions, under the capacity rule
+              # (whole sequences' ids gathered over tensor); 1f1b with the counts pre-pass, and
+              # gpipe with MLA, the dense prefix and the sequence-wise loss
+              Case("mixtral-test", "stage:2,data:2,tensor:2",
+                   dict(n_layers=4, batch=8, microbatches=2, capacity_factor=1.0), FOLD_1F),
+              Case("deepseek-test", "stage:2,expert:2,tensor:2",
+                   dict(n_layers=5, microbatches=2, capacity_factor=1.0), FOLD)]
 COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7] + TEST_CASES[8:]
 BF16_CASE = Case("deepseek-test", "stage:2,data:2,expert:2", opts=ONE_F)    # its explicit vjp
 PIPELINE = True     # runs its microbatches in its own pipeline (the planner: no accumulation)
@@ -193,7 +269,18 @@ BAD_INPUT = [
     # a dense layer inside the stack that is no period of it: MoE, dense, MoE, MoE
     BadInput(dict(n_layers=4, mlp_only_layers="1", dense_d_ff=64), "stage:2,expert:4", Options(),
              "pp: mlp_only_layers=1 (dense layers inside the stack) go on the stages in whole "
-             "periods of the layers; not with 3 runs of layers, not one repeated period")]
+             "periods of the layers; not with 3 runs of layers, not one repeated period"),
+    BadInput(dict(n_heads=8, n_kv_heads=2), "stage:2,tensor:4", Options(),
+             "n_kv_heads=2 is not divisible by mesh axis tensor=4"),
+    BadInput(dict(), "stage:2,expert:4", FOLD, "pp option experts=fold needs a tensor axis of "
+             "size > 1 (without one it is experts=split's program)"),
+    BadInput(dict(n_experts=4, top_k=2), "expert:4,tensor:2", FOLD,
+             "n_experts=4 is not divisible by mesh axis expertxtensor=8")]
+
+
+def contract_variant(opts):
+  """Which HLO contract block of the docstring this layout compiles to."""
+  return "experts=fold" if opts.experts == "fold" else None
 
 
 def check(cfg, mesh, opts):
@@ -207,7 +294,14 @@ def check(cfg, mesh, opts):
                       f"{per_chunk} MoE layers (and the dense prefix of "
                       f"{cfg.first_k_dense_replace}) must hold whole periods of {period} layers")
   check_layout(cfg, mesh, opts)               # the schedule's options and the layer layout
-  mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, EXPERT)
+  fold = opts.experts == "fold"
+  if fold and mesh_lib.axis_size(mesh, TENSOR) == 1:
+    raise ConfigError("pp option experts=fold needs a tensor axis of size > 1 (without one it "
+                      "is experts=split's program)")
+  mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, (EXPERT, TENSOR) if fold else EXPERT)
+  mesh_lib.require_head_split(cfg, mesh, TENSOR, expert_ff=not fold)   # heads, widths over t
+  if fold:                                      # each tensor rank routes its S/t positions
+    mesh_lib.require_divisible("seq_len", cfg.seq_len, mesh, TENSOR)
   mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)
   fsdp.check(cfg, mesh, DATA)                 # the stage's matrices on their D dim over data
   if cfg.first_k_dense_replace:                 # the prefix's over (stage, data)
@@ -234,16 +328,25 @@ def _check_dense_inside(cfg, mesh) -> None:
 
 
 def param_specs(cfg, mesh, opts=None):
-  # role -> spec of one layer: every non-expert matrix on its D dim over data (wq [D@data, H, Dh],
-  # ...), embed and unembed over (stage, data), the routed experts' E over expert; norms and the
-  # router bias replicated. The MoE stack's L over stage; the dense prefix's matrices on D over
-  # (stage, data) (wq [L_dense, D@(stage,data), H, Dh]); dense layers inside the stack: their L
-  # over stage, as the MoE stack's (wi_0 [L_dense@stage, D@data, F]).
+  # role -> spec of one layer: heads and every SwiGLU width over tensor (layout/tensor.py's
+  # column / row table: wq [D, H@t, Dh], wo [H@t, Dh, D], experts [E@x, D, F@t]), and every
+  # non-expert matrix also on its D dim over data (wq [D@data, H@t, Dh], ...), embed and unembed
+  # on D over (stage, data); norms, the router's bias and the embedding's V replicated. The MoE
+  # stack's L over stage; the dense prefix's matrices on D over (stage, data) (wq [L_dense,
+  # D@(stage,data), H@t, Dh]); dense layers inside the stack: their L over stage, as the MoE
+  # stack's (wi_0 [L_dense@stage, D@data, F@t]).
   inside = bool(cfg.dense_inside)
-  return model.param_specs(cfg, {**fsdp.table(DATA), **fsdp.table(SPREAD, ("embed", "unembed")),
-                                 "expert_in": P(EXPERT, None, None),     # [L@stage, E@x, D, F]
-                                 "expert_out": P(EXPERT, None, None)}, layer_axis=STAGE,
-                           dense_table=None if inside else fsdp.table(SPREAD),
+  if opts is not None and opts.experts == "fold":                     # [L@stage, E@(x,t), D, F]
+    experts = {"expert_in": P((EXPERT, TENSOR), None, None),
+               "expert_out": P((EXPERT, TENSOR), None, None)}
+  else:
+    experts = {"expert_in": P(EXPERT, None, TENSOR),                    # [L@stage, E@x, D, F@t]
+               "expert_out": P(EXPERT, TENSOR, None)}                   # [L@stage, E@x, F@t, D]
+  cols = {**tensor.table(TENSOR), **experts}
+  d_split = [r for r in model.D_DIM if r not in ("expert_in", "expert_out", "embed", "unembed")]
+  table = {**fsdp.over(cols, DATA, d_split), **fsdp.table(SPREAD, ("embed", "unembed"))}
+  spread = fsdp.over(fsdp.over(cols, STAGE, d_split), DATA, d_split)   # D over (stage, data)
+  return model.param_specs(cfg, table, layer_axis=STAGE, dense_table=None if inside else spread,
                            dense_layer_axis=STAGE if inside else None)
 
 
@@ -253,35 +356,36 @@ def batch_spec(cfg, mesh):
 
 def layout(cfg, mesh, opts):
   if opts.schedule in ("gpipe", "interleaved"):
-    return model.Parallelism(loss=functools.partial(loss, cfg=cfg, mesh=mesh))
-  return model.Parallelism(loss=functools.partial(_scheduled_loss, cfg=cfg, mesh=mesh,
-                                             name=opts.schedule))
+    return model.Parallelism(loss=functools.partial(loss, cfg=cfg, mesh=mesh, opts=opts))
+  return model.Parallelism(loss=functools.partial(_scheduled_loss, cfg=cfg, mesh=mesh, opts=opts))
 
 
-def loss(params, batch, *, cfg, mesh):
+def loss(params, batch, *, cfg, mesh, opts=None):
   """The whole model under the GPipe schedule (interleaved when the stack is stored for it:
   `chunks`) -> (loss, metrics as model.loss_fn's)."""
-  specs, bspec = param_specs(cfg, mesh), batch_spec(cfg, mesh)
+  opts = opts or Options()
+  specs, bspec = param_specs(cfg, mesh, opts), batch_spec(cfg, mesh)
   body = functools.partial(_pipeline, specs=specs, cfg=cfg, n_stage=mesh_lib.axis_size(mesh, STAGE),
-                           ep_size=mesh_lib.axis_size(mesh, EXPERT))
+                           ep_size=mesh_lib.axis_size(mesh, EXPERT), experts=opts.experts)
   return jax.shard_map(body, in_specs=(specs,) + (bspec,) * 3, out_specs=(P(), METRICS))(
       params, *(batch[k] for k in KEYS))
 
 
-def _pipeline(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size):
+def _pipeline(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, experts):
   """One device. tokens / targets / positions [b, S] local rows; p: this stage's layers."""
   p = _use(p, specs, cfg)
-  outs, stats = _stages(p, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size)
+  outs, stats = _stages(p, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
+                        experts=experts)
   last = jax.lax.axis_index(STAGE) == n_stage - 1
   tgt = _split(targets, cfg.microbatches)                          # [M, b/M, S]
   ce = jnp.sum(jax.lax.map(lambda ot: _ce_sum(ot[0], ot[1], p, cfg),
                            (outs, tgt)))                        # one microbatch's logits at a time
   n_tokens = cfg.batch * cfg.seq_len
-  ce = jax.lax.psum(jnp.where(last, ce, 0.0), ALL) / n_tokens
+  ce = jax.lax.psum(jnp.where(last, ce, 0.0) * _first_tensor_rank(), ALL) / n_tokens
   aux, z = routing.aux_losses(stats, n_tokens, cfg)       # [L/P] from the step's stats
-  aux, z, dropped = (jax.lax.psum(jnp.sum(v), STAGE) for v in (aux, z, stats["dropped"]))
+  aux, z, dropped = (_once(jnp.sum(v), STAGE) for v in (aux, z, stats["dropped"]))
   total, metrics = model.loss_total(ce, aux, z, cfg)
-  return total, {**metrics, "dropped": dropped, "counts": stats["counts"]}
+  return total, {**metrics, "dropped": dropped, "counts": _once(stats["counts"])}
 
 
 def _split(a, m):
@@ -290,10 +394,68 @@ def _split(a, m):
   return einops.rearrange(a, "(m mb) s -> m mb s", m=m)
 
 
-def _moe_layout(cfg, ep_size):
-  """The stage's MoE: ep.py's moe_body with its padded all-to-all over expert."""
-  return model.Parallelism(moe=functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
-                                            token_axes=TOKENS, exchange=ep.a2a_exchange))
+def _stage_layout(cfg, ep_size, t, experts="split"):
+  """A stage's layers on one device: the MoE ep.py's moe_body with its padded all-to-all over
+  expert; with t = |tensor| > 1, Megatron's tensor parallelism by hand. Every tensor rank holds
+  the same residual; attention runs its H/t heads, the dense and shared SwiGLUs their F/t
+  slice, so each row-parallel output is a partial sum over tensor and scatter_out all-reduces it
+  ("tp_psum": attention's; the MoE's, shared expert's and a dense FFN's, one for the block).
+  The routed MoE, experts="split": every rank routes the same tokens and runs its F/t slice of
+  the local experts (a partial sum, in the block's all-reduce), gpt-oss's expert down bias added
+  by rank 0 (tensor.bias_once); "fold": the experts whole over (expert, tensor), rank r routes
+  its S/t positions through the all-to-all over both and writes their outputs into its slice of
+  a zero [b/M, S, D], which the block's all-reduce assembles. The router statistics are
+  counted by tensor rank 0 (split: each rank holds the same; fold: summed over tensor first)."""
+  if t == 1:
+    return model.Parallelism(moe=functools.partial(
+        ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size, token_axes=TOKENS,
+        exchange=ep.a2a_exchange))
+
+  def scatter_out(y):                                    # [b/M, S, D] {U_t} -> the sum
+    with jax.named_scope("tp_psum"):
+      return jax.lax.psum(y, TENSOR)
+
+  if experts == "split":
+    def moe(p, x, positions):                            # x [b/M, S, D], the same on every t
+      return ep.moe_body(tensor.bias_once(p, TENSOR), x, positions, cfg=cfg, ep_axes=(EXPERT,),
+                         ep=ep_size, token_axes=TOKENS,
+                         exchange=ep.a2a_exchange)       # y [b/M, S, D] {U_t}, stats
+    return model.Parallelism(moe=moe, scatter_out=scatter_out)
+
+  gather = context.sequence_gatherer(TENSOR) if cfg.capacity_factor > 0 else None
+
+  def moe_folded(p, x, positions):                       # x [b/M, S, D], the same on every t
+    s = x.shape[1] // t
+    at = jax.lax.axis_index(TENSOR) * s                  # this rank's positions: at .. at+s-1
+    own = lambda a: jax.lax.dynamic_slice_in_dim(a, at, s, axis=1)
+    y, stats = ep.moe_body(p, own(x), own(positions), cfg=cfg, ep_axes=(EXPERT, TENSOR),
+                           ep=ep_size * t, token_axes=TOKENS + (TENSOR,),
+                           exchange=ep.a2a_exchange, gather_sequence=gather,
+                           seq_axes=(TENSOR,))           # y [b/M, S/t, D]
+    return jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(x), y.astype(x.dtype), at,
+                                               axis=1), stats   # [b/M, S, D], its slice
+  return model.Parallelism(moe=moe_folded, scatter_out=scatter_out)
+
+
+def _first_tensor_rank():
+  """1.0 on tensor rank 0, else 0.0: the CE and the aux and z losses are counted once per tensor
+  group (each rank holds the same logits and router statistics; the gradient reaches the other
+  ranks through the layers' all-reduces)."""
+  return (jax.lax.axis_index(TENSOR) == 0).astype(jnp.float32)
+
+
+def _once(v, axes=()):
+  """A value every tensor rank holds alike (router statistics, their losses), summed over `axes`
+  and counted once: tensor rank 0's, in one all-reduce over `axes` and tensor (with |tensor| = 1
+  the same devices as `axes`: none where `axes` is empty); a value typed invariant over tensor
+  (experts=fold's statistics, summed over tensor where they are formed) as it is."""
+  if TENSOR not in sharding.varying_axes(v):          # already the same sum on every rank
+    return jax.lax.psum(v, axes) if axes else v
+  return jax.lax.psum(v * _first_tensor_rank().astype(v.dtype), (*_tuple(axes), TENSOR))
+
+
+def _tuple(axes) -> tuple:
+  return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def _ce_sum(y, tgt, ph, cfg):
@@ -330,7 +492,7 @@ def _split_dim(spec) -> tuple:
   return None, ()
 
 
-def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
+def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, experts, unroll=False):
   """The GPipe time loop on one device, p as `_use` returns it -> (the last stage's outputs
   [M, b/M, S, D] (zeros on the other stages), this stage's router stats summed over the
   microbatches {name: [rows, ..]}). With v = chunks(cfg) > 1 (interleaved) a tick runs one of
@@ -344,9 +506,9 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
   # every microbatch's stage-0 input, [M, b/M, S, D]: the embedding and the leading dense layers
   # (DeepSeek's) on every device for its own rows (stages > 0 discard theirs: a zero gradient),
   # one microbatch at a time (lax.map: the working set of b/M rows, not of b)
-  x0 = jax.lax.map(lambda tp: model.dense_prefix(p["embed"][tp[0]], p, tp[1], cfg, model.Parallelism()),
+  lay = _stage_layout(cfg, ep_size, jax.lax.axis_size(TENSOR), experts)
+  x0 = jax.lax.map(lambda tp: model.dense_prefix(p["embed"][tp[0]], p, tp[1], cfg, lay),
                    (_split(tokens, m), pos))
-  lay = _moe_layout(cfg, ep_size)
   mask = _stage_mask(cfg, n_stage)
   rows = cfg.n_layer_slots // n_stage                               # this stage's stored rows
   per = rows // v                                                   # a chunk's rows
@@ -384,7 +546,8 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, unroll=False):
 
   zeros = lambda shape: sharding.to_varying(jnp.zeros(shape, cfg.dtype), ALL)
   stat0 = jax.tree.map(
-      lambda a: sharding.to_varying(jnp.zeros((rows,) + a.shape[1:], a.dtype), (STAGE,)),
+      lambda a: sharding.to_varying(jnp.zeros((rows,) + a.shape[1:], a.dtype),
+                                    (STAGE, TENSOR) if experts == "split" else (STAGE,)),
       jax.eval_shape(run_chunk, zeros((mb, s, cfg.d_model)), pos[0], 0)[1])
   carry = (zeros((mb, s, cfg.d_model)), zeros((m, mb, s, cfg.d_model)), stat0)
   (_, outs, stats), _ = jax.lax.scan(step, carry, jnp.arange(ticks), unroll=unroll)
@@ -423,20 +586,20 @@ def _chunk(layers, x, pos_m, r, *, per, mask, cfg, lay):
 
 
 # ----------------------------------------------------------------------------- 1f1b: a table run
-def _scheduled_loss(params, batch, *, cfg, mesh, name):
+def _scheduled_loss(params, batch, *, cfg, mesh, opts):
   """The model under a 1f1b table: a custom_vjp whose forward rule runs the whole table
   (`_run_table`) and keeps the gradients as its residual, which the backward rule scales by the
   loss's cotangent. The primal alone (no gradient asked) is the GPipe forward."""
-  specs, bspec = param_specs(cfg, mesh), batch_spec(cfg, mesh)
-  table = schedule(name, mesh_lib.axis_size(mesh, STAGE), cfg.microbatches, chunks(cfg))
+  specs, bspec = param_specs(cfg, mesh, opts), batch_spec(cfg, mesh)
+  table = schedule(opts.schedule, mesh_lib.axis_size(mesh, STAGE), cfg.microbatches, chunks(cfg))
   body = functools.partial(_run_table, specs=specs, cfg=cfg, n_stage=mesh_lib.axis_size(mesh, STAGE),
                            ep_size=mesh_lib.axis_size(mesh, EXPERT), table=table,
-                           pre_pass=counts_pre_pass(cfg, Options(schedule=name)))
+                           pre_pass=counts_pre_pass(cfg, opts), experts=opts.experts)
   run = jax.shard_map(body, in_specs=(specs,) + (bspec,) * 3, out_specs=((P(), METRICS), specs))
 
   @jax.custom_vjp
   def f(p, *b):
-    return loss(p, dict(zip(KEYS, b)), cfg=cfg, mesh=mesh)
+    return loss(p, dict(zip(KEYS, b)), cfg=cfg, mesh=mesh, opts=opts)
 
   def f_fwd(p, *b):                           # -> ((loss, metrics), the gradients)
     return run(p, *b)
@@ -450,20 +613,20 @@ def _scheduled_loss(params, batch, *, cfg, mesh, name):
 
 
 def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, table,
-               pre_pass):
+               pre_pass, experts):
   """One device: ((loss, metrics), grads) of its shards, running a 1f1b `table`: `_Run` sets up
   the stage and its carry, a scan runs `_Run.tick` at every tick, then each weight gradient is
   reduced once (`_reduce_grad`) and the loss terms are summed over the devices."""
   run = _Run(p, tokens, targets, positions, specs=specs, cfg=cfg, n_stage=n_stage,
-             ep_size=ep_size, table=table, pre_pass=pre_pass)
+             ep_size=ep_size, table=table, pre_pass=pre_pass, experts=experts)
   carry, _ = jax.lax.scan(run.tick, run.carry0(), jnp.arange(len(table["F"])))
   grads = {**carry["g_pre"], **carry["g_head"], **carry["g_layers"]}
   grads = jax.tree.map(functools.partial(_reduce_grad, cfg=cfg), grads, p, run.home, specs)
   st = carry["stats"]
   ce = jax.lax.psum(st["ce"], ALL)
-  aux, z, dropped = (jax.lax.psum(jnp.sum(st[k]), STAGE) for k in ("aux", "z", "dropped"))
+  aux, z, dropped = (_once(jnp.sum(st[k]), STAGE) for k in ("aux", "z", "dropped"))
   total, metrics = model.loss_total(ce, aux, z, cfg)
-  return (total, {**metrics, "dropped": dropped, "counts": st["counts"]}), grads
+  return (total, {**metrics, "dropped": dropped, "counts": _once(st["counts"])}), grads
 
 
 def _reduce_grad(g, a, axes, spec, *, cfg):
@@ -485,9 +648,10 @@ class _Run:
   which they share), the last stage's d(loss)/d(output) per ring slot, float32 gradient sums."""
 
   def __init__(self, p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, table,
-               pre_pass):
+               pre_pass, experts):
     m, v = cfg.microbatches, chunks(cfg)
     self.cfg, self.m, self.v, self.table, self.n_tokens = cfg, m, v, table, cfg.batch * cfg.seq_len
+    self.stat_axes = (STAGE, TENSOR) if experts == "split" else (STAGE,)
     self.stage = jax.lax.axis_index(STAGE)
     self.first, self.last = self.stage == 0, self.stage == n_stage - 1
     self.pos, self.tgt = _split(positions, m), _split(targets, m)   # [M, b/M, S]
@@ -495,7 +659,8 @@ class _Run:
     pc = _use(p, specs, cfg)          # gathered over data; its gradients are summed explicitly
     # the stage's stacks: the MoE rows, and the dense rows inside the stack
     stacks = ("layers", "dense_layers") if cfg.dense_inside else ("layers",)
-    self.layers, self.lay = {k: pc[k] for k in stacks}, _moe_layout(cfg, ep_size)
+    self.layers = {k: pc[k] for k in stacks}
+    self.lay = _stage_layout(cfg, ep_size, jax.lax.axis_size(TENSOR), experts)
     # the batch-wise loss's f needs the step's counts before the first backward: v = 1 unrolled
     # (a second while loop crashes XLA:CPU when reloaded from the persistent compilation cache);
     # v > 1 a loop (unrolled, XLA keeps every tick's share live)
@@ -503,7 +668,7 @@ class _Run:
     if pre_pass:
       self.counts = jax.lax.stop_gradient(
           _stages(pc, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
-                  unroll=v == 1)[1]["counts"])
+                  experts=experts, unroll=v == 1)[1]["counts"])
     self.mask = _stage_mask(cfg, n_stage)
     self.rows = cfg.n_layer_slots // n_stage        # the stage's stored rows, self.per a chunk's
     self.per = self.rows // v
@@ -542,14 +707,14 @@ class _Run:
     cfg = self.cfg
     x = jax.lax.cond(self.first & (r == 0),
                      lambda pe, x: model.dense_prefix(pe["embed"][tok_m], pe, pos_m, cfg,
-                                                      model.Parallelism()),
+                                                      self.lay),
                      lambda pe, x: x, pe, x)
     mk = None if self.mask is None else self.cut(self.mask, r)
     y, st = model.moe_stack(x, lp["layers"], pos_m, cfg, self.lay, mk,
                             lp.get("dense_layers"))                 # st: {name: [rows/v, ...]}
     cnt = None if self.counts is None else self.cut(self.counts, r)
     aux, z = routing.aux_losses(st if cnt is None else {**st, "counts": cnt}, self.n_tokens, cfg)
-    part = cfg.aux_loss_coef * jnp.sum(aux) + cfg.z_loss_coef * jnp.sum(z)
+    part = (cfg.aux_loss_coef * jnp.sum(aux) + cfg.z_loss_coef * jnp.sum(z)) * _first_tensor_rank()
     return (y, part), (st, aux, z)
 
   def vjp(self, x, mc, r):
@@ -568,7 +733,8 @@ class _Run:
     assert weight_f == self.weight and tree_f.num_leaves == self.tree.num_leaves, \
         "a stage's residuals changed structure between traces"
     c["ring"] = [_put(buf, slot, u) for buf, u in zip(c["ring"], res)]
-    head = lambda ph, y, t: _ce_sum(y, t, ph, self.cfg) / self.n_tokens   # CE sum / T
+    head = lambda ph, y, t: (_ce_sum(y, t, ph, self.cfg) / self.n_tokens   # CE sum / T, once
+                             * _first_tensor_rank())
 
     def head_step(dys, g):
       ce, (d_ph, dy) = jax.value_and_grad(head, argnums=(0, 1))(self.ph, y, self.tgt[mc])
@@ -622,7 +788,8 @@ class _Run:
   def carry0(self):
     """The carry before the first tick: zeros typed as the loop's."""
     y0, table, ring = self.y0, self.table, in_flight(self.table)
-    stat = lambda a: _zeros_like(a[0], (self.rows,), also=(STAGE,))  # [rows, ..] of [rows/v, ..]
+    # [rows, ..] of [rows/v, ..]; split: varying over tensor as gpipe's (rank 0's counted once)
+    stat = lambda a: _zeros_like(a[0], (self.rows,), also=self.stat_axes)
     f32 = lambda tree: jax.tree.map(lambda a: _zeros_like(a, dtype=jnp.float32), tree)
     return {"recv": _zeros_like(y0, (int(table["AF"].max()) + 1,)),
             "recv_ct": _zeros_like(y0, (int(table["AB"].max()) + 1,)),
@@ -696,45 +863,118 @@ def cost(cfg, mesh, opts):
   sends = permutes(opts.schedule, schedule(opts.schedule, p, cfg.microbatches, v))
   mb = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS) // cfg.microbatches
   act = mb * cfg.seq_len * cfg.d_model * cost_lib.act_bytes(cfg)  # one [b/M, S, D]
-  c = dispatch.send_rows(cfg, mb, cfg.seq_len, ep_size)
-  buf = ep_size * c * cfg.d_model * cost_lib.act_bytes(cfg)       # [EP, C, D]
+  t = mesh_lib.axis_size(mesh, TENSOR)
+  tp, fold = t > 1, opts.experts == "fold"
+  # the exchange: over expert, or folded over (expert, tensor), each rank its S/t positions
+  ep_axes, n_ep, s_ep = ((EXPERT, TENSOR), ep_size * t, cfg.seq_len // t) if fold else \
+      ((EXPERT,), ep_size, cfg.seq_len)
+  stat_axes = TOKENS + (TENSOR,) if fold else TOKENS     # each run's router statistics
+  c = dispatch.send_rows(cfg, mb, s_ep, n_ep)
+  buf = n_ep * c * cfg.d_model * cost_lib.act_bytes(cfg)          # [EP, C, D]
   runs = steps * local_layers                                       # moe_body calls per pass
   term = functools.partial(cost_lib.term, mesh)
   # each run's statistics and dropped count; dropless, the count is the constant 0, and under
   # autodiff's time loop (gpipe, interleaved) XLA hoists its all-reduce out: one per step
   hoist = cfg.capacity_factor == 0 and opts.schedule != "1f1b"
   stats = (cost_lib.stats_values(cfg) + (not hoist)) * cost_lib.F32
+  pre = counts_pre_pass(cfg, opts)
+  counts = cfg.n_layer_slots // p * cfg.n_experts * cost_lib.F32     # the step's [rows, E]
+  if tp and opts.schedule == "1f1b":
+    # measured with tensor parallelism: each phase's dropped count once, not per layer; with
+    # the pre-pass giving the counts, each run's counts are summed only for the metric, and
+    # XLA moves that sum out of the loop, folded into tensor rank 0's (below)
+    stats = (cost_lib.stats_values(cfg) - pre * cfg.n_experts) * cost_lib.F32
+    stats_once = term("all-reduce", "fwd", "dropped count per phase", steps * cost_lib.F32,
+                      stat_axes)
+  else:
+    stats_once = term("all-reduce", "fwd", cost_lib.HOISTED, hoist * cost_lib.F32, stat_axes)
+  if tp and (pre or (cfg.bias_update_rate and not fold)):   # the counts metric, read
+    stats_once += term("all-reduce", "fwd", "the step's counts [rows, E], tensor rank 0's",
+                       counts, TOKENS + (TENSOR,) if pre else TENSOR)
   # the non-expert matrices gathered once per step: a stacked leaf keeps its L dim as stored
   # (the MoE stack's over stage: gathered over data; the prefix's: over (stage, data))
-  kept_l = lambda spec: (P(*spec[:1]), AXES)
+  kept_l = lambda spec: (P(spec[0], *(_without(e, SPREAD) for e in spec[1:])), AXES)
   gathered = {**{role: kept_l for role in model.D_DIM if role not in ("expert_in", "expert_out")},
               "embed": (P(), AXES), "unembed": (P(), AXES)}
-  out = (cost_lib.weight_terms(cfg, mesh, param_specs(cfg, mesh), AXES, gathered, once=True)
-         + cost_lib.muon_terms(cfg, mesh, param_specs(cfg, mesh), SPREAD)
+  specs = param_specs(cfg, mesh, opts)
+  out = (cost_lib.weight_terms(cfg, mesh, specs, AXES, gathered, once=True)
+         + cost_lib.muon_terms(cfg, mesh, specs, SPREAD + (TENSOR,))
          + term("collective-permute", "fwd", "activations to the next stage", sends[0] * act,
                 STAGE)
          + term("collective-permute", "bwd", "cotangents to the previous stage", sends[1] * act,
                 STAGE)
-         + ep.exchange_terms(cfg, mesh, "a2a", mb, mb * cfg.seq_len, calls=runs)
-         + term("all-reduce", "fwd", "router stats per microbatch", runs * stats, TOKENS)
-         + term("all-reduce", "fwd", cost_lib.HOISTED, hoist * cost_lib.F32, TOKENS)
-         + term("all-reduce", "fwd", "aux / z / dropped sums", 3 * cost_lib.F32, STAGE)
+         + ep.exchange_terms(cfg, mesh, "a2a", mb, mb * s_ep, ep_axes, calls=runs)
+         + term("all-reduce", "fwd", "router stats per microbatch", runs * stats, stat_axes)
+         + stats_once
+         + _tensor_terms(cfg, mesh, act, steps, pre_steps, opts)
+         + term("all-reduce", "fwd", "aux / z / dropped sums", 3 * cost_lib.F32,
+                STAGE if fold else (STAGE, TENSOR))
+         + (_fold_terms(cfg, mesh, mb, runs, steps, pre_steps, opts) if fold else [])
          + term("all-reduce", "fwd", "CE sum", cost_lib.F32, AXES))
-  if cfg.bias_update_rate and opts.schedule != "gpipe" and not counts_pre_pass(cfg, opts):
+  if cfg.bias_update_rate and opts.schedule != "gpipe" and not pre:
     # the bias update reads the step's counts: summed over the token axes once (the pre-pass
-    # sums them where it runs; under gpipe XLA reuses each pass's sums), measured
-    out += term("all-reduce", "fwd", "the step's counts [L/P, E] for the bias update",
-                cfg.n_layer_slots // p * cfg.n_experts * cost_lib.F32, TOKENS)
+    # sums them where it runs; under gpipe XLA reuses each pass's sums), measured; with tensor
+    # parallelism over tensor too
+    out += term("all-reduce", "fwd", "the step's counts [L/P, E] for the bias update", counts,
+                TOKENS + (TENSOR,))
   if counts_pre_pass(cfg, opts):               # the GPipe forward time loop, once more
     out += (term("collective-permute", "fwd", "counts pre-pass: activations (v = 1, unrolled: "
                  "its last tick's send, read by no stage, compiled away)",
                  (ticks - (v == 1)) * act, STAGE)
             + term("all-to-all", "fwd", "counts pre-pass: buffers and counts",
-                   pre_steps * local_layers * (2 * buf + cfg.n_experts * 4), EXPERT)
+                   pre_steps * local_layers * (2 * buf + cfg.n_experts * 4), ep_axes)
             + term("all-reduce", "fwd", "counts pre-pass: the step's counts [L/P, E]",
-                   cfg.n_layer_slots // p * cfg.n_experts * cost_lib.F32, TOKENS))
-    if v > 1:                                  # run in chunks, each tick's counts stay
+                   (not tp) * counts, stat_axes))
+    if v > 1 or tp:         # run in chunks (or with tensor parallelism), each tick's counts stay
       out += term("all-reduce", "fwd", "counts pre-pass: each tick's counts [E] per row "
                   "(measured: with one chunk per stage XLA folds them away)",
-                  ticks * local_layers * cfg.n_experts * cost_lib.F32, TOKENS)
+                  ticks * local_layers * cfg.n_experts * cost_lib.F32, stat_axes)
   return out
+
+
+def _without(entry, axes):
+  """A spec entry without `axes` (None when nothing is left)."""
+  kept = tuple(a for a in sharding.entry_axes(entry) if a not in axes)
+  return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def _tensor_terms(cfg, mesh, act, steps, pre_steps, opts) -> list:
+  """The stage's hand-written tensor parallelism (`_stage_layout`), act = one [b/M, S, D]:
+  per layer run, forward, one all-reduce over tensor of attention's row-parallel output and one
+  of the MLP block's (the MoE and shared expert's sum, or a dense FFN's); backward, the same two,
+  each the transpose of the copy of the sum every rank's residual takes. Per stage pass the
+  stage's chunk of layers (dense ones inside the stack included); the dense prefix once per
+  microbatch (gpipe: on every device before the loop), or per forward phase under 1f1b (a
+  conditional that stage 0's first chunk takes: measured as each phase's longer branch)."""
+  p, v = mesh_lib.axis_size(mesh, STAGE), chunks(cfg)
+  stack = (cfg.n_layer_slots + (cfg.n_dense_layers if cfg.dense_inside else 0)) // p // v
+  prefix = (steps if opts.schedule == "1f1b" else cfg.microbatches) * cfg.first_k_dense_replace
+  calls = 2 * (steps * stack + prefix)
+  pre = 2 * (pre_steps * stack + (pre_steps > 0) * prefix)        # the counts pre-pass's
+  term = functools.partial(cost_lib.term, mesh)
+  return (term("all-reduce", "fwd", "row-parallel outputs (attention, MLP block)", calls * act,
+               TENSOR)
+          + term("all-reduce", "bwd", "their cotangents", calls * act, TENSOR)
+          + term("all-reduce", "fwd", "counts pre-pass: row-parallel outputs", pre * act, TENSOR))
+
+
+def _fold_terms(cfg, mesh, mb, runs, steps, pre_steps, opts) -> list:
+  """experts=fold's collectives over tensor beside the exchange (each rank routing its S/t
+  positions of the b/M = mb sequences): the sequence-wise loss's per-sequence partials [mb, E]
+  (counts and probabilities) summed over tensor per run, and its scalar's cotangent summed back;
+  under the capacity rule each run's expert ids [mb, S, K] and each pass's positions [mb, S]
+  all-gathered over tensor (the rule orders whole sequences); under 1f1b each phase's aux term's
+  cotangent summed over tensor (tensor rank 0's counted)."""
+  term = functools.partial(cost_lib.term, mesh)
+  pre_runs = pre_steps * runs // steps                   # the pre-pass's passes x local layers
+  seq = cfg.aux_loss_kind == "sequence"
+  tok = mb * cfg.seq_len
+  return (term("all-reduce", "fwd", "sequence-wise loss: per-sequence counts and probs [b/M, E]",
+               seq * runs * 2 * mb * cfg.n_experts * cost_lib.F32, TENSOR)
+          + term("all-reduce", "bwd", "sequence-wise loss: its cotangent", seq * runs * cost_lib.F32,
+                 TENSOR)
+          + term("all-reduce", "bwd", "1f1b: each phase's aux term's cotangent",
+                 (opts.schedule == "1f1b") * steps * cost_lib.F32, TENSOR)
+          + term("all-gather", "fwd", "capacity: expert ids [b/M, S, K] per run, positions per pass "
+                 "(the counts pre-pass's too)", (cfg.capacity_factor > 0) * (
+                     (runs + pre_runs) * cfg.top_k + steps + pre_steps) * tok * 4, TENSOR))

@@ -340,3 +340,35 @@ def test_run_picks_the_balanced_layout_by_itself(tmp_path):
   losses = [rec["loss"] for rec in map(json.loads, path.read_text().splitlines())
             if not rec.get("summary")]
   assert len(losses) == 2 and np.isfinite(losses).all(), losses
+
+
+# Megatron's published TP x PP x EP layouts at the publishers' shapes (docs/strategies-and-
+# pipelines.md, "Tensor parallelism inside the stages"), with parallel folding (experts=fold):
+# (model, mesh, batch, v, the stored chunk layout pp picks, or the one-line refusal)
+MEGATRON = [
+    ("deepseek-v3", "stage:8,data:2,expert:32,tensor:2", 8192, 4, "2," * 26 + "1,1,1,1,1,1", None),
+    ("qwen3-235b-a22b", "stage:8,expert:16,tensor:2", 2048, 4, "3," * 30 + "2,2", None),
+    ("qwen3-235b-a22b", "stage:32,expert:4,tensor:2", 2048, 3, None,
+     "--opt=virtual_stages=3 on stage=32 needs 96 MoE layers, the model has 94"),
+    ("qwen3-235b-a22b", "stage:8,data:4,expert:2,tensor:4", 2048, 4, "3," * 30 + "2,2", None)]
+
+
+@pytest.mark.parametrize("model_name,mesh,batch,v,layout,refusal", MEGATRON,
+                         ids=["dsv3-tp2-pp8-vp4-ep64", "qwen3-a", "qwen3-d", "qwen3-e"])
+def test_megatron_layouts_at_the_publishers_shapes(model_name, mesh, batch, v, layout, refusal):
+  """pp with a tensor axis and the experts folded over (expert, tensor) poses Megatron's
+  TP x PP x VP x EP layouts at full shape: the stored chunks it balances by itself, or its one
+  line where the layers do not fill them."""
+  from modeling.config import ConfigError
+  cfg = get_config(model_name, batch=batch, seq_len=4096, microbatches=128)
+  shape = mesh_lib.parse_mesh_spec(mesh)
+  am = mesh_lib.abstract_mesh({a: shape.get(a, 1) for a in PP.AXES})
+  opts = PP.Options(schedule="1f1b", virtual_stages=v, experts="fold")
+  try:
+    stored = strategies.stored_config(PP, cfg, am, opts)
+    PP.check(stored.validate(), am, opts)
+  except ConfigError as e:
+    assert refusal is not None and str(e) == refusal, e
+    return
+  assert refusal is None and stored.layer_layout == layout.rstrip(",")
+  assert stored.layer_stages == 8 and len(stored.layer_groups) == 8 * v
