@@ -512,7 +512,7 @@ def gqa(p, x, pos: Positions, cfg: Config, lay: Parallelism, kind: str = "full")
   x = lay.gather_in(x)
   wq, wk, wv, wo = (use(lay, r, p[n], x.dtype) for n, r in (("wq", "attn_q"), ("wk", "attn_kv"),
                                                            ("wv", "attn_kv"), ("wo", "attn_o")))
-  kv, dh = wk.shape[1], cfg.head_dim       # KV; inside a manual shard_map the local KV heads
+  kv = wk.shape[1]                # KV; inside a manual shard_map (pp) the local KV heads
   # H = KV x G viewed on the weights, never on activations: a reshape of [B, S, H, Dh] would
   # drop the batch dim's sharding when B is 1 per shard (jax >= 0.11)
   wq = _split_heads(wq, "d (k g) h -> d k g h", 2, kv)                        # [D, KV, G, Dh]

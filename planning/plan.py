@@ -17,7 +17,11 @@ of B/M sequences, pass 1's forwards; its temp one microbatch's step plus the gra
 is calibrated for). pp on a stage count that does not divide the MoE layers runs the balanced
 uneven layout (`_layer_layout`, modeling.config.balanced_layout: DeepSeek-V3's 58 on 16 stages
 as 4 x 10 + 3 x 6): its padded stack's rows count for memory, exchanges and the stage's
-compute (x rows / L_moe: every stage runs the largest group each tick). The flags given with
+compute (x rows / L_moe: every stage runs the largest group each tick). pp's tensor axis (TP
+inside the stages) is enumerated up to the cluster's node size and at most NODE_TP = 8 (the
+strategy's PLAN_INSIDE_NODE: its two all-reduces per layer each way stay on the fast links,
+as Megatron keeps TP), with the experts split over tensor; `--opt=experts=fold` plans the folded
+experts instead. The flags given with
 `run.py --plan` (--strategy, --mesh, --microbatches, --remat, --capacity_factor, --opt,
 --layer_layout) narrow this grid to their values: planning/constraints.py.
 
@@ -228,6 +232,9 @@ def varied_fields(name: str) -> list[str]:
   """The option fields the planner varies for this strategy: OPTION_GRID's, then OPTION_EXTRA's."""
   fields = list(OPTION_GRID.get(name, {}))
   return fields + [k for extra in OPTION_EXTRA.get(name, ()) for k in extra if k not in fields]
+
+
+NODE_TP = 8      # a PLAN_INSIDE_NODE axis: at most this, and a node (Megatron's TP <= 8)
 
 
 def option_sets(name: str) -> list:
@@ -550,9 +557,12 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
     strat = strategies.get(name)
     if only_mesh and not set(only_mesh) <= set(strat.AXES):
       continue
+    inside = getattr(strat, "PLAN_INSIDE_NODE", ())   # axes it enumerates up to a node only
     for sizes in ([tuple(only_mesh.get(a, 1) for a in strat.AXES)] if only_mesh else
                   mesh_lib.splits(n, len(strat.AXES))):
       shape = dict(zip(strat.AXES, sizes))
+      if not only_mesh and any(shape[a] > min(cluster.node_size, NODE_TP) for a in inside):
+        continue
       mesh = mesh_lib.abstract_mesh(shape)
       mems = {}                                # params + optimizer state per stored model
       layers = _layer_layout(name, cfg, shape)

@@ -247,8 +247,9 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
 COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7] + TEST_CASES[8:]
 BF16_CASE = Case("deepseek-test", "stage:2,data:2,expert:2", opts=ONE_F)    # its explicit vjp
 PIPELINE = True     # runs its microbatches in its own pipeline (the planner: no accumulation)
-PLAN_GRID = {"schedule": ("gpipe", "1f1b")}
+PLAN_GRID = {"schedule": ("gpipe", "1f1b")}            # experts=fold: the planner's --opt
 PLAN_EXTRA = tuple(dict(schedule=s, virtual_stages=2) for s in ("interleaved", "1f1b"))
+PLAN_INSIDE_NODE = (TENSOR,)      # the planner keeps tensor inside a node, as Megatron's TP
 BAD_INPUT = [
     BadInput(dict(n_layers=3), "stage:2,expert:4", Options(),
              "n_layers=3 is not divisible by mesh axis stage=2"),
@@ -952,8 +953,12 @@ def _tensor_terms(cfg, mesh, act, steps, pre_steps, opts) -> list:
   calls = 2 * (steps * stack + prefix)
   pre = 2 * (pre_steps * stack + (pre_steps > 0) * prefix)        # the counts pre-pass's
   term = functools.partial(cost_lib.term, mesh)
-  return (term("all-reduce", "fwd", "row-parallel outputs (attention, MLP block)", calls * act,
-               TENSOR)
+  # --remat=block recomputes attention's (the MLP block reads it), never the MLP block's (its
+  # sum is the layer's output, which no gradient reads)
+  return (term("all-reduce", "fwd", "attention's row-parallel output", calls // 2 * act, TENSOR,
+               cost_lib.BLOCK_ONLY)
+          + term("all-reduce", "fwd", "the MLP block's row-parallel output", calls // 2 * act,
+                 TENSOR)
           + term("all-reduce", "bwd", "their cotangents", calls * act, TENSOR)
           + term("all-reduce", "fwd", "counts pre-pass: row-parallel outputs", pre * act, TENSOR))
 
@@ -976,5 +981,6 @@ def _fold_terms(cfg, mesh, mb, runs, steps, pre_steps, opts) -> list:
           + term("all-reduce", "bwd", "1f1b: each phase's aux term's cotangent",
                  (opts.schedule == "1f1b") * steps * cost_lib.F32, TENSOR)
           + term("all-gather", "fwd", "capacity: expert ids [b/M, S, K] per run, positions per pass "
-                 "(the counts pre-pass's too)", (cfg.capacity_factor > 0) * (
-                     (runs + pre_runs) * cfg.top_k + steps + pre_steps) * tok * 4, TENSOR))
+                 "(the counts pre-pass's too; --remat gathers them again in the backward)",
+                 (cfg.capacity_factor > 0) * ((runs + pre_runs) * cfg.top_k + steps + pre_steps)
+                 * tok * 4, TENSOR, cost_lib.RECOMPUTED))

@@ -201,7 +201,7 @@ def test_ranks_a_thousand_real_candidates_quickly(monkeypatch):
   """The speed docs/planner.md claims ("Speed"), loosely (a shared 2-core host): Mixtral-8x7B
   on 64 devices enumerates over a thousand candidates in well under a minute, without a device
   mesh. What keeps it fast: the parameter tree is built once per model config, not per
-  candidate (its 6,960 candidates hold 72 configs)."""
+  candidate (its candidates hold a few dozen configs)."""
   built, tree = [], model._param_tree
 
   def counted(cfg, leaf):
