@@ -118,17 +118,19 @@ def diagram(table: dict) -> str:
 
 def logits(pp, params, batch, *, cfg, mesh):
   """The model's logits [B, S, V] under pp's gpipe pipeline (`pp._use`, `pp._stages`), the last
-  stage's outputs through model.head, summed over stage (the other stages add zeros)."""
+  stage's outputs through model.head, summed over stage (the other stages add zeros) and
+  tensor (tensor rank 0's)."""
   specs, bspec = pp.param_specs(cfg, mesh), pp.batch_spec(cfg, mesh)
   n_stage = mesh.shape[pp.STAGE]
 
   def body(p, tokens, positions):
     p = pp._use(p, specs, cfg)
     outs, _ = pp._stages(p, tokens, positions, cfg=cfg, n_stage=n_stage,
-                         ep_size=mesh.shape[pp.EXPERT])
+                         ep_size=mesh.shape[pp.EXPERT], experts="split")
     out = model.head(outs, p, cfg, model.Parallelism()).astype(jnp.float32)   # [M, b/M, S, V]
     last = jax.lax.axis_index(pp.STAGE) == n_stage - 1
-    out = jax.lax.psum(jnp.where(last, out, 0.0), pp.STAGE)
+    # the last stage's, tensor rank 0's (every tensor rank holds the same)
+    out = jax.lax.psum(jnp.where(last, out, 0.0) * pp._first_tensor_rank(), (pp.STAGE, pp.TENSOR))
     return einops.rearrange(out, "m mb s v -> (m mb) s v")              # [b, S, V]
   return jax.shard_map(body, in_specs=(specs, bspec, bspec), out_specs=P(pp.TOKENS, None, None))(
       params, batch["tokens"], batch["positions"])
