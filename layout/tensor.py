@@ -62,8 +62,7 @@ def bias_once(p: dict, axis: str) -> dict:
   p as is without it."""
   if "bo" not in p:
     return p
-  first = (jax.lax.axis_index(axis) == 0).astype(p["bo"].dtype)
-  return {**p, "bo": p["bo"] * first}
+  return {**p, "bo": p["bo"] * first_rank(axis, p["bo"].dtype)}
 
 
 def finish_moe(y, stats, axis: str, token_axes):
@@ -74,6 +73,12 @@ def finish_moe(y, stats, axis: str, token_axes):
   summed over `axis` with the rest of the router's gradient."""
   with jax.named_scope("moe_psum_tensor"):
     y = jax.lax.psum(y, axis)
-  first = (jax.lax.axis_index(axis) == 0).astype(jnp.float32)
+  first = first_rank(axis)
   return y, jax.tree.map(
       lambda v: jax.lax.psum(sharding.to_varying(v, token_axes) * first, token_axes), stats)
+
+
+def first_rank(axis: str, dtype=jnp.float32):
+  """Inside a shard_map: 1 on `axis` rank 0, else 0, in `dtype`: what each rank multiplies a
+  value by that every `axis` rank holds alike, so that a sum over `axis` counts it once."""
+  return (jax.lax.axis_index(axis) == 0).astype(dtype)

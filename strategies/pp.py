@@ -361,10 +361,9 @@ def layout(cfg, mesh, opts):
   return model.Parallelism(loss=functools.partial(_scheduled_loss, cfg=cfg, mesh=mesh, opts=opts))
 
 
-def loss(params, batch, *, cfg, mesh, opts=None):
+def loss(params, batch, *, cfg, mesh, opts):
   """The whole model under the GPipe schedule (interleaved when the stack is stored for it:
   `chunks`) -> (loss, metrics as model.loss_fn's)."""
-  opts = opts or Options()
   specs, bspec = param_specs(cfg, mesh, opts), batch_spec(cfg, mesh)
   body = functools.partial(_pipeline, specs=specs, cfg=cfg, n_stage=mesh_lib.axis_size(mesh, STAGE),
                            ep_size=mesh_lib.axis_size(mesh, EXPERT), experts=opts.experts)
@@ -407,10 +406,10 @@ def _stage_layout(cfg, ep_size, t, experts="split"):
   its S/t positions through the all-to-all over both and writes their outputs into its slice of
   a zero [b/M, S, D], which the block's all-reduce assembles. The router statistics are
   counted by tensor rank 0 (split: each rank holds the same; fold: summed over tensor first)."""
+  body = functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
+                           token_axes=TOKENS, exchange=ep.a2a_exchange)
   if t == 1:
-    return model.Parallelism(moe=functools.partial(
-        ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size, token_axes=TOKENS,
-        exchange=ep.a2a_exchange))
+    return model.Parallelism(moe=body)
 
   def scatter_out(y):                                    # [b/M, S, D] {U_t} -> the sum
     with jax.named_scope("tp_psum"):
@@ -418,9 +417,7 @@ def _stage_layout(cfg, ep_size, t, experts="split"):
 
   if experts == "split":
     def moe(p, x, positions):                            # x [b/M, S, D], the same on every t
-      return ep.moe_body(tensor.bias_once(p, TENSOR), x, positions, cfg=cfg, ep_axes=(EXPERT,),
-                         ep=ep_size, token_axes=TOKENS,
-                         exchange=ep.a2a_exchange)       # y [b/M, S, D] {U_t}, stats
+      return body(tensor.bias_once(p, TENSOR), x, positions)   # y [b/M, S, D] {U_t}, stats
     return model.Parallelism(moe=moe, scatter_out=scatter_out)
 
   gather = context.sequence_gatherer(TENSOR) if cfg.capacity_factor > 0 else None
@@ -439,10 +436,17 @@ def _stage_layout(cfg, ep_size, t, experts="split"):
 
 
 def _first_tensor_rank():
-  """1.0 on tensor rank 0, else 0.0: the CE and the aux and z losses are counted once per tensor
-  group (each rank holds the same logits and router statistics; the gradient reaches the other
-  ranks through the layers' all-reduces)."""
-  return (jax.lax.axis_index(TENSOR) == 0).astype(jnp.float32)
+  """1.0 on tensor rank 0, else 0.0 (tensor.first_rank): the CE and the aux and z losses are
+  counted once per tensor group (each rank holds the same logits and router statistics; the
+  gradient reaches the other ranks through the layers' all-reduces)."""
+  return tensor.first_rank(TENSOR)
+
+
+def _stat_axes(experts) -> tuple:
+  """The axes a stage's summed router statistics vary over: split, stage and tensor (each
+  tensor rank's own copy, counted once by `_once`); fold, stage (summed over tensor where they
+  are formed)."""
+  return (STAGE, TENSOR) if experts == "split" else (STAGE,)
 
 
 def _once(v, axes=()):
@@ -452,11 +456,8 @@ def _once(v, axes=()):
   (experts=fold's statistics, summed over tensor where they are formed) as it is."""
   if TENSOR not in sharding.varying_axes(v):          # already the same sum on every rank
     return jax.lax.psum(v, axes) if axes else v
-  return jax.lax.psum(v * _first_tensor_rank().astype(v.dtype), (*_tuple(axes), TENSOR))
-
-
-def _tuple(axes) -> tuple:
-  return (axes,) if isinstance(axes, str) else tuple(axes)
+  return jax.lax.psum(v * tensor.first_rank(TENSOR, v.dtype),
+                      (*sharding.entry_axes(axes), TENSOR))
 
 
 def _ce_sum(y, tgt, ph, cfg):
@@ -548,7 +549,7 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, experts, unroll=Fals
   zeros = lambda shape: sharding.to_varying(jnp.zeros(shape, cfg.dtype), ALL)
   stat0 = jax.tree.map(
       lambda a: sharding.to_varying(jnp.zeros((rows,) + a.shape[1:], a.dtype),
-                                    (STAGE, TENSOR) if experts == "split" else (STAGE,)),
+                                    _stat_axes(experts)),
       jax.eval_shape(run_chunk, zeros((mb, s, cfg.d_model)), pos[0], 0)[1])
   carry = (zeros((mb, s, cfg.d_model)), zeros((m, mb, s, cfg.d_model)), stat0)
   (_, outs, stats), _ = jax.lax.scan(step, carry, jnp.arange(ticks), unroll=unroll)
@@ -652,7 +653,7 @@ class _Run:
                pre_pass, experts):
     m, v = cfg.microbatches, chunks(cfg)
     self.cfg, self.m, self.v, self.table, self.n_tokens = cfg, m, v, table, cfg.batch * cfg.seq_len
-    self.stat_axes = (STAGE, TENSOR) if experts == "split" else (STAGE,)
+    self.stat_axes = _stat_axes(experts)
     self.stage = jax.lax.axis_index(STAGE)
     self.first, self.last = self.stage == 0, self.stage == n_stage - 1
     self.pos, self.tgt = _split(positions, m), _split(targets, m)   # [M, b/M, S]
@@ -789,7 +790,7 @@ class _Run:
   def carry0(self):
     """The carry before the first tick: zeros typed as the loop's."""
     y0, table, ring = self.y0, self.table, in_flight(self.table)
-    # [rows, ..] of [rows/v, ..]; split: varying over tensor as gpipe's (rank 0's counted once)
+    # [rows, ..] of [rows/v, ..], typed over the axes the step's statistics vary over
     stat = lambda a: _zeros_like(a[0], (self.rows,), also=self.stat_axes)
     f32 = lambda tree: jax.tree.map(lambda a: _zeros_like(a, dtype=jnp.float32), tree)
     return {"recv": _zeros_like(y0, (int(table["AF"].max()) + 1,)),
@@ -894,7 +895,8 @@ def cost(cfg, mesh, opts):
                        counts, TOKENS + (TENSOR,) if pre else TENSOR)
   # the non-expert matrices gathered once per step: a stacked leaf keeps its L dim as stored
   # (the MoE stack's over stage: gathered over data; the prefix's: over (stage, data))
-  kept_l = lambda spec: (P(spec[0], *(_without(e, SPREAD) for e in spec[1:])), AXES)
+  kept_l = lambda spec: (P(spec[0], *sharding.without_axis(
+      sharding.without_axis(P(*spec[1:]), STAGE), DATA)), AXES)
   gathered = {**{role: kept_l for role in model.D_DIM if role not in ("expert_in", "expert_out")},
               "embed": (P(), AXES), "unembed": (P(), AXES)}
   specs = param_specs(cfg, mesh, opts)
@@ -918,7 +920,7 @@ def cost(cfg, mesh, opts):
     # parallelism over tensor too
     out += term("all-reduce", "fwd", "the step's counts [L/P, E] for the bias update", counts,
                 TOKENS + (TENSOR,))
-  if counts_pre_pass(cfg, opts):               # the GPipe forward time loop, once more
+  if pre:                                      # the GPipe forward time loop, once more
     out += (term("collective-permute", "fwd", "counts pre-pass: activations (v = 1, unrolled: "
                  "its last tick's send, read by no stage, compiled away)",
                  (ticks - (v == 1)) * act, STAGE)
@@ -931,12 +933,6 @@ def cost(cfg, mesh, opts):
                   "(measured: with one chunk per stage XLA folds them away)",
                   ticks * local_layers * cfg.n_experts * cost_lib.F32, stat_axes)
   return out
-
-
-def _without(entry, axes):
-  """A spec entry without `axes` (None when nothing is left)."""
-  kept = tuple(a for a in sharding.entry_axes(entry) if a not in axes)
-  return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def _tensor_terms(cfg, mesh, act, steps, pre_steps, opts) -> list:
