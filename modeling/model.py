@@ -19,6 +19,9 @@ A strategy does not rewrite the model. Its `layout(cfg, mesh, opts)` hands `forw
          gathers its latent [B, T, Rkv + rope] to the same (batch, T) instead. Without kv the
          positions are the batch's own order, 0..S-1 (only cp reorders them): attention is
          called `ordered` and skips the key chunks after each query block
+  kv_axes  CP inside a full-manual shard_map (pp's stages): the mesh axes that split the local
+         sequence; K/V (MLA: the latent) all-gathered over them by hand (the transpose,
+         dK/dV, reduce-scattered), the keys' positions given whole (Positions.k)
   use    (role, w) -> w, applied to every non-routed weight right before its use (FSDP all-gather);
          role: its entry in ROLES (w is one layer's slice inside the layer scan)
   moe    (p_moe, x [B, S, D], positions [B, S]) -> (y, stats): a MoE layer's routed FFN, where the strategy
@@ -76,6 +79,7 @@ class Parallelism:
   kv: Any = None
   kv_pos: Any = None
   kv_ring: bool = False          # with kv: CP's K/V exchange, all-gather (False) or ring
+  kv_axes: tuple = ()            # manual CP (pp): K/V all-gathered over these axes by hand
   use: Callable = _identity_use
   moe: Callable | None = None
   gather_in: Callable = _identity
@@ -86,6 +90,11 @@ class Parallelism:
   # the parameters as the step uses them, once per step before the forward (ZeRO-1's all-gather
   # over data, layout/fsdp.gather_once), or as stored
   params: Callable = _identity
+
+  @property
+  def splits_sequence(self) -> bool:
+    """Whether the queries hold part of the sequence (CP) and K/V are gathered whole."""
+    return self.kv is not None or bool(self.kv_axes)
 
   @property
   def gathers_once(self) -> bool:
@@ -444,10 +453,15 @@ def _kv_gather_axes(a, spec) -> tuple:
                if x not in sharding.dim_axes(spec, 1))
 
 
-def _gather_kv(a, spec):
-  """K or V [B, S@cp, ...] -> spec (whole along the sequence): an all-gather over the axes that
-  split S. Every such rank's queries read all of K/V, so the cotangent is a partial sum over
-  those axes: gather_weight's backward reduce-scatters it (XLA:CPU alone would all-reduce)."""
+def _gather_kv(a, lay: Parallelism, spec=None):
+  """K or V [B, S@cp, ...] -> whole along the sequence: an all-gather over the axes that split
+  S (lay.kv_axes inside a manual shard_map; else those of a's type not in spec, lay.kv by
+  default). Every such rank's queries read all of K/V, so the cotangent is a partial sum over
+  those axes, reduce-scattered: the manual all-gather's transpose, or gather_weight's backward
+  (XLA:CPU alone would all-reduce)."""
+  if lay.kv_axes:
+    return jax.lax.all_gather(a, lay.kv_axes, axis=1, tiled=True)             # [B, T, ...]
+  spec = lay.kv if spec is None else spec
   return sharding.gather_weight(a, spec, _kv_gather_axes(a, spec))
 
 
@@ -547,10 +561,10 @@ def gqa(p, x, pos: Positions, cfg: Config, lay: Parallelism, kind: str = "full")
                                    cfg.attention_chunk, _kv_gather_axes(k, lay.kv),
                                    balanced=True, **extra)      # cp's load-balanced order
   else:
-    if lay.kv is not None:                                                     # CP: gather K/V
-      k, v = _gather_kv(k, lay.kv), _gather_kv(v, lay.kv)                   # [B, T, KV, Dh]
+    if lay.splits_sequence:                                                    # CP: gather K/V
+      k, v = _gather_kv(k, lay), _gather_kv(v, lay)                         # [B, T, KV, Dh]
     o = attention_lib.attend(q, k, v, positions, pos.k, scale, cfg.attention_impl,
-                             cfg.attention_chunk, ordered=lay.kv is None,
+                             cfg.attention_chunk, ordered=not lay.splits_sequence,
                              **extra)                                          # [B, S, KV, G, Dh]
   return jnp.einsum("bskgh,kghd->bsd", o, wo, out_sharding=lay.row)            # [B, S, D]
 
@@ -612,15 +626,17 @@ def mla(p, x, pos: Positions, cfg: Config, lay: Parallelism):
                                    cfg.attention_chunk, _kv_gather_axes(lat, spec),
                                    q_r=q_r, balanced=True)                     # [B, S, H, 1, v]
   else:
-    if lay.kv is None:
+    if lay.kv_axes:                                    # manual CP: gather the latent
+      lat = _gather_kv(lat, lay)                                               # [B, T, Rkv + rope]
+    if lay.kv is None:                                 # (manual: each rank's own partial dK/dV)
       kv = jnp.einsum("btr,rhk->bthk", lat[..., :r], wkv_b)                    # [B, T, H, nope + v]
     else:                                              # CP: gather the latent, not K and V
       gathered = _kv_gather_axes(lat, spec)          # K/V stay partial sums over these
-      lat = _gather_kv(lat, spec)                                              # [B, T, Rkv + rope]
+      lat = _gather_kv(lat, lay, spec)                                         # [B, T, Rkv + rope]
       kv = sharding.partial_einsum("btr,rhk->bthk", lat[..., :r], wkv_b, gathered)
     o = attention_lib.attend(q_n, kv[..., :nope], kv[..., nope:], positions, pos.k, scale,
                              cfg.attention_impl, cfg.attention_chunk, q_r=q_r,
-                             k_r=lat[..., r:], ordered=lay.kv is None)         # [B, S, H, 1, v]
+                             k_r=lat[..., r:], ordered=not lay.splits_sequence)  # [B, S, H, 1, v]
   return jnp.einsum("bshv,hvd->bsd", o[:, :, :, 0], w("wo", "attn_o"),
                     out_sharding=lay.row)                                      # [B, S, D]
 

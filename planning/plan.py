@@ -331,8 +331,9 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   heads = cfg.n_heads / shape.get("tensor", 1)
   chunk = min(cfg.attention_chunk, cfg.seq_len) if cfg.attention_impl == "chunked" else cfg.seq_len
   # attention runs ordered, in query blocks of the chunk, wherever the layout gathers no K/V
-  # (model.gqa / model.mla: ordered=lay.kv is None); cp's reordered, split sequence does not
-  ordered = lay.kv is None
+  # (model.gqa / model.mla: ordered=not lay.splits_sequence); cp's reordered, split sequence
+  # (pp's with a context axis) does not
+  ordered = not lay.splits_sequence
   blocks = chunk / cfg.seq_len if cfg.attention_impl == "chunked" and ordered else 1
   return {"logits": t_head * v_loc * 4, "gathered": gathered,
           "gathered_head": sum(head) * (not _pipelined(name)),

@@ -1,9 +1,11 @@
-"""pp — pipeline parallelism over `stage`, expert and tensor parallelism inside each stage
-(Megatron's TP x PP x EP layouts: experts over `expert`, heads and widths over `tensor`).
+"""pp — pipeline parallelism over `stage`, expert, context and tensor parallelism inside each
+stage (Megatron's TP x PP x EP x CP layouts: experts over `expert`, the sequence over `context`,
+heads and widths over `tensor`).
 
-Mesh axes: (stage, data, expert, tensor), stage outermost. P = |stage| stages of L/P contiguous
+Mesh axes: (stage, data, expert, context, tensor), stage outermost. P = |stage| stages of L/P contiguous
 MoE layers (L = n_layers - first_k_dense_replace); M = --microbatches per step; EP = |expert|,
-t = |tensor| (Megatron's TP, with ETP = TP: each expert's F split over tensor, as ep_x_tp's).
+c = |context| (Megatron's CP), t = |tensor| (Megatron's TP, with ETP = TP: each expert's F split
+over tensor, as ep_x_tp's).
 --layer_layout=c_0,..,c_{P-1} puts c_s MoE layers on stage s, the stack stored padded to
 P x max(c) rows (modeling/config.py layer_slots; a padding row is inert), so "L/P" below reads
 "max(c)"; without it, a P that does not divide L gets balanced_layout(L, P) (`stored_config`).
@@ -24,8 +26,9 @@ one repeated period with no prefix and each stage holds whole periods (`_check_d
 | embed [V, D], unembed [D, V]             | D over (stage, data): [V, D@(stage,data)]         |
 | final_norm, the prefix's norms           | replicated                                        |
 | optimizer state                          | like its parameter                                |
-| tokens / targets / positions [B, S]      | ((data, expert), None), replicated over stage, tensor |
-| a microbatch between stages [b/M, S, D]  | per device: its b = B/(data*expert) rows, 1/M; each tensor rank the same |
+| tokens / targets / positions [B, S]      | ((data, expert), context), cp's load-balanced order; replicated over stage, tensor |
+| a microbatch between stages [b/M, S/c, D] | per device: its b = B/(data*expert) rows, 1/M; each tensor rank the same |
+| K, V (MLA: latent) [b/M, T, ..], kv_pos  | whole along T: all-gathered over context per layer (kv_pos once per step) |
 
 The whole model is one full-manual shard_map. Stage 0 feeds microbatch t at time t; stage s runs
 its L/P layers (model.block, scanned) on what stage s-1 sent at t-1 and ppermutes its output to
@@ -34,7 +37,12 @@ is ep.py's moe_body with its padded all-to-all over expert. With t > 1 every ten
 stage holds the same residual and routes the same tokens; attention runs H/t heads, the SwiGLUs
 and the experts their F/t slice, and each block's row-parallel output is all-reduced over
 tensor (`_stage_layout`); tensor rank 0 alone counts the CE and the aux and z losses, the other
-ranks' gradients arriving through those all-reduces. The leading dense layers (DeepSeek's)
+ranks' gradients arriving through those all-reduces. With c > 1 each device holds S/c
+positions of every sequence in cp's load-balanced order (layout/context.py: context rank i holds
+chunks i and 2c-1-i), and every attention all-gathers K and V (MLA: its latent and RoPE key)
+over context, as cp's allgather exchange, written by hand (model.Parallelism.kv_axes); the
+router statistics are summed over context, so every context rank forms the same aux loss.
+The leading dense layers (DeepSeek's)
 run before the pipeline on every device, under 1f1b in stage 0's phases. The non-expert matrices
 are stored split on D over data (embedding, head, dense prefix: (stage, data)), all-gathered
 once per step before the time loop (`_use`), their gradients reduce-scattered once after it.
@@ -57,7 +65,12 @@ Collectives per step (x = expert):
             2t. t > 1, per pass and layer: all-reduce over tensor of attention's output and of
                the MLP block's (MoE + shared, or a dense FFN's), [b/M, S, D] each (the prefix's
                per microbatch)
-  backward: 3. collective-permute over stage of the activation cotangents, as many
+            2c. c > 1, per pass and layer (and the prefix's): all-gather over context of K and V
+               [b/M, S, KV, Dh] (MLA: latent + RoPE key [b/M, S, Rkv + rope]); with the
+               capacity rule the layer's expert ids [b/M, S, K] (and the pass's positions);
+               with the sequence-wise loss each sequence's counts and probs [b/M, E] summed
+  backward: 3. collective-permute over stage of the activation cotangents, as many;
+               c > 1: reduce-scatter over context of each layer's dK, dV (d latent)
             4. the all-to-all transposes; t > 1: all-reduce over tensor of the cotangent of each
                block's output (2t's transpose: every rank's residual holds a copy of the sum);
                weight grads once after the loop: the matrices
@@ -66,7 +79,8 @@ Collectives per step (x = expert):
                experts all-reduced over data; norms over (data, x, t) (a layer's) or (stage,
                data, x, t) (final_norm, the prefix's)
   before  : the matrices all-gathered over data (embed, unembed, the prefix's: (stage, data))
-  once    : the loss sums: CE over (stage, data, x, t), aux / z / dropped over (stage, t); grad
+  once    : kv_pos [b, S] all-gathered over context (c > 1), before the time loop;
+            the loss sums: CE over (stage, data, x, c, t), aux / z / dropped over (stage, t); grad
             norm; t > 1: the step's counts [rows, E] over tensor (tensor rank 0's);
             1f1b with the batch-wise aux loss: the counts pre-pass, 1. and 2. once more.
 HLO contract (every collective of the compiled step; size-1 axes drop out; the cost model's
@@ -77,17 +91,22 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
   reduce-scatter over (stage, data): embed, unembed and dense-prefix matrix grads
   collective-permute over stage: activations forward, cotangents backward
   all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
-  all-reduce over (data, expert): router statistics per microbatch
-  all-reduce over (data, expert, tensor): layer norm-scale and router grads; t > 1, 1f1b: the
-    step's counts (with the counts pre-pass, or for the bias update)
-  all-reduce over expert: tensor-split layer and prefix matrix grad shards after the reduce-scatter
-  all-reduce over (expert, tensor): replicated matrices' (embed, unembed, MLA down-projections)
-    grad shards after the reduce-scatter
-  all-reduce over data: expert grads
+  all-reduce over (data, expert, context): router statistics per microbatch
+  all-reduce over (data, expert, context, tensor): layer norm-scale and router grads; t > 1,
+    1f1b: the step's counts (with the counts pre-pass, or for the bias update)
+  all-reduce over (expert, context): tensor-split layer and prefix matrix grad shards after the
+    reduce-scatter
+  all-reduce over (expert, context, tensor): replicated matrices' (embed, unembed, MLA
+    down-projections) grad shards after the reduce-scatter
+  all-reduce over (data, context): expert grads
   all-reduce over (stage, tensor): aux / z / dropped sums
   all-reduce over tensor: t > 1, the row-parallel outputs and their cotangents; the step's counts
-  all-reduce over (stage, data, expert, tensor): final_norm and dense-prefix norm grads, CE sum,
-    grad norm
+  all-reduce over (stage, data, expert, context, tensor): final_norm and dense-prefix norm
+    grads, CE sum, grad norm
+  all-gather over context: K and V (MLA: latent + RoPE key) per layer, kv_pos once; the capacity
+    rule's expert ids per layer and positions per pass
+  reduce-scatter over context: dK, dV (MLA: d(latent)) per layer
+  all-reduce over context: the sequence-wise loss's per-sequence partials and their cotangents
   all-gather over tensor [muon]: the tensor-split matrices' float32 directions, whole for
     Newton-Schulz, once per step
   (Muon adds its float32 directions all-gathered over data, the prefix's over (stage, data), and
@@ -95,30 +114,39 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
 
 --opt=experts=fold (Megatron's parallel folding: ETP 1, EP = |expert| x |tensor|): the experts
 are stored whole, [L@stage, E@(expert,tensor), D, F], e = E/(EP t) per device. Tensor rank r
-routes its own S/t positions of the microbatch ([b/M, S/t, D]) through the all-to-all over
-(expert, tensor) and writes the outputs into its slice of a zero [b/M, S, D]; the MLP block's
-all-reduce over tensor assembles the slices with the shared expert's partial sums, so a layer
-keeps its two all-reduces. The router statistics are summed over tensor where they are formed.
-HLO contract, experts=fold (under the capacity rule; dropless drops the all-gather over tensor):
+routes its own S/(c t) positions of the microbatch ([b/M, S/(c t), D]) through the all-to-all
+over (expert, tensor) and writes the outputs into its slice of a zero [b/M, S/c, D]; the MLP
+block's all-reduce over tensor assembles the slices with the shared expert's partial sums, so a
+layer keeps its two all-reduces. The router statistics are summed over tensor where they are
+formed. With c > 1 this is Megatron's long-context folding: attention TP x CP x DP and the
+MoE's EP = |expert| x |tensor| over the same devices of a stage.
+HLO contract, experts=fold (under the capacity rule; dropless drops the all-gather over
+(context, tensor)):
   all-gather over data: the non-expert matrices, once per step before the time loop
   all-gather over (stage, data): embed, unembed and the dense prefix's matrices, with them
   reduce-scatter over data: their gradients, once after it
   reduce-scatter over (stage, data): embed, unembed and dense-prefix matrix grads
   collective-permute over stage: activations forward, cotangents backward
-  all-to-all over (expert, tensor): counts, dispatch and combine buffers of each rank's S/t
+  all-to-all over (expert, tensor): counts, dispatch and combine buffers of each rank's S/(c t)
     positions, fwd and bwd
-  all-gather over tensor: the capacity rule's expert ids [b/M, S, K] per run and positions
-    [b/M, S] per pass (it orders whole sequences)
-  all-reduce over (data, expert, tensor): router statistics per microbatch, layer norm-scale and
-    router grads; 1f1b: the step's counts
-  all-reduce over expert: tensor-split layer and prefix matrix grad shards after the reduce-scatter
-  all-reduce over (expert, tensor): replicated matrices' grad shards after the reduce-scatter
-  all-reduce over data: expert grads
+  all-gather over (context, tensor): the capacity rule's expert ids [b/M, S, K] per run and
+    positions [b/M, S] per pass (it orders whole sequences)
+  all-reduce over (data, expert, context, tensor): router statistics per microbatch, layer
+    norm-scale and router grads; 1f1b: the step's counts
+  all-reduce over (expert, context): tensor-split layer and prefix matrix grad shards after the
+    reduce-scatter
+  all-reduce over (expert, context, tensor): replicated matrices' grad shards after the
+    reduce-scatter
+  all-reduce over (data, context): expert grads
   all-reduce over stage: aux / z / dropped sums
-  all-reduce over tensor: the row-parallel outputs and their cotangents; the sequence-wise
-    loss's per-sequence partials and their cotangents; 1f1b: each phase's aux term's cotangent
-  all-reduce over (stage, data, expert, tensor): final_norm and dense-prefix norm grads, CE sum,
-    grad norm
+  all-reduce over tensor: the row-parallel outputs and their cotangents; 1f1b: each phase's aux
+    term's cotangent
+  all-reduce over (context, tensor): the sequence-wise loss's per-sequence partials and their
+    cotangents
+  all-reduce over (stage, data, expert, context, tensor): final_norm and dense-prefix norm grads,
+    CE sum, grad norm
+  all-gather over context: K and V (MLA: latent + RoPE key) per layer, kv_pos once
+  reduce-scatter over context: dK, dV (MLA: d(latent)) per layer
   all-gather over tensor [muon]: the tensor-split matrices' float32 directions, once per step
 When to use: the model's layers do not fit on one EP group (pipeline across nodes over slow
 links: only [b/M, S, D] activations cross a stage boundary), with M >= P microbatches to keep
@@ -156,11 +184,13 @@ from parallel import sharding
 from strategies import BadInput, Case, ep
 
 NAME = "pp"
-STAGE, DATA, EXPERT, TENSOR = mesh_lib.STAGE, mesh_lib.DATA, mesh_lib.EXPERT, mesh_lib.TENSOR
-AXES = (STAGE, DATA, EXPERT, TENSOR)
+STAGE, DATA, EXPERT, CONTEXT, TENSOR = (mesh_lib.STAGE, mesh_lib.DATA, mesh_lib.EXPERT,
+                                         mesh_lib.CONTEXT, mesh_lib.TENSOR)
+AXES = (STAGE, DATA, EXPERT, CONTEXT, TENSOR)
 MAIN_AXIS = STAGE
 COMPARE_MESH = "data:1,stage:2,expert:4"        # tiny's 2 layers on 2 stages; more devices: data
-TOKENS = (DATA, EXPERT)                         # the batch axes (replicated over stage)
+BATCH = (DATA, EXPERT)                          # the axes splitting B (replicated over stage)
+TOKENS = BATCH + (CONTEXT,)                     # every axis splitting the tokens (S: context)
 SPREAD = (STAGE, DATA)                          # embed, unembed and the dense prefix: D over every stage
 ALL = (STAGE,) + TOKENS + (TENSOR,)             # every axis (a gradient's sums run over them)
 LAYER_LAYOUT = True       # --layer_layout: stage s holds group s of the padded MoE stack
@@ -243,7 +273,21 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               Case("mixtral-test", "stage:2,data:2,tensor:2",
                    dict(n_layers=4, batch=8, microbatches=2, capacity_factor=1.0), FOLD_1F),
               Case("deepseek-test", "stage:2,expert:2,tensor:2",
-                   dict(n_layers=5, microbatches=2, capacity_factor=1.0), FOLD)]
+                   dict(n_layers=5, microbatches=2, capacity_factor=1.0), FOLD),
+              # context parallelism inside the stages: S over context in cp's load-balanced
+              # order, MLA's latent all-gathered per layer; 1f1b with the capacity rule (the
+              # sequence's expert ids gathered) and interleaved; GQA's K/V with TP
+              Case("deepseek-test", "stage:2,context:2,expert:2",
+                   dict(n_layers=5, microbatches=2, capacity_factor=1.0), ONE_F),
+              Case("deepseek-test", "stage:2,context:2,expert:2",
+                   dict(n_layers=5, microbatches=2, layer_layout="1,1,1,1", layer_stages=2),
+                   INTERLEAVED),
+              Case("mixtral-test", "stage:2,context:2,tensor:2",
+                   dict(n_layers=4, batch=8, microbatches=2)),
+              # fold with context (Megatron's long-context layouts): each tensor rank routes
+              # S/(c t) positions; the sequence-wise loss and the capacity rule over both
+              Case("deepseek-test", "stage:2,context:2,tensor:2",
+                   dict(n_layers=5, microbatches=2, capacity_factor=1.0), FOLD_1F)]
 COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7] + TEST_CASES[8:]
 BF16_CASE = Case("deepseek-test", "stage:2,data:2,expert:2", opts=ONE_F)    # its explicit vjp
 PIPELINE = True     # runs its microbatches in its own pipeline (the planner: no accumulation)
@@ -276,7 +320,11 @@ BAD_INPUT = [
     BadInput(dict(), "stage:2,expert:4", FOLD, "pp option experts=fold needs a tensor axis of "
              "size > 1 (without one it is experts=split's program)"),
     BadInput(dict(n_experts=4, top_k=2), "expert:4,tensor:2", FOLD,
-             "n_experts=4 is not divisible by mesh axis expertxtensor=8")]
+             "n_experts=4 is not divisible by mesh axis expertxtensor=8"),
+    BadInput(dict(seq_len=36), "stage:2,context:4", Options(),   # the load-balanced order
+             "seq_len=36 is not divisible by 2*context=8"),
+    BadInput(dict(seq_len=36, n_kv_heads=4), "context:2,tensor:4", FOLD,  # a rank's S/(c t)
+             "seq_len=36 is not divisible by mesh axis contextxtensor=8")]
 
 
 def contract_variant(opts):
@@ -301,9 +349,11 @@ def check(cfg, mesh, opts):
                       "is experts=split's program)")
   mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, (EXPERT, TENSOR) if fold else EXPERT)
   mesh_lib.require_head_split(cfg, mesh, TENSOR, expert_ff=not fold)   # heads, widths over t
-  if fold:                                      # each tensor rank routes its S/t positions
-    mesh_lib.require_divisible("seq_len", cfg.seq_len, mesh, TENSOR)
-  mesh_lib.require_divisible("batch", cfg.batch, mesh, TOKENS)
+  if fold:                                      # each tensor rank routes its S/(c t) positions
+    mesh_lib.require_divisible("seq_len", cfg.seq_len, mesh, (CONTEXT, TENSOR))
+  if mesh_lib.axis_size(mesh, CONTEXT) > 1:     # S over context, in the load-balanced order
+    context.check(cfg, mesh, CONTEXT)
+  mesh_lib.require_divisible("batch", cfg.batch, mesh, BATCH)
   fsdp.check(cfg, mesh, DATA)                 # the stage's matrices on their D dim over data
   if cfg.first_k_dense_replace:                 # the prefix's over (stage, data)
     fsdp.check(cfg, mesh, SPREAD)
@@ -352,13 +402,22 @@ def param_specs(cfg, mesh, opts=None):
 
 
 def batch_spec(cfg, mesh):
-  return P(TOKENS, None)                                            # [B, S] @ ((data, x), None)
+  return P(BATCH, CONTEXT)                                      # [B, S] @ ((data, x), context)
+
+
+def prepare_batch(b, cfg, mesh):
+  """With a context axis, cp's load-balanced order (layout/context.py): context rank i holds
+  chunks i and 2c-1-i of the sequence; the model masks with the true positions."""
+  if mesh_lib.axis_size(mesh, CONTEXT) == 1:
+    return b
+  return context.prepare_batch(b, cfg, mesh, CONTEXT)
 
 
 def layout(cfg, mesh, opts):
-  if opts.schedule in ("gpipe", "interleaved"):
-    return model.Parallelism(loss=functools.partial(loss, cfg=cfg, mesh=mesh, opts=opts))
-  return model.Parallelism(loss=functools.partial(_scheduled_loss, cfg=cfg, mesh=mesh, opts=opts))
+  # the whole model is pp's loss; kv_axes says what its stages do with a context axis
+  run = loss if opts.schedule in ("gpipe", "interleaved") else _scheduled_loss
+  cp = (CONTEXT,) if mesh_lib.axis_size(mesh, CONTEXT) > 1 else ()
+  return model.Parallelism(loss=functools.partial(run, cfg=cfg, mesh=mesh, opts=opts), kv_axes=cp)
 
 
 def loss(params, batch, *, cfg, mesh, opts):
@@ -374,8 +433,8 @@ def loss(params, batch, *, cfg, mesh, opts):
 def _pipeline(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, experts):
   """One device. tokens / targets / positions [b, S] local rows; p: this stage's layers."""
   p = _use(p, specs, cfg)
-  outs, stats = _stages(p, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
-                        experts=experts)
+  outs, stats = _stages(p, tokens, _positions(positions, cfg.microbatches), cfg=cfg,
+                        n_stage=n_stage, ep_size=ep_size, experts=experts)
   last = jax.lax.axis_index(STAGE) == n_stage - 1
   tgt = _split(targets, cfg.microbatches)                          # [M, b/M, S]
   ce = jnp.sum(jax.lax.map(lambda ot: _ce_sum(ot[0], ot[1], p, cfg),
@@ -394,9 +453,29 @@ def _split(a, m):
   return einops.rearrange(a, "(m mb) s -> m mb s", m=m)
 
 
-def _stage_layout(cfg, ep_size, t, experts="split"):
+def _positions(positions, m):
+  """This device's positions [b, S/c] -> model.Positions of the M microbatches: the queries'
+  and the residual's [M, b/M, S/c], the keys' [M, b/M, S] (with a context axis, all-gathered
+  over it once per step, before the time loop)."""
+  q = _split(positions, m)
+  if jax.lax.axis_size(CONTEXT) == 1:
+    return model.Positions(q, q, q)
+  k = jax.lax.all_gather(positions, CONTEXT, axis=1, tiled=True)            # [b, S]
+  return model.Positions(q, q, _split(k, m))
+
+
+def _at(pos, i):
+  """Microbatch i's Positions [b/M, ..] of `_positions`' [M, b/M, ..]."""
+  return jax.tree.map(lambda a: a[i], pos)
+
+
+def _stage_layout(cfg, ep_size, t, experts="split", c=1):
   """A stage's layers on one device: the MoE ep.py's moe_body with its padded all-to-all over
-  expert; with t = |tensor| > 1, Megatron's tensor parallelism by hand. Every tensor rank holds
+  expert; with c = |context| > 1, cp's all-gather exchange by hand (each device's queries are
+  its S/c positions of the load-balanced order; K and V, MLA's latent, all-gathered over
+  context per layer, their cotangents reduce-scattered; the router statistics summed over
+  context, the capacity rule's expert ids gathered over it: it orders whole sequences); with
+  t = |tensor| > 1, Megatron's tensor parallelism by hand. Every tensor rank holds
   the same residual; attention runs its H/t heads, the dense and shared SwiGLUs their F/t
   slice, so each row-parallel output is a partial sum over tensor and scatter_out all-reduces it
   ("tp_psum": attention's; the MoE's, shared expert's and a dense FFN's, one for the block).
@@ -406,10 +485,13 @@ def _stage_layout(cfg, ep_size, t, experts="split"):
   its S/t positions through the all-to-all over both and writes their outputs into its slice of
   a zero [b/M, S, D], which the block's all-reduce assembles. The router statistics are
   counted by tensor rank 0 (split: each rank holds the same; fold: summed over tensor first)."""
+  cp = (CONTEXT,) if c > 1 else ()
+  gather = context.sequence_gatherer(CONTEXT) if cp and cfg.capacity_factor > 0 else None
   body = functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
-                           token_axes=TOKENS, exchange=ep.a2a_exchange)
+                           token_axes=TOKENS, exchange=ep.a2a_exchange, gather_sequence=gather,
+                           seq_axes=cp)
   if t == 1:
-    return model.Parallelism(moe=body)
+    return model.Parallelism(moe=body, kv_axes=cp)
 
   def scatter_out(y):                                    # [b/M, S, D] {U_t} -> the sum
     with jax.named_scope("tp_psum"):
@@ -418,21 +500,22 @@ def _stage_layout(cfg, ep_size, t, experts="split"):
   if experts == "split":
     def moe(p, x, positions):                            # x [b/M, S, D], the same on every t
       return body(tensor.bias_once(p, TENSOR), x, positions)   # y [b/M, S, D] {U_t}, stats
-    return model.Parallelism(moe=moe, scatter_out=scatter_out)
+    return model.Parallelism(moe=moe, scatter_out=scatter_out, kv_axes=cp)
 
-  gather = context.sequence_gatherer(TENSOR) if cfg.capacity_factor > 0 else None
+  seq = cp + (TENSOR,)                                   # the axes splitting a routed sequence
+  gather = context.sequence_gatherer(seq) if cfg.capacity_factor > 0 else None
 
-  def moe_folded(p, x, positions):                       # x [b/M, S, D], the same on every t
+  def moe_folded(p, x, positions):                       # x [b/M, S/c, D], the same on every t
     s = x.shape[1] // t
     at = jax.lax.axis_index(TENSOR) * s                  # this rank's positions: at .. at+s-1
     own = lambda a: jax.lax.dynamic_slice_in_dim(a, at, s, axis=1)
     y, stats = ep.moe_body(p, own(x), own(positions), cfg=cfg, ep_axes=(EXPERT, TENSOR),
                            ep=ep_size * t, token_axes=TOKENS + (TENSOR,),
                            exchange=ep.a2a_exchange, gather_sequence=gather,
-                           seq_axes=(TENSOR,))           # y [b/M, S/t, D]
+                           seq_axes=seq)                 # y [b/M, S/(c t), D]
     return jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(x), y.astype(x.dtype), at,
-                                               axis=1), stats   # [b/M, S, D], its slice
-  return model.Parallelism(moe=moe_folded, scatter_out=scatter_out)
+                                               axis=1), stats   # [b/M, S/c, D], its slice
+  return model.Parallelism(moe=moe_folded, scatter_out=scatter_out, kv_axes=cp)
 
 
 def _first_tensor_rank():
@@ -494,21 +577,22 @@ def _split_dim(spec) -> tuple:
   return None, ()
 
 
-def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, experts, unroll=False):
-  """The GPipe time loop on one device, p as `_use` returns it -> (the last stage's outputs
+def _stages(p, tokens, pos, *, cfg, n_stage, ep_size, experts, unroll=False):
+  """The GPipe time loop on one device, p as `_use` returns it, pos as `_positions` -> (the
+  last stage's outputs
   [M, b/M, S, D] (zeros on the other stages), this stage's router stats summed over the
   microbatches {name: [rows, ..]}). With v = chunks(cfg) > 1 (interleaved) a tick runs one of
   the stage's v chunks, and stage P-1's output feeds stage 0's next chunk (`schedule`)."""
   m, v = cfg.microbatches, chunks(cfg)
   b, s = tokens.shape
   mb = b // m
-  pos = _split(positions, m)                                        # [M, b/M, S]
   stage = jax.lax.axis_index(STAGE)
   first, last = stage == 0, stage == n_stage - 1
   # every microbatch's stage-0 input, [M, b/M, S, D]: the embedding and the leading dense layers
   # (DeepSeek's) on every device for its own rows (stages > 0 discard theirs: a zero gradient),
   # one microbatch at a time (lax.map: the working set of b/M rows, not of b)
-  lay = _stage_layout(cfg, ep_size, jax.lax.axis_size(TENSOR), experts)
+  lay = _stage_layout(cfg, ep_size, jax.lax.axis_size(TENSOR), experts,
+                      jax.lax.axis_size(CONTEXT))
   x0 = jax.lax.map(lambda tp: model.dense_prefix(p["embed"][tp[0]], p, tp[1], cfg, lay),
                    (_split(tokens, m), pos))
   mask = _stage_mask(cfg, n_stage)
@@ -535,7 +619,7 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, experts, unroll=Fals
     valid = f_tab[t, stage] >= 0
     mc, r = jnp.maximum(f_tab[t, stage], 0), jnp.maximum(c_tab[t, stage], 0)
     x = jnp.where(first & (r == 0), x0[mc], recv)                   # [b/M, S, D]
-    y, st = run_chunk(x, pos[mc], r)                                # st: {name: [rows/v, ...]}
+    y, st = run_chunk(x, _at(pos, mc), r)                           # st: {name: [rows/v, ...]}
     add = (lambda a, u: a + jnp.where(valid, u, 0)) if v == 1 else (   # into chunk r's rows
         lambda a, u: jax.lax.dynamic_update_slice_in_dim(
             a, jax.lax.dynamic_slice_in_dim(a, r * per, per) + jnp.where(valid, u, 0), r * per, 0))
@@ -550,7 +634,7 @@ def _stages(p, tokens, positions, *, cfg, n_stage, ep_size, experts, unroll=Fals
   stat0 = jax.tree.map(
       lambda a: sharding.to_varying(jnp.zeros((rows,) + a.shape[1:], a.dtype),
                                     _stat_axes(experts)),
-      jax.eval_shape(run_chunk, zeros((mb, s, cfg.d_model)), pos[0], 0)[1])
+      jax.eval_shape(run_chunk, zeros((mb, s, cfg.d_model)), _at(pos, 0), 0)[1])
   carry = (zeros((mb, s, cfg.d_model)), zeros((m, mb, s, cfg.d_model)), stat0)
   (_, outs, stats), _ = jax.lax.scan(step, carry, jnp.arange(ticks), unroll=unroll)
   return outs, stats
@@ -656,20 +740,21 @@ class _Run:
     self.stat_axes = _stat_axes(experts)
     self.stage = jax.lax.axis_index(STAGE)
     self.first, self.last = self.stage == 0, self.stage == n_stage - 1
-    self.pos, self.tgt = _split(positions, m), _split(targets, m)   # [M, b/M, S]
+    self.pos, self.tgt = _positions(positions, m), _split(targets, m)   # [M, b/M, S/c]
     self.home = jax.tree.map(sharding.varying_axes, p)     # the axes each weight varies over
     pc = _use(p, specs, cfg)          # gathered over data; its gradients are summed explicitly
     # the stage's stacks: the MoE rows, and the dense rows inside the stack
     stacks = ("layers", "dense_layers") if cfg.dense_inside else ("layers",)
     self.layers = {k: pc[k] for k in stacks}
-    self.lay = _stage_layout(cfg, ep_size, jax.lax.axis_size(TENSOR), experts)
+    self.lay = _stage_layout(cfg, ep_size, jax.lax.axis_size(TENSOR), experts,
+                             jax.lax.axis_size(CONTEXT))
     # the batch-wise loss's f needs the step's counts before the first backward: v = 1 unrolled
     # (a second while loop crashes XLA:CPU when reloaded from the persistent compilation cache);
     # v > 1 a loop (unrolled, XLA keeps every tick's share live)
     self.counts = None
     if pre_pass:
       self.counts = jax.lax.stop_gradient(
-          _stages(pc, tokens, positions, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
+          _stages(pc, tokens, self.pos, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
                   experts=experts, unroll=v == 1)[1]["counts"])
     self.mask = _stage_mask(cfg, n_stage)
     self.rows = cfg.n_layer_slots // n_stage        # the stage's stored rows, self.per a chunk's
@@ -723,8 +808,8 @@ class _Run:
     """Chunk r's forward on microbatch mc -> ((y, part), its vjp's residuals but the weights,
     their treedef, {residual: weight} (`_drop_weights`), (stats, aux, z))."""
     lp = jax.tree.map(lambda a: self.cut(a, r), self.layers)
-    out, vj, aux = jax.vjp(lambda lp, pe, x: self.stage_fn(lp, pe, x, self.tok[mc], self.pos[mc],
-                                                           r),
+    out, vj, aux = jax.vjp(lambda lp, pe, x: self.stage_fn(lp, pe, x, self.tok[mc],
+                                                           _at(self.pos, mc), r),
                            lp, self.pe, x, has_aux=True)
     return (out,) + _drop_weights(vj, (lp, self.pe)) + (aux,)
 
@@ -850,10 +935,15 @@ def _with_weights(kept, tree, index, layers):
 
 
 def activation_shardings(cfg, mesh, opts):
-  b = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS)
-  return [("microbatch between stages", f"[{b // cfg.microbatches}, {cfg.seq_len}, "
-           f"{cfg.d_model}] per device, {cfg.microbatches} microbatches"),
-          ("bubble fraction", f"{bubble(cfg, mesh):.2f}")]
+  b = cfg.batch // mesh_lib.axis_size(mesh, *BATCH)
+  c = mesh_lib.axis_size(mesh, CONTEXT)
+  out = [("microbatch between stages", f"[{b // cfg.microbatches}, {cfg.seq_len // c}, "
+          f"{cfg.d_model}] per device, {cfg.microbatches} microbatches"),
+         ("bubble fraction", f"{bubble(cfg, mesh):.2f}")]
+  if c > 1:
+    out.append(("load-balanced positions per context rank",
+                str(context.lb_positions(cfg.seq_len, c).tolist())))
+  return out
 
 
 def cost(cfg, mesh, opts):
@@ -863,13 +953,14 @@ def cost(cfg, mesh, opts):
   ticks, local_layers = v * cfg.microbatches + p - 1, cfg.n_layer_slots // p // v
   steps, pre_steps = stage_passes(cfg, p, opts)
   sends = permutes(opts.schedule, schedule(opts.schedule, p, cfg.microbatches, v))
-  mb = cfg.batch // mesh_lib.axis_size(mesh, *TOKENS) // cfg.microbatches
-  act = mb * cfg.seq_len * cfg.d_model * cost_lib.act_bytes(cfg)  # one [b/M, S, D]
+  mb = cfg.batch // mesh_lib.axis_size(mesh, *BATCH) // cfg.microbatches
+  s_loc = cfg.seq_len // mesh_lib.axis_size(mesh, CONTEXT)         # a device's positions
+  act = mb * s_loc * cfg.d_model * cost_lib.act_bytes(cfg)        # one [b/M, S/c, D]
   t = mesh_lib.axis_size(mesh, TENSOR)
   tp, fold = t > 1, opts.experts == "fold"
   # the exchange: over expert, or folded over (expert, tensor), each rank its S/t positions
-  ep_axes, n_ep, s_ep = ((EXPERT, TENSOR), ep_size * t, cfg.seq_len // t) if fold else \
-      ((EXPERT,), ep_size, cfg.seq_len)
+  ep_axes, n_ep, s_ep = ((EXPERT, TENSOR), ep_size * t, s_loc // t) if fold else \
+      ((EXPERT,), ep_size, s_loc)
   stat_axes = TOKENS + (TENSOR,) if fold else TOKENS     # each run's router statistics
   c = dispatch.send_rows(cfg, mb, s_ep, n_ep)
   buf = n_ep * c * cfg.d_model * cost_lib.act_bytes(cfg)          # [EP, C, D]
@@ -912,7 +1003,8 @@ def cost(cfg, mesh, opts):
          + _tensor_terms(cfg, mesh, act, steps, pre_steps, opts)
          + term("all-reduce", "fwd", "aux / z / dropped sums", 3 * cost_lib.F32,
                 STAGE if fold else (STAGE, TENSOR))
-         + (_fold_terms(cfg, mesh, mb, runs, steps, pre_steps, opts) if fold else [])
+         + _context_terms(cfg, mesh, mb, steps, pre_steps, opts)
+         + _split_sequence_terms(cfg, mesh, mb, runs, steps, pre_steps, opts)
          + term("all-reduce", "fwd", "CE sum", cost_lib.F32, AXES))
   if cfg.bias_update_rate and opts.schedule != "gpipe" and not pre:
     # the bias update reads the step's counts: summed over the token axes once (the pre-pass
@@ -936,18 +1028,12 @@ def cost(cfg, mesh, opts):
 
 
 def _tensor_terms(cfg, mesh, act, steps, pre_steps, opts) -> list:
-  """The stage's hand-written tensor parallelism (`_stage_layout`), act = one [b/M, S, D]:
+  """The stage's hand-written tensor parallelism (`_stage_layout`), act = one [b/M, S/c, D]:
   per layer run, forward, one all-reduce over tensor of attention's row-parallel output and one
   of the MLP block's (the MoE and shared expert's sum, or a dense FFN's); backward, the same two,
-  each the transpose of the copy of the sum every rank's residual takes. Per stage pass the
-  stage's chunk of layers (dense ones inside the stack included); the dense prefix once per
-  microbatch (gpipe: on every device before the loop), or per forward phase under 1f1b (a
-  conditional that stage 0's first chunk takes: measured as each phase's longer branch)."""
-  p, v = mesh_lib.axis_size(mesh, STAGE), chunks(cfg)
-  stack = (cfg.n_layer_slots + (cfg.n_dense_layers if cfg.dense_inside else 0)) // p // v
-  prefix = (steps if opts.schedule == "1f1b" else cfg.microbatches) * cfg.first_k_dense_replace
-  calls = 2 * (steps * stack + prefix)
-  pre = 2 * (pre_steps * stack + (pre_steps > 0) * prefix)        # the counts pre-pass's
+  each the transpose of the copy of the sum every rank's residual takes, per layer run
+  (`_layer_runs`)."""
+  calls, pre = (2 * n for n in _layer_runs(cfg, mesh, steps, pre_steps, opts))
   term = functools.partial(cost_lib.term, mesh)
   # --remat=block recomputes attention's (the MLP block reads it), never the MLP block's (its
   # sum is the layer's output, which no gradient reads)
@@ -959,24 +1045,63 @@ def _tensor_terms(cfg, mesh, act, steps, pre_steps, opts) -> list:
           + term("all-reduce", "fwd", "counts pre-pass: row-parallel outputs", pre * act, TENSOR))
 
 
-def _fold_terms(cfg, mesh, mb, runs, steps, pre_steps, opts) -> list:
-  """experts=fold's collectives over tensor beside the exchange (each rank routing its S/t
-  positions of the b/M = mb sequences): the sequence-wise loss's per-sequence partials [mb, E]
-  (counts and probabilities) summed over tensor per run, and its scalar's cotangent summed back;
-  under the capacity rule each run's expert ids [mb, S, K] and each pass's positions [mb, S]
-  all-gathered over tensor (the rule orders whole sequences); under 1f1b each phase's aux term's
-  cotangent summed over tensor (tensor rank 0's counted)."""
+def _layer_runs(cfg, mesh, steps, pre_steps, opts) -> tuple:
+  """(the layer runs of a step, the counts pre-pass's): per stage pass the stage's chunk of
+  layers (dense ones inside the stack included); the dense prefix once per microbatch (gpipe:
+  on every device before the loop), or per forward phase under 1f1b (a conditional that stage
+  0's first chunk takes: measured as each phase's longer branch)."""
+  p, v = mesh_lib.axis_size(mesh, STAGE), chunks(cfg)
+  stack = (cfg.n_layer_slots + (cfg.n_dense_layers if cfg.dense_inside else 0)) // p // v
+  prefix = (steps if opts.schedule == "1f1b" else cfg.microbatches) * cfg.first_k_dense_replace
+  return steps * stack + prefix, pre_steps * stack + (pre_steps > 0) * prefix
+
+
+def _context_terms(cfg, mesh, mb, steps, pre_steps, opts) -> list:
+  """c = |context| > 1: cp's all-gather exchange inside the stages. Per layer run
+  (`_layer_runs`), K and V (their KV/t heads; MLA: the latent and RoPE key) of the b/M = mb
+  whole sequences [mb, S, ..] all-gathered over context forward (--remat gathers again), their cotangents
+  reduce-scattered backward; the keys' positions [b, S] once per step."""
+  c = mesh_lib.axis_size(mesh, CONTEXT)
+  if c == 1:
+    return []
+  calls, pre = _layer_runs(cfg, mesh, steps, pre_steps, opts)
+  # a run's K/V: GQA's KV heads are split over tensor; MLA's latent is whole on every rank
+  heads = 1 if cfg.mla else mesh_lib.axis_size(mesh, TENSOR)
+  kv = mb * cfg.seq_len * cost_lib.kv_values(cfg) // heads * cost_lib.act_bytes(cfg)
+  what = "latent + RoPE key" if cfg.mla else "K/V"
+  term = functools.partial(cost_lib.term, mesh)
+  return (term("all-gather", "fwd", f"{what} per layer run", calls * kv, CONTEXT,
+               cost_lib.RECOMPUTED)
+          + term("all-gather", "fwd", f"counts pre-pass: {what}", pre * kv, CONTEXT)
+          + term("reduce-scatter", "bwd", f"d({what})", calls * kv / c, CONTEXT)
+          + term("all-gather", "fwd", "kv_pos [b, S], once per step",
+                 cfg.microbatches * mb * cfg.seq_len * 4, CONTEXT))
+
+
+def _split_sequence_terms(cfg, mesh, mb, runs, steps, pre_steps, opts) -> list:
+  """The collectives over the axes that split each routed sequence (context: a device's S/c;
+  experts=fold: each tensor rank's S/(c t) of them), for the b/M = mb sequences a run routes:
+  the sequence-wise loss's per-sequence partials [mb, E] (counts and probabilities) summed over
+  them per run, and its scalar's cotangent summed back; under the capacity rule each run's
+  expert ids [mb, S, K] and each pass's positions [mb, S] all-gathered over them (the rule
+  orders whole sequences); fold under 1f1b, each phase's aux term's cotangent summed over tensor
+  (tensor rank 0's counted)."""
+  fold = opts.experts == "fold"
+  axis = tuple(a for a, on in ((CONTEXT, True), (TENSOR, fold))
+               if on and mesh_lib.axis_size(mesh, a) > 1)
+  if not axis:
+    return []
   term = functools.partial(cost_lib.term, mesh)
   pre_runs = pre_steps * runs // steps                   # the pre-pass's passes x local layers
   seq = cfg.aux_loss_kind == "sequence"
   tok = mb * cfg.seq_len
   return (term("all-reduce", "fwd", "sequence-wise loss: per-sequence counts and probs [b/M, E]",
-               seq * runs * 2 * mb * cfg.n_experts * cost_lib.F32, TENSOR)
+               seq * runs * 2 * mb * cfg.n_experts * cost_lib.F32, axis)
           + term("all-reduce", "bwd", "sequence-wise loss: its cotangent", seq * runs * cost_lib.F32,
-                 TENSOR)
+                 axis)
           + term("all-reduce", "bwd", "1f1b: each phase's aux term's cotangent",
-                 (opts.schedule == "1f1b") * steps * cost_lib.F32, TENSOR)
+                 (opts.schedule == "1f1b" and fold) * steps * cost_lib.F32, TENSOR)
           + term("all-gather", "fwd", "capacity: expert ids [b/M, S, K] per run, positions per pass "
                  "(the counts pre-pass's too; --remat gathers them again in the backward)",
                  (cfg.capacity_factor > 0) * ((runs + pre_runs) * cfg.top_k + steps + pre_steps)
-                 * tok * 4, TENSOR, cost_lib.RECOMPUTED))
+                 * tok * 4, axis, cost_lib.RECOMPUTED))

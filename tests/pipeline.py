@@ -125,12 +125,13 @@ def logits(pp, params, batch, *, cfg, mesh):
 
   def body(p, tokens, positions):
     p = pp._use(p, specs, cfg)
-    outs, _ = pp._stages(p, tokens, positions, cfg=cfg, n_stage=n_stage,
-                         ep_size=mesh.shape[pp.EXPERT], experts="split")
+    outs, _ = pp._stages(p, tokens, pp._positions(positions, cfg.microbatches), cfg=cfg,
+                         n_stage=n_stage, ep_size=mesh.shape[pp.EXPERT], experts="split")
     out = model.head(outs, p, cfg, model.Parallelism()).astype(jnp.float32)   # [M, b/M, S, V]
     last = jax.lax.axis_index(pp.STAGE) == n_stage - 1
     # the last stage's, tensor rank 0's (every tensor rank holds the same)
     out = jax.lax.psum(jnp.where(last, out, 0.0) * pp._first_tensor_rank(), (pp.STAGE, pp.TENSOR))
     return einops.rearrange(out, "m mb s v -> (m mb) s v")              # [b, S, V]
-  return jax.shard_map(body, in_specs=(specs, bspec, bspec), out_specs=P(pp.TOKENS, None, None))(
+  return jax.shard_map(body, in_specs=(specs, bspec, bspec),
+                       out_specs=P(pp.BATCH, pp.CONTEXT, None))(
       params, batch["tokens"], batch["positions"])

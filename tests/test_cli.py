@@ -127,7 +127,7 @@ BAD_FLAGS = [
     (["--plan", "--plan_efficiency=2"], "--plan_efficiency=2.0 must be in (0, 1]"),
     (["--plan", "--plan_find=pp"], "--plan_find=pp: expected STRATEGY@MESH"),
     (["--plan", "--plan_find=pp@stage:4"], "--plan_find=pp@stage:4 has 4 devices, not --devices=8"),
-    (["--plan", "--plan_find=pp@context:8"], "mesh axis 'context' is not used by strategy 'pp'"),
+    (["--plan", "--plan_find=pp@fsdp:8"], "mesh axis 'fsdp' is not used by strategy 'pp'"),
     (["--plan", "--compile_only"], "--plan compiles its best candidates itself"),
     (["--plan", "--opt=foo=1"], "--opt key 'foo' is an option of none of the planned strategies"),
     (["--strategy=dp", "--checkpoint_dir=run.py", "--restore=latest"],

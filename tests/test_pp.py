@@ -185,7 +185,7 @@ def test_docstring_draws_the_tables_it_runs():
 def test_scheduled_permutes_are_the_tables(case):
   """The compiled 1f1b or interleaved step's collective-permutes over stage: the table's sends
   (plus the counts pre-pass's when 1f1b's batch-wise loss needs it: vM+P-1, less the last
-  tick's unread send where v = 1 unrolls it), each one microbatch's [b/M, S, D]."""
+  tick's unread send where v = 1 unrolls it), each one microbatch's [b/M, S/c, D]."""
   cfg = case.config()
   j = parity.job("pp", cfg, case.mesh, case.opts)
   got = hlo.collective_stats_by_axes(j.hlo, j.mesh)[("collective-permute", frozenset({"stage"}))]
@@ -195,7 +195,8 @@ def test_scheduled_permutes_are_the_tables(case):
   want += (v * m + p - 1 - (v == 1)) * sched.counts_pre_pass(cfg, case.opts)
   b = cfg.batch // (j.mesh.shape["data"] * j.mesh.shape["expert"]) // m
   assert got["count"] == want
-  assert got["bytes"] == want * b * cfg.seq_len * cfg.d_model * 4
+  s = cfg.seq_len // j.mesh.shape["context"]                    # a device's positions
+  assert got["bytes"] == want * b * s * cfg.d_model * 4
 
 
 def test_1f1b_holds_at_most_p_microbatches():
@@ -342,26 +343,37 @@ def test_run_picks_the_balanced_layout_by_itself(tmp_path):
   assert len(losses) == 2 and np.isfinite(losses).all(), losses
 
 
-# Megatron's published TP x PP x EP layouts at the publishers' shapes (docs/strategies-and-
-# pipelines.md, "Tensor parallelism inside the stages"), with parallel folding (experts=fold):
-# (model, mesh, batch, v, the stored chunk layout pp picks, or the one-line refusal)
+# Megatron's published TP x PP x EP (x CP) layouts at the publishers' shapes (docs/strategies-
+# and-pipelines.md, "Tensor parallelism inside the stages"), with parallel folding
+# (experts=fold): (model, mesh, batch, sequence, v, the stored chunk layout pp picks, or the
+# one-line refusal). Qwen3-235B's long-context rows: TP4 PP8 VPP4 EP8 with CP2 at 32K and CP4 at
+# 64K, global batch 256 (EP8 = expert:2 x tensor:4, attention TP4 x CP x DP)
 MEGATRON = [
-    ("deepseek-v3", "stage:8,data:2,expert:32,tensor:2", 8192, 4, "2," * 26 + "1,1,1,1,1,1", None),
-    ("qwen3-235b-a22b", "stage:8,expert:16,tensor:2", 2048, 4, "3," * 30 + "2,2", None),
-    ("qwen3-235b-a22b", "stage:32,expert:4,tensor:2", 2048, 3, None,
+    ("deepseek-v3", "stage:8,data:2,expert:32,tensor:2", 8192, 4096, 4,
+     "2," * 26 + "1,1,1,1,1,1", None),
+    ("qwen3-235b-a22b", "stage:8,expert:16,tensor:2", 2048, 4096, 4, "3," * 30 + "2,2", None),
+    ("qwen3-235b-a22b", "stage:32,expert:4,tensor:2", 2048, 4096, 3, None,
      "--opt=virtual_stages=3 on stage=32 needs 96 MoE layers, the model has 94"),
-    ("qwen3-235b-a22b", "stage:8,data:4,expert:2,tensor:4", 2048, 4, "3," * 30 + "2,2", None)]
+    ("qwen3-235b-a22b", "stage:8,data:4,expert:2,tensor:4", 2048, 4096, 4, "3," * 30 + "2,2",
+     None),
+    ("qwen3-235b-a22b", "stage:8,data:2,expert:2,context:2,tensor:4", 256, 32768, 4,
+     "3," * 30 + "2,2", None),
+    ("qwen3-235b-a22b", "stage:8,expert:2,context:4,tensor:4", 256, 65536, 4, "3," * 30 + "2,2",
+     None)]
 
 
-@pytest.mark.parametrize("model_name,mesh,batch,v,layout,refusal", MEGATRON,
-                         ids=["dsv3-tp2-pp8-vp4-ep64", "qwen3-a", "qwen3-d", "qwen3-e"])
-def test_megatron_layouts_at_the_publishers_shapes(model_name, mesh, batch, v, layout, refusal):
+@pytest.mark.parametrize("model_name,mesh,batch,seq,v,layout,refusal", MEGATRON,
+                         ids=["dsv3-tp2-pp8-vp4-ep64", "qwen3-a", "qwen3-d", "qwen3-e",
+                              "qwen3-cp2-32k", "qwen3-cp4-64k"])
+def test_megatron_layouts_at_the_publishers_shapes(model_name, mesh, batch, seq, v, layout,
+                                                   refusal):
   """pp with a tensor axis and the experts folded over (expert, tensor) poses Megatron's
-  TP x PP x VP x EP layouts at full shape: the stored chunks it balances by itself, or its one
-  line where the layers do not fill them."""
+  TP x PP x VP x EP (x CP) layouts at full shape: the stored chunks it balances by itself, or
+  its one line where the layers do not fill them."""
   from modeling.config import ConfigError
-  cfg = get_config(model_name, batch=batch, seq_len=4096, microbatches=128)
   shape = mesh_lib.parse_mesh_spec(mesh)
+  rows = batch // (shape.get("data", 1) * shape.get("expert", 1))     # a device's sequences
+  cfg = get_config(model_name, batch=batch, seq_len=seq, microbatches=min(128, rows))
   am = mesh_lib.abstract_mesh({a: shape.get(a, 1) for a in PP.AXES})
   opts = PP.Options(schedule="1f1b", virtual_stages=v, experts="fold")
   try:
