@@ -21,7 +21,9 @@ compute (x rows / L_moe: every stage runs the largest group each tick). pp's ten
 inside the stages) is enumerated up to the cluster's node size and at most NODE_TP = 8 (the
 strategy's PLAN_INSIDE_NODE: its two all-reduces per layer each way stay on the fast links,
 as Megatron keeps TP), with the experts split over tensor; `--opt=experts=fold` plans the folded
-experts instead. The flags given with
+experts instead. pp's context axis (CP inside the stages) is enumerated where the sequence is
+at least 8,192 tokens (PLAN_MIN_SEQ: Megatron Core's guide puts CP at long sequences, 8K+);
+`--plan_find` names any. The flags given with
 `run.py --plan` (--strategy, --mesh, --microbatches, --remat, --capacity_factor, --opt,
 --layer_layout) narrow this grid to their values: planning/constraints.py.
 
@@ -559,10 +561,13 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
     if only_mesh and not set(only_mesh) <= set(strat.AXES):
       continue
     inside = getattr(strat, "PLAN_INSIDE_NODE", ())   # axes it enumerates up to a node only
+    long_only = getattr(strat, "PLAN_MIN_SEQ", {})   # axes it splits only from a sequence length
     for sizes in ([tuple(only_mesh.get(a, 1) for a in strat.AXES)] if only_mesh else
                   mesh_lib.splits(n, len(strat.AXES))):
       shape = dict(zip(strat.AXES, sizes))
       if not only_mesh and any(shape[a] > min(cluster.node_size, NODE_TP) for a in inside):
+        continue
+      if not only_mesh and any(shape[a] > 1 and cfg.seq_len < n for a, n in long_only.items()):
         continue
       mesh = mesh_lib.abstract_mesh(shape)
       mems = {}                                # params + optimizer state per stored model

@@ -294,6 +294,9 @@ PIPELINE = True     # runs its microbatches in its own pipeline (the planner: no
 PLAN_GRID = {"schedule": ("gpipe", "1f1b")}            # experts=fold: the planner's --opt
 PLAN_EXTRA = tuple(dict(schedule=s, virtual_stages=2) for s in ("interleaved", "1f1b"))
 PLAN_INSIDE_NODE = (TENSOR,)      # the planner keeps tensor inside a node, as Megatron's TP
+# the planner splits the sequence over context only from this length (Megatron Core's guide: CP
+# for long sequences, 8K+ tokens); --plan_find and --mesh name any context size
+PLAN_MIN_SEQ = {CONTEXT: 8192}
 BAD_INPUT = [
     BadInput(dict(n_layers=3), "stage:2,expert:4", Options(),
              "n_layers=3 is not divisible by mesh axis stage=2"),
