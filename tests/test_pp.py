@@ -278,6 +278,18 @@ def test_interleaved_bf16_with_remat():
   parity.check_bf16("pp", cfg, "stage:2,expert:4", opts=PP.INTERLEAVED)
 
 
+def test_bf16_with_tensor_and_context_inside_the_stages():
+  """Megatron's within-stage layouts in bf16 mixed precision: deepseek-test (MLA, the dense
+  prefix, the sequence-wise loss) on stage:2,context:2,tensor:2 under 1f1b: the bf16
+  reference's losses, gradients and updates; the contract and the cost model in bf16 bytes
+  (the all-reduces over tensor and the latent's gather over context move bf16)."""
+  cfg = get_config("deepseek-test", n_layers=5, microbatches=2)
+  parity.check_bf16("pp", cfg, "stage:2,context:2,tensor:2", opts=PP.ONE_F)
+  b16 = parity.bf16_config(cfg)
+  parity.assert_contract("pp", b16, "stage:2,context:2,tensor:2", PP.ONE_F)
+  parity.assert_cost_model("pp", b16, "stage:2,context:2,tensor:2", PP.ONE_F)
+
+
 # ----------------------------------------------------------------------------- the default layout
 def test_stored_config_balances_stages_that_do_not_divide_the_layers():
   """3 MoE layers (deepseek-test's 4, one dense) on 2 stages, no --layer_layout: gpipe and 1f1b
