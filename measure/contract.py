@@ -4,6 +4,8 @@
     all-gather over (data, fsdp): why
     reduce-scatter over fsdp: why
     all-gather over tensor [muon]: why (only when the step's optimizer is the one named)
+    reduce-scatter over context [allgather]: why (only when the strategy's contract_tags(opts)
+      name the tag: an option's value)
   HLO contract, <variant>:
     ...
 
@@ -26,13 +28,14 @@ def _name(header: str) -> str | None:
 
 
 def declared_collectives(doc: str, mesh, variant: str | None = None,
-                         optimizer: str | None = None) -> set:
+                         optimizer: str | None = None, tags=()) -> set:
   """{(kind, frozenset(axes))} from a docstring's 'HLO contract' block
   ('  all-gather over (data, fsdp): why'), size-1 axes dropped (no data moves over them).
   A docstring may hold several blocks, one per variant: 'HLO contract' alone is the default,
   'HLO contract, <variant>:' another (the strategy's contract_variant(opts) names it). A line
   whose axes are followed by '[<optimizer>]' holds only for steps of that optimizer (Muon's
-  gathers of split matrices: 'all-gather over tensor [muon]:')."""
+  gathers of split matrices: 'all-gather over tensor [muon]:'), or where `tags` (the strategy's
+  contract_tags(opts): option values) holds it ('reduce-scatter over context [allgather]:')."""
   blocks = re.split(r"^HLO contract", doc, flags=re.M)[1:]
   header = lambda b: b.split("\n", 1)[0]
   pick = [b for b in blocks if (variant is None and not header(b).startswith(","))
@@ -40,7 +43,7 @@ def declared_collectives(doc: str, mesh, variant: str | None = None,
   assert len(pick) == 1, (variant, [header(b) for b in blocks])
   out = set()
   for kind, axes, only in _CONTRACT.findall(pick[0]):
-    if only and only != optimizer:
+    if only and only != optimizer and only not in tags:
       continue
     live = frozenset(a.strip() for a in axes.split(",") if mesh.shape.get(a.strip(), 1) > 1)
     if live:

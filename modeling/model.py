@@ -21,7 +21,8 @@ A strategy does not rewrite the model. Its `layout(cfg, mesh, opts)` hands `forw
          called `ordered` and skips the key chunks after each query block
   kv_axes  CP inside a full-manual shard_map (pp's stages): the mesh axes that split the local
          sequence; K/V (MLA: the latent) all-gathered over them by hand (the transpose,
-         dK/dV, reduce-scattered), the keys' positions given whole (Positions.k)
+         dK/dV, reduce-scattered), or with kv_ring passed around their ring, the keys'
+         positions given whole (Positions.k)
   use    (role, w) -> w, applied to every non-routed weight right before its use (FSDP all-gather);
          role: its entry in ROLES (w is one layer's slice inside the layer scan)
   moe    (p_moe, x [B, S, D], positions [B, S]) -> (y, stats): a MoE layer's routed FFN, where the strategy
@@ -453,6 +454,12 @@ def _kv_gather_axes(a, spec) -> tuple:
                if x not in sharding.dim_axes(spec, 1))
 
 
+def _ring_axes(a, lay: Parallelism, spec) -> tuple:
+  """The ring's axes: lay.kv_axes inside a manual shard_map, else those splitting a's sequence
+  and not spec's."""
+  return lay.kv_axes or _kv_gather_axes(a, spec)
+
+
 def _gather_kv(a, lay: Parallelism, spec=None):
   """K or V [B, S@cp, ...] -> whole along the sequence: an all-gather over the axes that split
   S (lay.kv_axes inside a manual shard_map; else those of a's type not in spec, lay.kv by
@@ -558,8 +565,9 @@ def gqa(p, x, pos: Positions, cfg: Config, lay: Parallelism, kind: str = "full")
                                   "(k g) -> k g", 1, kv)
   if lay.kv_ring:                                             # CP: K/V blocks around the ring
     o = ring_attention.ring_attend(q, (k, v), (), _kv_as_is, positions, pos.k, scale,
-                                   cfg.attention_chunk, _kv_gather_axes(k, lay.kv),
-                                   balanced=True, **extra)      # cp's load-balanced order
+                                   cfg.attention_chunk, _ring_axes(k, lay, lay.kv),
+                                   balanced=True, manual=bool(lay.kv_axes),
+                                   **extra)                     # cp's load-balanced order
   else:
     if lay.splits_sequence:                                                    # CP: gather K/V
       k, v = _gather_kv(k, lay), _gather_kv(v, lay)                         # [B, T, KV, Dh]
@@ -623,8 +631,8 @@ def mla(p, x, pos: Positions, cfg: Config, lay: Parallelism):
   if lay.kv_ring:                                      # CP: latent blocks around the ring
     expand = functools.partial(_mla_expand, r=r, nope=nope)
     o = ring_attention.ring_attend(q_n, lat, (wkv_b,), expand, positions, pos.k, scale,
-                                   cfg.attention_chunk, _kv_gather_axes(lat, spec),
-                                   q_r=q_r, balanced=True)                     # [B, S, H, 1, v]
+                                   cfg.attention_chunk, _ring_axes(lat, lay, spec), q_r=q_r,
+                                   balanced=True, manual=bool(lay.kv_axes))    # [B, S, H, 1, v]
   else:
     if lay.kv_axes:                                    # manual CP: gather the latent
       lat = _gather_kv(lat, lay)                                               # [B, T, Rkv + rope]

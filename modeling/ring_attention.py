@@ -74,7 +74,7 @@ F32 = jnp.float32
 
 
 def ring_attend(q, kv, w, expand, q_pos, k_pos, scale, chunk, axes, q_r=None, balanced=False, *,
-                window=0, local_chunk=0, sinks=None):
+                window=0, local_chunk=0, sinks=None, manual=False):
   """Causal attention of q [B, S@axes, KV, G, Dq] (q_pos [B, S@axes]) to the whole sequence,
   whose blocks kv (a pytree of [B, S@axes, ..] arrays) travel around the ring `axes`; k_pos
   [B, S] their positions, whole or split over axes as q_pos (gathered here). expand(kv, w) ->
@@ -84,17 +84,23 @@ def ring_attend(q, kv, w, expand, q_pos, k_pos, scale, chunk, axes, q_r=None, ba
   positions are the queries' in the load-balanced order (layout/context.py: ring rank r holds
   chunks r and 2n-1-r of 2n contiguous chunks): each visit then computes only the half-blocks
   the mask leaves (the module docstring, "Balanced"). window, local_chunk, sinks [KV, G]: as
-  attention.attend's (the sinks split over heads as q is; resharded so if not).
+  attention.attend's (the sinks split over heads as q is; resharded so if not). manual=True:
+  called inside a full-manual shard_map over `axes` (pp's stages): every array is already one
+  device's block, k_pos the whole sequence's [b, S], and each device's weight gradient is its
+  own partial sum (the caller's reduction sums it).
   -> o [B, S@axes, KV, G, Dv] in v's dtype."""
   mask = attention_lib.Mask(int(window), int(local_chunk))
+  if manual:
+    return _ring(scale, chunk, tuple(axes), expand, bool(balanced), mask, True, q, q_r, kv, w,
+                 sinks, q_pos, k_pos)
   batch = (tuple(_spec(k_pos)) + (None,))[0]
   k_all = jax.reshard(k_pos, P(batch, None))          # [B, S] @ (batch, None): whole sequences
   if sinks is not None:
     heads = tuple(_spec(q))[2:4]                      # each device's sinks: its own heads'
     if tuple(_spec(sinks)) != heads:
       sinks = jax.reshard(sinks, P(*heads, reduced=sharding.full_spec(sinks).reduced))
-  return _ring(scale, chunk, tuple(axes), expand, bool(balanced), mask, q, q_r, kv, w, sinks,
-               q_pos, k_all)
+  return _ring(scale, chunk, tuple(axes), expand, bool(balanced), mask, False, q, q_r, kv, w,
+               sinks, q_pos, k_all)
 
 
 def _spec(x) -> P:
@@ -111,7 +117,9 @@ def _specs(tree):
   return jax.tree.map(_spec, tree)
 
 
-def _ring_size(q, axes) -> int:
+def _ring_size(q, axes, manual=False) -> int:
+  if manual:
+    return jax.lax.axis_size(axes)
   mesh = jax.typeof(q).sharding.mesh
   return sharding.axis_size(mesh, *axes)
 
@@ -161,8 +169,9 @@ def _balanced_cases(n, s, mask):
   return cases
 
 
-def _forward(scale, chunk, axes, expand, balanced, mask, q, q_r, kv, w, sinks, q_pos, k_all):
-  n = _ring_size(q, axes)
+def _forward(scale, chunk, axes, expand, balanced, mask, manual, q, q_r, kv, w, sinks, q_pos,
+             k_all):
+  n = _ring_size(q, axes, manual)
 
   def body(q, q_r, kv, w, sinks, q_pos, k_all):   # per device: [b, s, ..] blocks; k_all [b, S]
     def fold(carry, q, q_r, q_pos, kv, k_pos):
@@ -205,6 +214,8 @@ def _forward(scale, chunk, axes, expand, balanced, mask, q, q_r, kv, w, sinks, q
     # o [b, s, KV, G, Dv], lse [b, s, KV, G], the sinks folded in once
     return attention_lib._finish(carry, v_type.dtype, sinks)
 
+  if manual:                                          # already one device's blocks
+    return body(q, q_r, kv, w, sinks, q_pos, k_all)
   q_spec = _spec(q)
   args = _plain((q, q_r, kv, w, sinks, q_pos, k_all))
   o_spec, lse_spec = P(*q_spec), P(*tuple(q_spec)[:4])
@@ -212,15 +223,16 @@ def _forward(scale, chunk, axes, expand, balanced, mask, q, q_r, kv, w, sinks, q
                        check_vma=False)(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _ring(scale, chunk, axes, expand, balanced, mask, q, q_r, kv, w, sinks, q_pos, k_all):
-  return _forward(scale, chunk, axes, expand, balanced, mask, q, q_r, kv, w, sinks, q_pos,
-                  k_all)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _ring(scale, chunk, axes, expand, balanced, mask, manual, q, q_r, kv, w, sinks, q_pos, k_all):
+  return _forward(scale, chunk, axes, expand, balanced, mask, manual, q, q_r, kv, w, sinks,
+                  q_pos, k_all)[0]
 
 
-def _ring_fwd(scale, chunk, axes, expand, balanced, mask, q, q_r, kv, w, sinks, q_pos, k_all):
-  o, lse = _forward(scale, chunk, axes, expand, balanced, mask, q, q_r, kv, w, sinks, q_pos,
-                    k_all)
+def _ring_fwd(scale, chunk, axes, expand, balanced, mask, manual, q, q_r, kv, w, sinks, q_pos,
+              k_all):
+  o, lse = _forward(scale, chunk, axes, expand, balanced, mask, manual, q, q_r, kv, w, sinks,
+                    q_pos, k_all)
   return o, (q, q_r, kv, w, sinks, q_pos, k_all, o, lse)
 
 
@@ -231,13 +243,15 @@ def _query_axes(q) -> frozenset:
   return frozenset(sharding.dim_axes(s, 0)) | frozenset(sharding.dim_axes(s, 1))
 
 
-def _ring_bwd(scale, chunk, axes, expand, balanced, mask, res, do):
+def _ring_bwd(scale, chunk, axes, expand, balanced, mask, manual, res, do):
   q, q_r, kv, w, sinks, q_pos, k_all, o, lse = res
-  n = _ring_size(q, axes)
-  partial = _query_axes(q)
+  n = _ring_size(q, axes, manual)
   # w's leaves, then the sinks: partial sums over the query axes, like the weight gradients
+  # (manual: each device's own, which the caller's reduction sums)
   params = jax.tree.leaves(w) + ([] if sinks is None else [sinks])
-  reduced = [frozenset(jax.typeof(x).sharding.spec.reduced) for x in params]
+  partial = frozenset() if manual else _query_axes(q)
+  reduced = [frozenset() if manual else frozenset(jax.typeof(x).sharding.spec.reduced)
+             for x in params]
   for red in reduced:
     if not red <= partial:
       raise ValueError(f"ring_attend: a weight is reduced over {sorted(red - partial)}, which its "
@@ -324,11 +338,14 @@ def _ring_bwd(scale, chunk, axes, expand, balanced, mask, res, do):
     return (cast(dq, q), cast(dq_r, q_r), jax.tree.map(cast, dkv, kv),
             [g.astype(x.dtype) for g, x in zip(dp, jax.tree.leaves(w) + [sinks])])
 
-  args = _plain((q, q_r, kv, w, sinks, q_pos, k_all, o, lse, do))
-  p_specs = [P(*_spec(x), unreduced=red) for x, red in zip(params, reduced)]
-  out_specs = (_spec(q), None if q_r is None else _spec(q_r), _specs(kv), p_specs)
-  dq, dq_r, dkv, dp = jax.shard_map(body, in_specs=_specs(args), out_specs=out_specs,
-                                    check_vma=False)(*args)
+  if manual:                                          # already one device's blocks
+    dq, dq_r, dkv, dp = body(q, q_r, kv, w, sinks, q_pos, k_all, o, lse, do)
+  else:
+    args = _plain((q, q_r, kv, w, sinks, q_pos, k_all, o, lse, do))
+    p_specs = [P(*_spec(x), unreduced=red) for x, red in zip(params, reduced)]
+    out_specs = (_spec(q), None if q_r is None else _spec(q_r), _specs(kv), p_specs)
+    dq, dq_r, dkv, dp = jax.shard_map(body, in_specs=_specs(args), out_specs=out_specs,
+                                      check_vma=False)(*args)
   n_w = len(jax.tree.leaves(w))
   dw = jax.tree.unflatten(jax.tree.structure(w), dp[:n_w])
   return dq, dq_r, dkv, dw, (dp[n_w] if sinks is not None else None), None, None

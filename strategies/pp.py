@@ -40,8 +40,11 @@ tensor (`_stage_layout`); tensor rank 0 alone counts the CE and the aux and z lo
 ranks' gradients arriving through those all-reduces. With c > 1 each device holds S/c
 positions of every sequence in cp's load-balanced order (layout/context.py: context rank i holds
 chunks i and 2c-1-i), and every attention all-gathers K and V (MLA: its latent and RoPE key)
-over context, as cp's allgather exchange, written by hand (model.Parallelism.kv_axes); the
-router statistics are summed over context, so every context rank forms the same aux loss.
+over context, as cp's allgather exchange, written by hand (model.Parallelism.kv_axes), or with
+--opt=kv_exchange=ring passes them around the context ring (ring_attend(manual=True); gpipe and
+interleaved: a 1f1b phase is a conditional one stage takes, and a collective-permute is one op
+over every device); the router statistics are summed over context, so every context rank forms
+the same aux loss.
 The leading dense layers (DeepSeek's)
 run before the pipeline on every device, under 1f1b in stage 0's phases. The non-expert matrices
 are stored split on D over data (embedding, head, dense prefix: (stage, data)), all-gathered
@@ -103,9 +106,11 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
   all-reduce over tensor: t > 1, the row-parallel outputs and their cotangents; the step's counts
   all-reduce over (stage, data, expert, context, tensor): final_norm and dense-prefix norm
     grads, CE sum, grad norm
-  all-gather over context: K and V (MLA: latent + RoPE key) per layer, kv_pos once; the capacity
-    rule's expert ids per layer and positions per pass
-  reduce-scatter over context: dK, dV (MLA: d(latent)) per layer
+  all-gather over context: K and V (MLA: latent + RoPE key) per layer (kv_exchange=allgather),
+    kv_pos once; the capacity rule's expert ids per layer and positions per pass
+  reduce-scatter over context [allgather]: dK, dV (MLA: d(latent)) per layer
+  collective-permute over context [ring]: kv_exchange=ring, the K/V (MLA: latent) blocks, c - 1
+    sends per layer forward, backward again with their float32 d(K/V) sums and one more home
   all-reduce over context: the sequence-wise loss's per-sequence partials and their cotangents
   all-gather over tensor [muon]: the tensor-split matrices' float32 directions, whole for
     Newton-Schulz, once per step
@@ -145,8 +150,11 @@ HLO contract, experts=fold (under the capacity rule; dropless drops the all-gath
     cotangents
   all-reduce over (stage, data, expert, context, tensor): final_norm and dense-prefix norm grads,
     CE sum, grad norm
-  all-gather over context: K and V (MLA: latent + RoPE key) per layer, kv_pos once
-  reduce-scatter over context: dK, dV (MLA: d(latent)) per layer
+  all-gather over context: K and V (MLA: latent + RoPE key) per layer (kv_exchange=allgather),
+    kv_pos once
+  reduce-scatter over context [allgather]: dK, dV (MLA: d(latent)) per layer
+  collective-permute over context [ring]: kv_exchange=ring, the K/V (MLA: latent) blocks and
+    their float32 d(K/V) sums
   all-gather over tensor [muon]: the tensor-split matrices' float32 directions, once per step
 When to use: the model's layers do not fit on one EP group (pipeline across nodes over slow
 links: only [b/M, S, D] activations cross a stage boundary), with M >= P microbatches to keep
@@ -215,6 +223,11 @@ class Options:
                                 "tensor), each tensor rank routing its S/t positions through "
                                 "the all-to-all over both (fold: Megatron's parallel folding, "
                                 "ETP 1, EP = |expert| x |tensor|)")
+  kv_exchange: str = options.choice(
+      "allgather", ("allgather", "ring"),
+      "with a context axis: how each device's queries reach every key, as cp's: K/V (MLA: the "
+      "latent) all-gathered over context per layer, or passed around its ring of "
+      "collective-permutes (modeling/ring_attention.py)")
 
 
 ONE_F = Options(schedule="1f1b")
@@ -287,7 +300,14 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               # fold with context (Megatron's long-context layouts): each tensor rank routes
               # S/(c t) positions; the sequence-wise loss and the capacity rule over both
               Case("deepseek-test", "stage:2,context:2,tensor:2",
-                   dict(n_layers=5, microbatches=2, capacity_factor=1.0), FOLD_1F)]
+                   dict(n_layers=5, microbatches=2, capacity_factor=1.0), FOLD_1F),
+              # kv_exchange=ring: cp's ring of K/V (MLA: latent) blocks inside the stages,
+              # interleaved with MLA and gpipe with GQA split over tensor
+              Case("deepseek-test", "stage:2,context:2,expert:2",
+                   dict(n_layers=5, microbatches=2, layer_layout="1,1,1,1", layer_stages=2),
+                   Options(schedule="interleaved", virtual_stages=2, kv_exchange="ring")),
+              Case("mixtral-test", "stage:2,context:2,tensor:2",
+                   dict(n_layers=4, batch=8, microbatches=2), Options(kv_exchange="ring"))]
 COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7] + TEST_CASES[8:]
 BF16_CASE = Case("deepseek-test", "stage:2,data:2,expert:2", opts=ONE_F)    # its explicit vjp
 PIPELINE = True     # runs its microbatches in its own pipeline (the planner: no accumulation)
@@ -327,12 +347,24 @@ BAD_INPUT = [
     BadInput(dict(seq_len=36), "stage:2,context:4", Options(),   # the load-balanced order
              "seq_len=36 is not divisible by 2*context=8"),
     BadInput(dict(seq_len=36, n_kv_heads=4), "context:2,tensor:4", FOLD,  # a rank's S/(c t)
-             "seq_len=36 is not divisible by mesh axis contextxtensor=8")]
+             "seq_len=36 is not divisible by mesh axis contextxtensor=8"),
+    BadInput(dict(), "stage:2,expert:4", Options(kv_exchange="ring"),
+             "pp option kv_exchange=ring needs a context axis of size > 1 (without one nothing "
+             "travels)"),
+    BadInput(dict(), "stage:2,context:2,expert:2", Options(schedule="1f1b", kv_exchange="ring"),
+             "pp option kv_exchange=ring runs under gpipe and interleaved: 1f1b's phases are "
+             "conditionals that one stage takes, and the ring's collective-permute is one op over "
+             "every device")]
 
 
 def contract_variant(opts):
   """Which HLO contract block of the docstring this layout compiles to."""
   return "experts=fold" if opts.experts == "fold" else None
+
+
+def contract_tags(opts):
+  """The K/V exchange's lines of either block: [allgather] or [ring]."""
+  return (opts.kv_exchange,)
 
 
 def check(cfg, mesh, opts):
@@ -356,6 +388,14 @@ def check(cfg, mesh, opts):
     mesh_lib.require_divisible("seq_len", cfg.seq_len, mesh, (CONTEXT, TENSOR))
   if mesh_lib.axis_size(mesh, CONTEXT) > 1:     # S over context, in the load-balanced order
     context.check(cfg, mesh, CONTEXT)
+    context.check_options(cfg, opts)
+  elif opts.kv_exchange == "ring":
+    raise ConfigError("pp option kv_exchange=ring needs a context axis of size > 1 (without one "
+                      "nothing travels)")
+  if opts.kv_exchange == "ring" and opts.schedule == "1f1b":
+    raise ConfigError("pp option kv_exchange=ring runs under gpipe and interleaved: 1f1b's "
+                      "phases are conditionals that one stage takes, and the ring's "
+                      "collective-permute is one op over every device")
   mesh_lib.require_divisible("batch", cfg.batch, mesh, BATCH)
   fsdp.check(cfg, mesh, DATA)                 # the stage's matrices on their D dim over data
   if cfg.first_k_dense_replace:                 # the prefix's over (stage, data)
@@ -428,16 +468,16 @@ def loss(params, batch, *, cfg, mesh, opts):
   `chunks`) -> (loss, metrics as model.loss_fn's)."""
   specs, bspec = param_specs(cfg, mesh, opts), batch_spec(cfg, mesh)
   body = functools.partial(_pipeline, specs=specs, cfg=cfg, n_stage=mesh_lib.axis_size(mesh, STAGE),
-                           ep_size=mesh_lib.axis_size(mesh, EXPERT), experts=opts.experts)
+                           ep_size=mesh_lib.axis_size(mesh, EXPERT), opts=opts)
   return jax.shard_map(body, in_specs=(specs,) + (bspec,) * 3, out_specs=(P(), METRICS))(
       params, *(batch[k] for k in KEYS))
 
 
-def _pipeline(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, experts):
+def _pipeline(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, opts):
   """One device. tokens / targets / positions [b, S] local rows; p: this stage's layers."""
   p = _use(p, specs, cfg)
   outs, stats = _stages(p, tokens, _positions(positions, cfg.microbatches), cfg=cfg,
-                        n_stage=n_stage, ep_size=ep_size, experts=experts)
+                        n_stage=n_stage, ep_size=ep_size, opts=opts)
   last = jax.lax.axis_index(STAGE) == n_stage - 1
   tgt = _split(targets, cfg.microbatches)                          # [M, b/M, S]
   ce = jnp.sum(jax.lax.map(lambda ot: _ce_sum(ot[0], ot[1], p, cfg),
@@ -472,13 +512,14 @@ def _at(pos, i):
   return jax.tree.map(lambda a: a[i], pos)
 
 
-def _stage_layout(cfg, ep_size, t, experts="split", c=1):
+def _stage_layout(cfg, ep_size, t, opts, c=1):
   """A stage's layers on one device: the MoE ep.py's moe_body with its padded all-to-all over
   expert; with c = |context| > 1, cp's all-gather exchange by hand (each device's queries are
   its S/c positions of the load-balanced order; K and V, MLA's latent, all-gathered over
   context per layer, their cotangents reduce-scattered; the router statistics summed over
   context, the capacity rule's expert ids gathered over it: it orders whole sequences); with
-  t = |tensor| > 1, Megatron's tensor parallelism by hand. Every tensor rank holds
+  t = |tensor| > 1, Megatron's tensor parallelism by hand. opts.kv_exchange=ring passes the K/V
+  blocks around the context ring instead (modeling/ring_attention.py, manual). Every tensor rank holds
   the same residual; attention runs its H/t heads, the dense and shared SwiGLUs their F/t
   slice, so each row-parallel output is a partial sum over tensor and scatter_out all-reduces it
   ("tp_psum": attention's; the MoE's, shared expert's and a dense FFN's, one for the block).
@@ -489,21 +530,22 @@ def _stage_layout(cfg, ep_size, t, experts="split", c=1):
   a zero [b/M, S, D], which the block's all-reduce assembles. The router statistics are
   counted by tensor rank 0 (split: each rank holds the same; fold: summed over tensor first)."""
   cp = (CONTEXT,) if c > 1 else ()
+  ring = bool(cp) and opts.kv_exchange == "ring"
   gather = context.sequence_gatherer(CONTEXT) if cp and cfg.capacity_factor > 0 else None
   body = functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
                            token_axes=TOKENS, exchange=ep.a2a_exchange, gather_sequence=gather,
                            seq_axes=cp)
   if t == 1:
-    return model.Parallelism(moe=body, kv_axes=cp)
+    return model.Parallelism(moe=body, kv_axes=cp, kv_ring=ring)
 
   def scatter_out(y):                                    # [b/M, S, D] {U_t} -> the sum
     with jax.named_scope("tp_psum"):
       return jax.lax.psum(y, TENSOR)
 
-  if experts == "split":
+  if opts.experts == "split":
     def moe(p, x, positions):                            # x [b/M, S, D], the same on every t
       return body(tensor.bias_once(p, TENSOR), x, positions)   # y [b/M, S, D] {U_t}, stats
-    return model.Parallelism(moe=moe, scatter_out=scatter_out, kv_axes=cp)
+    return model.Parallelism(moe=moe, scatter_out=scatter_out, kv_axes=cp, kv_ring=ring)
 
   seq = cp + (TENSOR,)                                   # the axes splitting a routed sequence
   gather = context.sequence_gatherer(seq) if cfg.capacity_factor > 0 else None
@@ -518,7 +560,7 @@ def _stage_layout(cfg, ep_size, t, experts="split", c=1):
                            seq_axes=seq)                 # y [b/M, S/(c t), D]
     return jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(x), y.astype(x.dtype), at,
                                                axis=1), stats   # [b/M, S/c, D], its slice
-  return model.Parallelism(moe=moe_folded, scatter_out=scatter_out, kv_axes=cp)
+  return model.Parallelism(moe=moe_folded, scatter_out=scatter_out, kv_axes=cp, kv_ring=ring)
 
 
 def _first_tensor_rank():
@@ -580,7 +622,7 @@ def _split_dim(spec) -> tuple:
   return None, ()
 
 
-def _stages(p, tokens, pos, *, cfg, n_stage, ep_size, experts, unroll=False):
+def _stages(p, tokens, pos, *, cfg, n_stage, ep_size, opts, unroll=False):
   """The GPipe time loop on one device, p as `_use` returns it, pos as `_positions` -> (the
   last stage's outputs
   [M, b/M, S, D] (zeros on the other stages), this stage's router stats summed over the
@@ -594,8 +636,7 @@ def _stages(p, tokens, pos, *, cfg, n_stage, ep_size, experts, unroll=False):
   # every microbatch's stage-0 input, [M, b/M, S, D]: the embedding and the leading dense layers
   # (DeepSeek's) on every device for its own rows (stages > 0 discard theirs: a zero gradient),
   # one microbatch at a time (lax.map: the working set of b/M rows, not of b)
-  lay = _stage_layout(cfg, ep_size, jax.lax.axis_size(TENSOR), experts,
-                      jax.lax.axis_size(CONTEXT))
+  lay = _stage_layout(cfg, ep_size, jax.lax.axis_size(TENSOR), opts, jax.lax.axis_size(CONTEXT))
   x0 = jax.lax.map(lambda tp: model.dense_prefix(p["embed"][tp[0]], p, tp[1], cfg, lay),
                    (_split(tokens, m), pos))
   mask = _stage_mask(cfg, n_stage)
@@ -636,7 +677,7 @@ def _stages(p, tokens, pos, *, cfg, n_stage, ep_size, experts, unroll=False):
   zeros = lambda shape: sharding.to_varying(jnp.zeros(shape, cfg.dtype), ALL)
   stat0 = jax.tree.map(
       lambda a: sharding.to_varying(jnp.zeros((rows,) + a.shape[1:], a.dtype),
-                                    _stat_axes(experts)),
+                                    _stat_axes(opts.experts)),
       jax.eval_shape(run_chunk, zeros((mb, s, cfg.d_model)), _at(pos, 0), 0)[1])
   carry = (zeros((mb, s, cfg.d_model)), zeros((m, mb, s, cfg.d_model)), stat0)
   (_, outs, stats), _ = jax.lax.scan(step, carry, jnp.arange(ticks), unroll=unroll)
@@ -683,7 +724,7 @@ def _scheduled_loss(params, batch, *, cfg, mesh, opts):
   table = schedule(opts.schedule, mesh_lib.axis_size(mesh, STAGE), cfg.microbatches, chunks(cfg))
   body = functools.partial(_run_table, specs=specs, cfg=cfg, n_stage=mesh_lib.axis_size(mesh, STAGE),
                            ep_size=mesh_lib.axis_size(mesh, EXPERT), table=table,
-                           pre_pass=counts_pre_pass(cfg, opts), experts=opts.experts)
+                           pre_pass=counts_pre_pass(cfg, opts), opts=opts)
   run = jax.shard_map(body, in_specs=(specs,) + (bspec,) * 3, out_specs=((P(), METRICS), specs))
 
   @jax.custom_vjp
@@ -702,12 +743,12 @@ def _scheduled_loss(params, batch, *, cfg, mesh, opts):
 
 
 def _run_table(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, table,
-               pre_pass, experts):
+               pre_pass, opts):
   """One device: ((loss, metrics), grads) of its shards, running a 1f1b `table`: `_Run` sets up
   the stage and its carry, a scan runs `_Run.tick` at every tick, then each weight gradient is
   reduced once (`_reduce_grad`) and the loss terms are summed over the devices."""
   run = _Run(p, tokens, targets, positions, specs=specs, cfg=cfg, n_stage=n_stage,
-             ep_size=ep_size, table=table, pre_pass=pre_pass, experts=experts)
+             ep_size=ep_size, table=table, pre_pass=pre_pass, opts=opts)
   carry, _ = jax.lax.scan(run.tick, run.carry0(), jnp.arange(len(table["F"])))
   grads = {**carry["g_pre"], **carry["g_head"], **carry["g_layers"]}
   grads = jax.tree.map(functools.partial(_reduce_grad, cfg=cfg), grads, p, run.home, specs)
@@ -737,10 +778,10 @@ class _Run:
   which they share), the last stage's d(loss)/d(output) per ring slot, float32 gradient sums."""
 
   def __init__(self, p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, table,
-               pre_pass, experts):
+               pre_pass, opts):
     m, v = cfg.microbatches, chunks(cfg)
     self.cfg, self.m, self.v, self.table, self.n_tokens = cfg, m, v, table, cfg.batch * cfg.seq_len
-    self.stat_axes = _stat_axes(experts)
+    self.stat_axes = _stat_axes(opts.experts)
     self.stage = jax.lax.axis_index(STAGE)
     self.first, self.last = self.stage == 0, self.stage == n_stage - 1
     self.pos, self.tgt = _positions(positions, m), _split(targets, m)   # [M, b/M, S/c]
@@ -749,7 +790,7 @@ class _Run:
     # the stage's stacks: the MoE rows, and the dense rows inside the stack
     stacks = ("layers", "dense_layers") if cfg.dense_inside else ("layers",)
     self.layers = {k: pc[k] for k in stacks}
-    self.lay = _stage_layout(cfg, ep_size, jax.lax.axis_size(TENSOR), experts,
+    self.lay = _stage_layout(cfg, ep_size, jax.lax.axis_size(TENSOR), opts,
                              jax.lax.axis_size(CONTEXT))
     # the batch-wise loss's f needs the step's counts before the first backward: v = 1 unrolled
     # (a second while loop crashes XLA:CPU when reloaded from the persistent compilation cache);
@@ -758,7 +799,7 @@ class _Run:
     if pre_pass:
       self.counts = jax.lax.stop_gradient(
           _stages(pc, tokens, self.pos, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
-                  experts=experts, unroll=v == 1)[1]["counts"])
+                  opts=opts, unroll=v == 1)[1]["counts"])
     self.mask = _stage_mask(cfg, n_stage)
     self.rows = cfg.n_layer_slots // n_stage        # the stage's stored rows, self.per a chunk's
     self.per = self.rows // v
@@ -1060,7 +1101,8 @@ def _layer_runs(cfg, mesh, steps, pre_steps, opts) -> tuple:
 
 
 def _context_terms(cfg, mesh, mb, steps, pre_steps, opts) -> list:
-  """c = |context| > 1: cp's all-gather exchange inside the stages. Per layer run
+  """c = |context| > 1: cp's K/V exchange inside the stages (kv_exchange=ring: cp's ring terms,
+  per layer run). Per layer run
   (`_layer_runs`), K and V (their KV/t heads; MLA: the latent and RoPE key) of the b/M = mb
   whole sequences [mb, S, ..] all-gathered over context forward (--remat gathers again), their cotangents
   reduce-scattered backward; the keys' positions [b, S] once per step."""
@@ -1073,12 +1115,19 @@ def _context_terms(cfg, mesh, mb, steps, pre_steps, opts) -> list:
   kv = mb * cfg.seq_len * cost_lib.kv_values(cfg) // heads * cost_lib.act_bytes(cfg)
   what = "latent + RoPE key" if cfg.mla else "K/V"
   term = functools.partial(cost_lib.term, mesh)
+  pos = term("all-gather", "fwd", "kv_pos [b, S], once per step",
+             cfg.microbatches * mb * cfg.seq_len * 4, CONTEXT)
+  if opts.kv_exchange == "ring":            # c - 1 blocks of S/c forward; backward again, with
+    block = kv / c                          # their float32 sums, and one more send home
+    d_block = block * cost_lib.F32 / cost_lib.act_bytes(cfg)
+    return (term("collective-permute", "fwd", f"{what} blocks around the ring",
+                 calls * (c - 1) * block, CONTEXT, cost_lib.RECOMPUTED)
+            + term("collective-permute", "bwd", f"{what} blocks + float32 d({what})",
+                   calls * ((c - 1) * block + c * d_block), CONTEXT) + pos)
   return (term("all-gather", "fwd", f"{what} per layer run", calls * kv, CONTEXT,
                cost_lib.RECOMPUTED)
           + term("all-gather", "fwd", f"counts pre-pass: {what}", pre * kv, CONTEXT)
-          + term("reduce-scatter", "bwd", f"d({what})", calls * kv / c, CONTEXT)
-          + term("all-gather", "fwd", "kv_pos [b, S], once per step",
-                 cfg.microbatches * mb * cfg.seq_len * 4, CONTEXT))
+          + term("reduce-scatter", "bwd", f"d({what})", calls * kv / c, CONTEXT) + pos)
 
 
 def _split_sequence_terms(cfg, mesh, mb, runs, steps, pre_steps, opts) -> list:

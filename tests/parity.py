@@ -220,7 +220,8 @@ def declared(name: str, opts, mesh, optimizer: str = "adamw") -> set:
   """The (kind, axes) set of the strategy's docstring contract for these options and optimizer."""
   strat = strategies.get(name)
   variant = strat.contract_variant(opts) if hasattr(strat, "contract_variant") else None
-  return contract.declared_collectives(strat.__doc__, mesh, variant, optimizer)
+  tags = strat.contract_tags(opts) if hasattr(strat, "contract_tags") else ()
+  return contract.declared_collectives(strat.__doc__, mesh, variant, optimizer, tags)
 
 
 def assert_contract(name: str, cfg, mesh_spec: str, opts=None) -> train.Job:

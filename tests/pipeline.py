@@ -126,7 +126,7 @@ def logits(pp, params, batch, *, cfg, mesh):
   def body(p, tokens, positions):
     p = pp._use(p, specs, cfg)
     outs, _ = pp._stages(p, tokens, pp._positions(positions, cfg.microbatches), cfg=cfg,
-                         n_stage=n_stage, ep_size=mesh.shape[pp.EXPERT], experts="split")
+                         n_stage=n_stage, ep_size=mesh.shape[pp.EXPERT], opts=pp.Options())
     out = model.head(outs, p, cfg, model.Parallelism()).astype(jnp.float32)   # [M, b/M, S, V]
     last = jax.lax.axis_index(pp.STAGE) == n_stage - 1
     # the last stage's, tensor rank 0's (every tensor rank holds the same)

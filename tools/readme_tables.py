@@ -128,7 +128,8 @@ def crosses(module) -> str:
   class Mesh:
     shape = Every()
 
-  declared = contract.declared_collectives(doc, Mesh())
+  tags = module.contract_tags(module.Options()) if hasattr(module, "contract_tags") else ()
+  declared = contract.declared_collectives(doc, Mesh(), tags=tags)     # the default options
   order = list(module.AXES)
   by_kind = {}
   for kind, axes in declared:
