@@ -658,7 +658,7 @@ def swiglu(p, x, lay: Parallelism, roles=("shared_in", "shared_out"), gate=None)
                                                        ("wo", r_out)))
   h = jax.nn.silu(jnp.einsum("bsd,df->bsf", x, w0)) * jnp.einsum("bsd,df->bsf", x, w1)  # [B, S, F]
   if gate is not None:                         # [B, S, 1] to the hidden's batch and sequence
-    h = h * (gate if lay.x is None else
+    h = h * (lay.gather_in(gate) if lay.x is None else      # manual (pp): gathered as h was
              jax.reshard(gate, P(*jax.typeof(h).sharding.spec.partitions[:2], None)))
   return jnp.einsum("bsf,fd->bsd", h, wo, out_sharding=lay.row)
 

@@ -22,8 +22,9 @@ Every strategy module exposes the same small functional interface:
                                  per layer; its "HLO contract" block lists (kind over axes) lines
                                  that must equal both the compiled program and cost()'s terms
   contract_variant(opts)      -> optional: the name of another "HLO contract, <name>:" block
-  contract_tags(opts)         -> optional: the tags ("[name]" after a contract line's axes) whose
-                                 lines hold for these options (measure/contract.py)
+  contract_tags(opts, cfg)    -> optional: the tags ("[name]" after a contract line's axes) whose
+                                 lines hold for these options and model (cfg None: the defaults;
+                                 measure/contract.py)
   activation_shardings(cfg, mesh, opts) -> optional: [(name, sharding)] for --dump_sharding
   COMPARE_MESH                -> mesh spec for the comparison table when the main axis alone
                                  does not fit the presets (its first axis is scaled to the

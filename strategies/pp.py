@@ -117,6 +117,43 @@ HLO contract (every collective of the compiled step; size-1 axes drop out; the c
   (Muon adds its float32 directions all-gathered over data, the prefix's over (stage, data), and
   the tensor-split ones over tensor, for Newton-Schulz, after the step.)
 
+--opt=sequence_parallel=true (Megatron's SP, experts=split): the residual between the blocks and
+the stages is [b/M, S/(c t), D], tensor rank r holding slice r of the device's S/c positions
+(the embedding, the head and the CE its own; each rank counts its CE). Each block all-gathers
+its normed input over tensor (attention's h, MLA's latents after the token-local
+down-projections; the MLP block's h, which the MoE routes whole on every rank) and
+reduce-scatters its partial output (`_stage_layout`): an all-reduce's bytes, split in two, and
+the stage sends 1/t of the activation.
+HLO contract, sequence_parallel:
+  all-gather over data: the non-expert matrices, once per step before the time loop
+  all-gather over (stage, data): embed, unembed and the dense prefix's matrices, with them
+  reduce-scatter over data: their gradients, once after it
+  reduce-scatter over (stage, data): embed, unembed and dense-prefix matrix grads
+  collective-permute over stage: activations [b/M, S/(c t), D] forward, cotangents backward
+  all-to-all over expert: counts, dispatch and combine buffers, fwd and bwd
+  all-reduce over (data, expert, context): router statistics per microbatch
+  all-reduce over (data, expert, context, tensor): layer norm-scale and router grads; 1f1b: the
+    step's counts with the counts pre-pass
+  all-reduce over (expert, context): tensor-split layer and prefix matrix grad shards after the
+    reduce-scatter
+  all-reduce over (expert, context, tensor): replicated matrices' grad shards after the
+    reduce-scatter
+  all-reduce over (data, context): expert grads
+  all-reduce over (stage, tensor): aux / z / dropped sums
+  all-gather over tensor: each block's normed input (MLA: its latents) per layer, forward; the
+    reduce-scatters' cotangents, backward
+  reduce-scatter over tensor: attention's and the MLP block's outputs per layer, forward; the
+    gathered inputs' cotangents, backward
+  all-reduce over tensor [counts]: the step's counts [rows, E] for the bias update, tensor rank 0's
+  all-reduce over (stage, data, expert, context, tensor): final_norm and dense-prefix norm
+    grads, CE sum, grad norm
+  all-gather over context: K and V (MLA: latent + RoPE key) per layer (kv_exchange=allgather),
+    kv_pos once; the capacity rule's expert ids per layer and positions per pass
+  reduce-scatter over context [allgather]: dK, dV (MLA: d(latent)) per layer
+  collective-permute over context [ring]: kv_exchange=ring, the K/V (MLA: latent) blocks and
+    their float32 d(K/V) sums
+  all-reduce over context: the sequence-wise loss's per-sequence partials and their cotangents
+
 --opt=experts=fold (Megatron's parallel folding: ETP 1, EP = |expert| x |tensor|): the experts
 are stored whole, [L@stage, E@(expert,tensor), D, F], e = E/(EP t) per device. Tensor rank r
 routes its own S/(c t) positions of the microbatch ([b/M, S/(c t), D]) through the all-to-all
@@ -171,6 +208,8 @@ microbatches' activations.
       --opt=schedule=interleaved,virtual_stages=2
   python run.py --strategy=pp --mesh=stage:2,data:2,tensor:2 --model=mixtral-test --layers=4 \
       --microbatches=2 --opt=schedule=1f1b,experts=fold --steps=3
+  python run.py --strategy=pp --mesh=stage:2,context:2,tensor:2 --model=mixtral-test --layers=4 \
+      --microbatches=2 --opt=sequence_parallel=true --steps=3
 """
 import dataclasses
 import functools
@@ -223,6 +262,11 @@ class Options:
                                 "tensor), each tensor rank routing its S/t positions through "
                                 "the all-to-all over both (fold: Megatron's parallel folding, "
                                 "ETP 1, EP = |expert| x |tensor|)")
+  sequence_parallel: bool = dataclasses.field(default=False, metadata={
+      "doc": "with a tensor axis: Megatron's sequence parallelism inside the stages, the "
+             "residual's S over tensor ([b/M, S/(c t), D] between the blocks and the stages), "
+             "all-gather and reduce-scatter over tensor around the tensor-parallel blocks in "
+             "place of their all-reduces (experts=split)"})
   kv_exchange: str = options.choice(
       "allgather", ("allgather", "ring"),
       "with a context axis: how each device's queries reach every key, as cp's: K/V (MLA: the "
@@ -307,7 +351,15 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
                    dict(n_layers=5, microbatches=2, layer_layout="1,1,1,1", layer_stages=2),
                    Options(schedule="interleaved", virtual_stages=2, kv_exchange="ring")),
               Case("mixtral-test", "stage:2,context:2,tensor:2",
-                   dict(n_layers=4, batch=8, microbatches=2), Options(kv_exchange="ring"))]
+                   dict(n_layers=4, batch=8, microbatches=2), Options(kv_exchange="ring")),
+              # sequence parallelism inside the stages (Megatron's SP): the residual's S over
+              # tensor, AG / RS around the blocks; MLA's latents, the prefix, the shared expert
+              # and the bias update under 1f1b, and GQA with a context axis under gpipe
+              Case("deepseek-test", "stage:2,expert:2,tensor:2",
+                   dict(n_layers=5, microbatches=2),
+                   Options(schedule="1f1b", sequence_parallel=True)),
+              Case("mixtral-test", "stage:2,context:2,tensor:2",
+                   dict(n_layers=4, batch=8, microbatches=2), Options(sequence_parallel=True))]
 COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7] + TEST_CASES[8:]
 BF16_CASE = Case("deepseek-test", "stage:2,data:2,expert:2", opts=ONE_F)    # its explicit vjp
 PIPELINE = True     # runs its microbatches in its own pipeline (the planner: no accumulation)
@@ -354,17 +406,28 @@ BAD_INPUT = [
     BadInput(dict(), "stage:2,context:2,expert:2", Options(schedule="1f1b", kv_exchange="ring"),
              "pp option kv_exchange=ring runs under gpipe and interleaved: 1f1b's phases are "
              "conditionals that one stage takes, and the ring's collective-permute is one op over "
-             "every device")]
+             "every device"),
+    BadInput(dict(), "stage:2,expert:4", Options(sequence_parallel=True),
+             "pp option sequence_parallel=true needs a tensor axis of size > 1 (without one "
+             "nothing is split)"),
+    BadInput(dict(), "stage:2,expert:2,tensor:2", Options(experts="fold", sequence_parallel=True),
+             "pp option sequence_parallel=true runs with experts=split; with experts=fold each "
+             "tensor rank already routes its own S/(c t) positions")]
 
 
 def contract_variant(opts):
   """Which HLO contract block of the docstring this layout compiles to."""
-  return "experts=fold" if opts.experts == "fold" else None
+  return ("experts=fold" if opts.experts == "fold" else
+          "sequence_parallel" if opts.sequence_parallel else None)
 
 
-def contract_tags(opts):
-  """The K/V exchange's lines of either block: [allgather] or [ring]."""
-  return (opts.kv_exchange,)
+def contract_tags(opts, cfg=None):
+  """The tagged lines of the blocks: the K/V exchange's, [allgather] or [ring]; [counts] where the
+  step's counts are all-reduced over tensor alone (the bias update's, without the counts
+  pre-pass, which sums them over every token axis)."""
+  counts = (cfg is not None and cfg.bias_update_rate and opts.experts == "split"
+            and not counts_pre_pass(cfg, opts))
+  return (opts.kv_exchange,) + (("counts",) if counts else ())
 
 
 def check(cfg, mesh, opts):
@@ -392,6 +455,14 @@ def check(cfg, mesh, opts):
   elif opts.kv_exchange == "ring":
     raise ConfigError("pp option kv_exchange=ring needs a context axis of size > 1 (without one "
                       "nothing travels)")
+  if opts.sequence_parallel:                    # the residual's S/c over tensor
+    if mesh_lib.axis_size(mesh, TENSOR) == 1:
+      raise ConfigError("pp option sequence_parallel=true needs a tensor axis of size > 1 "
+                        "(without one nothing is split)")
+    if fold:
+      raise ConfigError("pp option sequence_parallel=true runs with experts=split; with "
+                        "experts=fold each tensor rank already routes its own S/(c t) positions")
+    mesh_lib.require_divisible("seq_len", cfg.seq_len, mesh, (CONTEXT, TENSOR))
   if opts.kv_exchange == "ring" and opts.schedule == "1f1b":
     raise ConfigError("pp option kv_exchange=ring runs under gpipe and interleaved: 1f1b's "
                       "phases are conditionals that one stage takes, and the ring's "
@@ -476,14 +547,15 @@ def loss(params, batch, *, cfg, mesh, opts):
 def _pipeline(p, tokens, targets, positions, *, specs, cfg, n_stage, ep_size, opts):
   """One device. tokens / targets / positions [b, S] local rows; p: this stage's layers."""
   p = _use(p, specs, cfg)
-  outs, stats = _stages(p, tokens, _positions(positions, cfg.microbatches), cfg=cfg,
+  sp = opts.sequence_parallel
+  outs, stats = _stages(p, tokens, _positions(positions, cfg.microbatches, sp), cfg=cfg,
                         n_stage=n_stage, ep_size=ep_size, opts=opts)
   last = jax.lax.axis_index(STAGE) == n_stage - 1
-  tgt = _split(targets, cfg.microbatches)                          # [M, b/M, S]
+  tgt = _split(_own(targets, sp), cfg.microbatches)               # [M, b/M, S/c (/t)]
   ce = jnp.sum(jax.lax.map(lambda ot: _ce_sum(ot[0], ot[1], p, cfg),
                            (outs, tgt)))                        # one microbatch's logits at a time
   n_tokens = cfg.batch * cfg.seq_len
-  ce = jax.lax.psum(jnp.where(last, ce, 0.0) * _first_tensor_rank(), ALL) / n_tokens
+  ce = jax.lax.psum(jnp.where(last, ce, 0.0) * _ce_share(sp), ALL) / n_tokens
   aux, z = routing.aux_losses(stats, n_tokens, cfg)       # [L/P] from the step's stats
   aux, z, dropped = (_once(jnp.sum(v), STAGE) for v in (aux, z, stats["dropped"]))
   total, metrics = model.loss_total(ce, aux, z, cfg)
@@ -496,15 +568,30 @@ def _split(a, m):
   return einops.rearrange(a, "(m mb) s -> m mb s", m=m)
 
 
-def _positions(positions, m):
+def _own(a, sp, axis=1):
+  """With sequence parallelism, tensor rank r's slice r of a's sequence dim (S/c -> S/(c t):
+  the residual's positions); else a."""
+  if not sp:
+    return a
+  s = a.shape[axis] // jax.lax.axis_size(TENSOR)
+  return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(TENSOR) * s, s, axis=axis)
+
+
+def _ce_share(sp):
+  """Which tensor ranks count the CE: with sequence parallelism each its own positions (1.0),
+  else tensor rank 0 alone (every rank holds the same logits)."""
+  return 1.0 if sp else _first_tensor_rank()
+
+
+def _positions(positions, m, sp=False):
   """This device's positions [b, S/c] -> model.Positions of the M microbatches: the queries'
-  and the residual's [M, b/M, S/c], the keys' [M, b/M, S] (with a context axis, all-gathered
-  over it once per step, before the time loop)."""
+  [M, b/M, S/c], the residual's (sequence parallelism: this tensor rank's S/(c t) of them), the
+  keys' [M, b/M, S] (with a context axis, all-gathered over it once per step, before the time
+  loop)."""
   q = _split(positions, m)
-  if jax.lax.axis_size(CONTEXT) == 1:
-    return model.Positions(q, q, q)
-  k = jax.lax.all_gather(positions, CONTEXT, axis=1, tiled=True)            # [b, S]
-  return model.Positions(q, q, _split(k, m))
+  k = q if jax.lax.axis_size(CONTEXT) == 1 else _split(
+      jax.lax.all_gather(positions, CONTEXT, axis=1, tiled=True), m)       # [M, b/M, S]
+  return model.Positions(q, _own(q, sp, axis=2), k)
 
 
 def _at(pos, i):
@@ -542,9 +629,18 @@ def _stage_layout(cfg, ep_size, t, opts, c=1):
     with jax.named_scope("tp_psum"):
       return jax.lax.psum(y, TENSOR)
 
+  def gather_in(h):                                      # [b/M, S/(c t), ..] -> [b/M, S/c, ..]
+    return jax.lax.all_gather(h, TENSOR, axis=1, tiled=True)
+
+  def scatter_seq(y):                                    # [b/M, S/c, D] {U_t} -> its S/(c t)
+    return jax.lax.psum_scatter(y, TENSOR, scatter_dimension=1, tiled=True)
+
   if opts.experts == "split":
     def moe(p, x, positions):                            # x [b/M, S, D], the same on every t
       return body(tensor.bias_once(p, TENSOR), x, positions)   # y [b/M, S, D] {U_t}, stats
+    if opts.sequence_parallel:                           # Megatron's SP: AG / RS over tensor
+      return model.Parallelism(moe=moe, gather_in=gather_in, scatter_out=scatter_seq,
+                               kv_axes=cp, kv_ring=ring)
     return model.Parallelism(moe=moe, scatter_out=scatter_out, kv_axes=cp, kv_ring=ring)
 
   seq = cp + (TENSOR,)                                   # the axes splitting a routed sequence
@@ -629,6 +725,7 @@ def _stages(p, tokens, pos, *, cfg, n_stage, ep_size, opts, unroll=False):
   microbatches {name: [rows, ..]}). With v = chunks(cfg) > 1 (interleaved) a tick runs one of
   the stage's v chunks, and stage P-1's output feeds stage 0's next chunk (`schedule`)."""
   m, v = cfg.microbatches, chunks(cfg)
+  tokens = _own(tokens, opts.sequence_parallel)                     # the residual's positions
   b, s = tokens.shape
   mb = b // m
   stage = jax.lax.axis_index(STAGE)
@@ -784,7 +881,10 @@ class _Run:
     self.stat_axes = _stat_axes(opts.experts)
     self.stage = jax.lax.axis_index(STAGE)
     self.first, self.last = self.stage == 0, self.stage == n_stage - 1
-    self.pos, self.tgt = _positions(positions, m), _split(targets, m)   # [M, b/M, S/c]
+    sp = opts.sequence_parallel
+    self.pos = _positions(positions, m, sp)
+    self.tgt = _split(_own(targets, sp), m)                   # [M, b/M, S/c (/t)]
+    self.ce_share = _ce_share(sp)
     self.home = jax.tree.map(sharding.varying_axes, p)     # the axes each weight varies over
     pc = _use(p, specs, cfg)          # gathered over data; its gradients are summed explicitly
     # the stage's stacks: the MoE rows, and the dense rows inside the stack
@@ -806,7 +906,7 @@ class _Run:
     self.pe = {k: pc[k] for k in ("embed", "dense_layers")              # stage 0's phases'
                if k in pc and k not in self.layers}
     self.ph = {k: pc[k] for k in ("final_norm", "unembed")}              # the last stage's
-    self.tok = _split(tokens, m)                                    # [M, b/M, S]
+    self.tok = _split(_own(tokens, sp), m)                          # [M, b/M, S/c (/t)]
     self.tab = {k: jnp.asarray(a) for k, a in table.items()}
     # the residuals' structure, from one traced (unused: compiled away) vjp on inputs typed as
     # the loop's: which leaves are the chunk's weights (never copied), which go into the ring
@@ -865,7 +965,7 @@ class _Run:
         "a stage's residuals changed structure between traces"
     c["ring"] = [_put(buf, slot, u) for buf, u in zip(c["ring"], res)]
     head = lambda ph, y, t: (_ce_sum(y, t, ph, self.cfg) / self.n_tokens   # CE sum / T, once
-                             * _first_tensor_rank())
+                             * self.ce_share)
 
     def head_step(dys, g):
       ce, (d_ph, dy) = jax.value_and_grad(head, argnums=(0, 1))(self.ph, y, self.tgt[mc])
@@ -1001,6 +1101,7 @@ def cost(cfg, mesh, opts):
   s_loc = cfg.seq_len // mesh_lib.axis_size(mesh, CONTEXT)         # a device's positions
   act = mb * s_loc * cfg.d_model * cost_lib.act_bytes(cfg)        # one [b/M, S/c, D]
   t = mesh_lib.axis_size(mesh, TENSOR)
+  send = act / t if opts.sequence_parallel else act               # what a stage sends
   tp, fold = t > 1, opts.experts == "fold"
   # the exchange: over expert, or folded over (expert, tensor), each rank its S/t positions
   ep_axes, n_ep, s_ep = ((EXPERT, TENSOR), ep_size * t, s_loc // t) if fold else \
@@ -1037,9 +1138,9 @@ def cost(cfg, mesh, opts):
   specs = param_specs(cfg, mesh, opts)
   out = (cost_lib.weight_terms(cfg, mesh, specs, AXES, gathered, once=True)
          + cost_lib.muon_terms(cfg, mesh, specs, SPREAD + (TENSOR,))
-         + term("collective-permute", "fwd", "activations to the next stage", sends[0] * act,
+         + term("collective-permute", "fwd", "activations to the next stage", sends[0] * send,
                 STAGE)
-         + term("collective-permute", "bwd", "cotangents to the previous stage", sends[1] * act,
+         + term("collective-permute", "bwd", "cotangents to the previous stage", sends[1] * send,
                 STAGE)
          + ep.exchange_terms(cfg, mesh, "a2a", mb, mb * s_ep, ep_axes, calls=runs)
          + term("all-reduce", "fwd", "router stats per microbatch", runs * stats, stat_axes)
@@ -1059,7 +1160,7 @@ def cost(cfg, mesh, opts):
   if pre:                                      # the GPipe forward time loop, once more
     out += (term("collective-permute", "fwd", "counts pre-pass: activations (v = 1, unrolled: "
                  "its last tick's send, read by no stage, compiled away)",
-                 (ticks - (v == 1)) * act, STAGE)
+                 (ticks - (v == 1)) * send, STAGE)
             + term("all-to-all", "fwd", "counts pre-pass: buffers and counts",
                    pre_steps * local_layers * (2 * buf + cfg.n_experts * 4), ep_axes)
             + term("all-reduce", "fwd", "counts pre-pass: the step's counts [L/P, E]",
@@ -1079,6 +1180,8 @@ def _tensor_terms(cfg, mesh, act, steps, pre_steps, opts) -> list:
   (`_layer_runs`)."""
   calls, pre = (2 * n for n in _layer_runs(cfg, mesh, steps, pre_steps, opts))
   term = functools.partial(cost_lib.term, mesh)
+  if opts.sequence_parallel:
+    return _sequence_parallel_terms(cfg, mesh, act, calls // 2, pre // 2)
   # --remat=block recomputes attention's (the MLP block reads it), never the MLP block's (its
   # sum is the layer's output, which no gradient reads)
   return (term("all-reduce", "fwd", "attention's row-parallel output", calls // 2 * act, TENSOR,
@@ -1087,6 +1190,30 @@ def _tensor_terms(cfg, mesh, act, steps, pre_steps, opts) -> list:
                  TENSOR)
           + term("all-reduce", "bwd", "their cotangents", calls * act, TENSOR)
           + term("all-reduce", "fwd", "counts pre-pass: row-parallel outputs", pre * act, TENSOR))
+
+
+def _sequence_parallel_terms(cfg, mesh, act, runs, pre) -> list:
+  """sequence_parallel: per layer run, forward, the all-gather over tensor of attention's normed
+  input (MLA: its latents, attn_gather_values per token) and of the MLP block's, and the
+  reduce-scatter of each block's output; backward, the all-gather of the reduce-scatters'
+  cotangents and the reduce-scatter of the gathered inputs'. act = one gathered [b/M, S/c, D];
+  runs, pre: the layer runs of the step and of the counts pre-pass (`_layer_runs`)."""
+  t = mesh_lib.axis_size(mesh, TENSOR)
+  inputs = act * cost_lib.attn_gather_values(cfg) / cfg.d_model + act   # attention's + MLP's
+  term = functools.partial(cost_lib.term, mesh)
+  # --remat recomputes the gathers and attention's reduce-scatter (the MLP block reads its
+  # output), never the MLP block's (its output is the layer's)
+  return (term("all-gather", "fwd", "each block's normed input (MLA: latents)", runs * inputs,
+               TENSOR, cost_lib.RECOMPUTED)
+          + term("reduce-scatter", "fwd", "attention's output", runs * act / t, TENSOR,
+                 cost_lib.BLOCK_ONLY)
+          + term("reduce-scatter", "fwd", "the MLP block's output", runs * act / t, TENSOR)
+          + term("all-gather", "bwd", "the reduce-scatters' cotangents", 2 * runs * act, TENSOR)
+          + term("reduce-scatter", "bwd", "the gathered inputs' cotangents", runs * inputs / t,
+                 TENSOR)
+          + term("all-gather", "fwd", "counts pre-pass: the blocks' inputs", pre * inputs, TENSOR)
+          + term("reduce-scatter", "fwd", "counts pre-pass: the blocks' outputs",
+                 pre * 2 * act / t, TENSOR))
 
 
 def _layer_runs(cfg, mesh, steps, pre_steps, opts) -> tuple:

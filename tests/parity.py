@@ -216,11 +216,12 @@ def assert_layout_invariance(name: str, cfg, mesh_specs, steps: int = 3) -> None
   chex.assert_trees_all_equal(once, twice)
 
 
-def declared(name: str, opts, mesh, optimizer: str = "adamw") -> set:
-  """The (kind, axes) set of the strategy's docstring contract for these options and optimizer."""
+def declared(name: str, opts, mesh, optimizer: str = "adamw", cfg=None) -> set:
+  """The (kind, axes) set of the strategy's docstring contract for these options and optimizer
+  (and the model, where a tagged line depends on it)."""
   strat = strategies.get(name)
   variant = strat.contract_variant(opts) if hasattr(strat, "contract_variant") else None
-  tags = strat.contract_tags(opts) if hasattr(strat, "contract_tags") else ()
+  tags = strat.contract_tags(opts, cfg) if hasattr(strat, "contract_tags") else ()
   return contract.declared_collectives(strat.__doc__, mesh, variant, optimizer, tags)
 
 
@@ -229,7 +230,7 @@ def assert_contract(name: str, cfg, mesh_spec: str, opts=None) -> train.Job:
   strategy's docstring "HLO contract" block and its cost model's terms are one set — each way.
   Returns the job."""
   j = job(name, cfg, mesh_spec, opts)
-  want = declared(name, j.opts, j.mesh, j.cfg.optimizer)
+  want = declared(name, j.opts, j.mesh, j.cfg.optimizer, j.cfg)
   got = set(hlo.collective_stats_by_axes(j.hlo, j.mesh))
   assert got == want, {"undeclared": got - want, "declared, not compiled": want - got}
   model = set(cost.by_axes(cost.step_terms(strategies.get(name), j.cfg, j.mesh, j.opts)))

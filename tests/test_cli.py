@@ -106,7 +106,7 @@ BAD_FLAGS = [
      "--devices=1: one device is the reference's layout (--strategy=reference)"),
     (["--devices=1", "--compile_only"], "--devices=1: one device is the reference's layout"),
     (["--strategy=dp", "--opt=kv_exchange=ring"],
-     "strategy 'dp' has no option 'kv_exchange' (it is an option of cp, ep_as_cp)"),
+     "strategy 'dp' has no option 'kv_exchange' (it is an option of cp, ep_as_cp, pp)"),
     (["--model=deepseek-v3", "--layers=3", "--describe"],
      "first_k_dense_replace=3 must be in [0, n_layers=3) (at least one MoE layer)"),
     # --layer_layout: pp's stages (and the reference); a layout that is not the model's
