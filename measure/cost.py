@@ -437,19 +437,28 @@ def cp_terms(cfg, mesh, cp_axis: str, batch_axes, ring: bool = False) -> list[Te
   take one more send home; the positions are all-gathered once, as kv_pos."""
   b = cfg.batch // _size(mesh, _tuple(batch_axes))
   kv = b * cfg.seq_len * kv_values(cfg) * act_bytes(cfg)                  # K and V of a layer
+  return (kv_exchange_terms(cfg, mesh, cp_axis, kv, cfg.n_layers, ring)
+          + term(mesh, "all-gather", "fwd", "kv_pos", b * cfg.seq_len * 4, cp_axis)
+          + capacity_gather_terms(cfg, mesh, cp_axis, b * cfg.seq_len))
+
+
+def kv_exchange_terms(cfg, mesh, cp_axis: str, kv: float, calls: int,
+                      ring: bool = False) -> list[Term]:
+  """The K/V exchange of `calls` attention runs over cp_axis, kv = the bytes of one run's whole
+  sequences' K and V (MLA: latent + RoPE key) in the compute dtype: the all-gather forward
+  (--remat gathers again) and the reduce-scatter of d(K/V) backward; ring: n - 1 blocks of kv/n
+  forward, backward again with n float32 d(K/V) blocks (one more send home)."""
   cp = _size(mesh, (cp_axis,))
   what = "latent c_KV + RoPE key" if cfg.mla else "K/V"
   if ring:
-    block, d_block = kv / cp, b * cfg.seq_len // cp * kv_values(cfg) * F32
-    out = (term(mesh, "collective-permute", "fwd", f"{what} blocks around the ring",
-                cfg.n_layers * (cp - 1) * block, cp_axis, RECOMPUTED)
-           + term(mesh, "collective-permute", "bwd", f"{what} blocks + float32 d({what})",
-                  cfg.n_layers * ((cp - 1) * block + cp * d_block), cp_axis))
-  else:
-    out = (term(mesh, "all-gather", "fwd", what, cfg.n_layers * kv, cp_axis, RECOMPUTED)
-           + term(mesh, "reduce-scatter", "bwd", f"d({what})", cfg.n_layers * kv / cp, cp_axis))
-  return (out + term(mesh, "all-gather", "fwd", "kv_pos", b * cfg.seq_len * 4, cp_axis)
-          + capacity_gather_terms(cfg, mesh, cp_axis, b * cfg.seq_len))
+    block = kv / cp
+    d_block = block * F32 / act_bytes(cfg)
+    return (term(mesh, "collective-permute", "fwd", f"{what} blocks around the ring",
+                 calls * (cp - 1) * block, cp_axis, RECOMPUTED)
+            + term(mesh, "collective-permute", "bwd", f"{what} blocks + float32 d({what})",
+                   calls * ((cp - 1) * block + cp * d_block), cp_axis))
+  return (term(mesh, "all-gather", "fwd", what, calls * kv, cp_axis, RECOMPUTED)
+          + term(mesh, "reduce-scatter", "bwd", f"d({what})", calls * kv / cp, cp_axis))
 
 
 def capacity_gather_terms(cfg, mesh, axis: str, tokens: int) -> list[Term]:
@@ -463,22 +472,24 @@ def capacity_gather_terms(cfg, mesh, axis: str, tokens: int) -> list[Term]:
               (cfg.n_moe_layers * cfg.top_k + 1) * tokens * 4, axis)
 
 
-def sequence_parallel_terms(cfg, mesh, axis: str, tokens: int, mlp_layers: int) -> list[Term]:
-  """Megatron's sequence parallelism over `axis` (ep_tp, ep_x_tp's sequence_parallel), T =
-  tokens of the gathered [T, D]: per layer, forward, the all-gather of attention's normed h
-  (MLA: its latents) and, in mlp_layers layers, of the MLP's h, the reduce-scatter of attention
-  wo and of those MLPs' outputs; backward, the mirror (all-gather of the reduce-scatters'
-  cotangents, reduce-scatter of the gathered inputs')."""
+def sequence_parallel_terms(cfg, mesh, axis: str, tokens: int, mlp_layers: int,
+                            attn_layers: int | None = None) -> list[Term]:
+  """Megatron's sequence parallelism over `axis` (ep_tp, ep_x_tp's sequence_parallel; pp's per
+  layer run), T = tokens of the gathered [T, D]: per attention (attn_layers, default every
+  layer), forward, the all-gather of its normed h (MLA: its latents) and, in mlp_layers layers,
+  of the MLP's h, the reduce-scatter of attention wo and of those MLPs' outputs; backward, the
+  mirror (all-gather of the reduce-scatters' cotangents, reduce-scatter of the gathered
+  inputs')."""
   n = _size(mesh, (axis,))
+  attn = cfg.n_layers if attn_layers is None else attn_layers
   act = nbytes((tokens, cfg.d_model), act_bytes(cfg))              # one gathered [T, D]
-  gathered = cfg.n_layers * act * attn_gather_values(cfg) // cfg.d_model + mlp_layers * act
+  gathered = attn * act * attn_gather_values(cfg) // cfg.d_model + mlp_layers * act
   return (term(mesh, "all-gather", "fwd", "attention's h or MLA latents, the MLP's h", gathered,
                axis, RECOMPUTED)
-          + term(mesh, "reduce-scatter", "fwd", "attn wo", cfg.n_layers * act / n, axis,
-                 BLOCK_ONLY)
+          + term(mesh, "reduce-scatter", "fwd", "attn wo", attn * act / n, axis, BLOCK_ONLY)
           + term(mesh, "reduce-scatter", "fwd", "the MLPs' outputs", mlp_layers * act / n, axis)
           + term(mesh, "all-gather", "bwd", "cotangents of the reduce-scatters",
-                 (cfg.n_layers + mlp_layers) * act, axis)
+                 (attn + mlp_layers) * act, axis)
           + term(mesh, "reduce-scatter", "bwd", "cotangents of the gathered h / latents",
                  gathered / n, axis))
 

@@ -1193,24 +1193,15 @@ def _tensor_terms(cfg, mesh, act, steps, pre_steps, opts) -> list:
 
 
 def _sequence_parallel_terms(cfg, mesh, act, runs, pre) -> list:
-  """sequence_parallel: per layer run, forward, the all-gather over tensor of attention's normed
-  input (MLA: its latents, attn_gather_values per token) and of the MLP block's, and the
-  reduce-scatter of each block's output; backward, the all-gather of the reduce-scatters'
-  cotangents and the reduce-scatter of the gathered inputs'. act = one gathered [b/M, S/c, D];
-  runs, pre: the layer runs of the step and of the counts pre-pass (`_layer_runs`)."""
+  """sequence_parallel: per layer run, measure.cost's sequence-parallel terms (each block's
+  normed input all-gathered over tensor, its output reduce-scattered, and the mirror backward);
+  the counts pre-pass's forward ones. act = one gathered [b/M, S/c, D]; runs, pre: the layer
+  runs of the step and of the pre-pass (`_layer_runs`)."""
   t = mesh_lib.axis_size(mesh, TENSOR)
+  tokens = act / cost_lib.act_bytes(cfg) / cfg.d_model                   # b/M x S/c
   inputs = act * cost_lib.attn_gather_values(cfg) / cfg.d_model + act   # attention's + MLP's
   term = functools.partial(cost_lib.term, mesh)
-  # --remat recomputes the gathers and attention's reduce-scatter (the MLP block reads its
-  # output), never the MLP block's (its output is the layer's)
-  return (term("all-gather", "fwd", "each block's normed input (MLA: latents)", runs * inputs,
-               TENSOR, cost_lib.RECOMPUTED)
-          + term("reduce-scatter", "fwd", "attention's output", runs * act / t, TENSOR,
-                 cost_lib.BLOCK_ONLY)
-          + term("reduce-scatter", "fwd", "the MLP block's output", runs * act / t, TENSOR)
-          + term("all-gather", "bwd", "the reduce-scatters' cotangents", 2 * runs * act, TENSOR)
-          + term("reduce-scatter", "bwd", "the gathered inputs' cotangents", runs * inputs / t,
-                 TENSOR)
+  return (cost_lib.sequence_parallel_terms(cfg, mesh, TENSOR, tokens, runs, attn_layers=runs)
           + term("all-gather", "fwd", "counts pre-pass: the blocks' inputs", pre * inputs, TENSOR)
           + term("reduce-scatter", "fwd", "counts pre-pass: the blocks' outputs",
                  pre * 2 * act / t, TENSOR))
@@ -1228,11 +1219,10 @@ def _layer_runs(cfg, mesh, steps, pre_steps, opts) -> tuple:
 
 
 def _context_terms(cfg, mesh, mb, steps, pre_steps, opts) -> list:
-  """c = |context| > 1: cp's K/V exchange inside the stages (kv_exchange=ring: cp's ring terms,
-  per layer run). Per layer run
-  (`_layer_runs`), K and V (their KV/t heads; MLA: the latent and RoPE key) of the b/M = mb
-  whole sequences [mb, S, ..] all-gathered over context forward (--remat gathers again), their cotangents
-  reduce-scattered backward; the keys' positions [b, S] once per step."""
+  """c = |context| > 1: cp's K/V exchange inside the stages (measure.cost.kv_exchange_terms),
+  per layer run (`_layer_runs`) on K and V (their KV/t heads; MLA: the latent and RoPE key) of
+  the b/M = mb whole sequences [mb, S, ..]: the all-gather and the reduce-scatter of d(K/V), or
+  the ring's blocks; the counts pre-pass's gathers; the keys' positions [b, S] once per step."""
   c = mesh_lib.axis_size(mesh, CONTEXT)
   if c == 1:
     return []
@@ -1240,21 +1230,12 @@ def _context_terms(cfg, mesh, mb, steps, pre_steps, opts) -> list:
   # a run's K/V: GQA's KV heads are split over tensor; MLA's latent is whole on every rank
   heads = 1 if cfg.mla else mesh_lib.axis_size(mesh, TENSOR)
   kv = mb * cfg.seq_len * cost_lib.kv_values(cfg) // heads * cost_lib.act_bytes(cfg)
-  what = "latent + RoPE key" if cfg.mla else "K/V"
+  ring = opts.kv_exchange == "ring"
   term = functools.partial(cost_lib.term, mesh)
-  pos = term("all-gather", "fwd", "kv_pos [b, S], once per step",
-             cfg.microbatches * mb * cfg.seq_len * 4, CONTEXT)
-  if opts.kv_exchange == "ring":            # c - 1 blocks of S/c forward; backward again, with
-    block = kv / c                          # their float32 sums, and one more send home
-    d_block = block * cost_lib.F32 / cost_lib.act_bytes(cfg)
-    return (term("collective-permute", "fwd", f"{what} blocks around the ring",
-                 calls * (c - 1) * block, CONTEXT, cost_lib.RECOMPUTED)
-            + term("collective-permute", "bwd", f"{what} blocks + float32 d({what})",
-                   calls * ((c - 1) * block + c * d_block), CONTEXT) + pos)
-  return (term("all-gather", "fwd", f"{what} per layer run", calls * kv, CONTEXT,
-               cost_lib.RECOMPUTED)
-          + term("all-gather", "fwd", f"counts pre-pass: {what}", pre * kv, CONTEXT)
-          + term("reduce-scatter", "bwd", f"d({what})", calls * kv / c, CONTEXT) + pos)
+  return (cost_lib.kv_exchange_terms(cfg, mesh, CONTEXT, kv, calls, ring)
+          + term("all-gather", "fwd", "counts pre-pass: K/V", (not ring) * pre * kv, CONTEXT)
+          + term("all-gather", "fwd", "kv_pos [b, S], once per step",
+                 cfg.microbatches * mb * cfg.seq_len * 4, CONTEXT))
 
 
 def _split_sequence_terms(cfg, mesh, mb, runs, steps, pre_steps, opts) -> list:
