@@ -2,8 +2,9 @@
 stage (Megatron's TP x PP x EP x CP layouts: experts over `expert`, the sequence over `context`,
 heads and widths over `tensor`).
 
-Mesh axes: (stage, data, expert, context, tensor), stage outermost. P = |stage| stages of L/P contiguous
-MoE layers (L = n_layers - first_k_dense_replace); M = --microbatches per step; EP = |expert|,
+Mesh axes: (stage, data, expert, context, tensor), stage outermost. P = |stage| stages of L/P
+contiguous MoE layers (L = n_layers - first_k_dense_replace); M = --microbatches per step;
+EP = |expert|,
 c = |context| (Megatron's CP), t = |tensor| (Megatron's TP, with ETP = TP: each expert's F split
 over tensor, as ep_x_tp's).
 --layer_layout=c_0,..,c_{P-1} puts c_s MoE layers on stage s, the stack stored padded to
@@ -44,9 +45,8 @@ over context, as cp's allgather exchange, written by hand (model.Parallelism.kv_
 --opt=kv_exchange=ring passes them around the context ring (ring_attend(manual=True); gpipe and
 interleaved: a 1f1b phase is a conditional one stage takes, and a collective-permute is one op
 over every device); the router statistics are summed over context, so every context rank forms
-the same aux loss.
-The leading dense layers (DeepSeek's)
-run before the pipeline on every device, under 1f1b in stage 0's phases. The non-expert matrices
+the same aux loss. The leading dense layers (DeepSeek's) run before the pipeline on every
+device, under 1f1b in stage 0's phases. The non-expert matrices
 are stored split on D over data (embedding, head, dense prefix: (stage, data)), all-gathered
 once per step before the time loop (`_use`), their gradients reduce-scattered once after it.
 
@@ -59,15 +59,16 @@ step's, as the reference's; never a mean of microbatch losses); under 1f1b the b
 first runs a counts pre-pass (gpipe's forward loop, no residuals kept: `counts_pre_pass`).
 
 Collectives per step (x = expert):
-  forward : 1. collective-permute over stage of the activation [b/M, S, D] at every tick
+  forward : 1. collective-permute over stage of the activation [b/M, S/c, D] at every tick
                (`permutes`: gpipe M+P-1, a bubble tick's send carrying zeros; 1f1b 2(M+P-1);
                interleaved v*M+P-1, round the ring: stage P-1 sends to stage 0 too)
             2. per stage pass (`stage_passes`) and local layer, moe_body: all-to-all over x of
                the counts [EP, e], the send buffer [EP, C, D] (C = ep.py's bound for b/M
                sequences) and the expert outputs; all-reduce over (data, x) of router statistics
             2t. t > 1, per pass and layer: all-reduce over tensor of attention's output and of
-               the MLP block's (MoE + shared, or a dense FFN's), [b/M, S, D] each (the prefix's
-               per microbatch)
+               the MLP block's (MoE + shared, or a dense FFN's), [b/M, S/c, D] each (the
+               prefix's per microbatch; sequence_parallel: an all-gather and a reduce-scatter
+               each, below)
             2c. c > 1, per pass and layer (and the prefix's): all-gather over context of K and V
                [b/M, S, KV, Dh] (MLA: latent + RoPE key [b/M, S, Rkv + rope]); with the
                capacity rule the layer's expert ids [b/M, S, K] (and the pass's positions);
@@ -603,13 +604,15 @@ def _stage_layout(cfg, ep_size, t, opts, c=1):
   """A stage's layers on one device: the MoE ep.py's moe_body with its padded all-to-all over
   expert; with c = |context| > 1, cp's all-gather exchange by hand (each device's queries are
   its S/c positions of the load-balanced order; K and V, MLA's latent, all-gathered over
-  context per layer, their cotangents reduce-scattered; the router statistics summed over
-  context, the capacity rule's expert ids gathered over it: it orders whole sequences); with
-  t = |tensor| > 1, Megatron's tensor parallelism by hand. opts.kv_exchange=ring passes the K/V
-  blocks around the context ring instead (modeling/ring_attention.py, manual). Every tensor rank holds
-  the same residual; attention runs its H/t heads, the dense and shared SwiGLUs their F/t
-  slice, so each row-parallel output is a partial sum over tensor and scatter_out all-reduces it
-  ("tp_psum": attention's; the MoE's, shared expert's and a dense FFN's, one for the block).
+  context per layer, their cotangents reduce-scattered; opts.kv_exchange=ring: around the
+  context ring instead, modeling/ring_attention.py's manual ring; the router statistics summed
+  over context, the capacity rule's expert ids gathered over it: it orders whole sequences);
+  with t = |tensor| > 1, Megatron's tensor parallelism by hand. Every tensor rank holds the
+  same residual; attention runs its H/t heads, the dense and shared SwiGLUs their F/t slice, so
+  each row-parallel output is a partial sum over tensor and scatter_out all-reduces it
+  ("tp_psum": attention's; the MoE's, shared expert's and a dense FFN's, one for the block);
+  opts.sequence_parallel: the residual holds this rank's S/(c t) positions, gather_in
+  all-gathers each block's input over tensor and scatter_out reduce-scatters its output.
   The routed MoE, experts="split": every rank routes the same tokens and runs its F/t slice of
   the local experts (a partial sum, in the block's all-reduce), gpt-oss's expert down bias added
   by rank 0 (tensor.bias_once); "fold": the experts whole over (expert, tensor), rank r routes
