@@ -567,7 +567,8 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
       shape = dict(zip(strat.AXES, sizes))
       if not only_mesh and any(shape[a] > min(cluster.node_size, NODE_TP) for a in inside):
         continue
-      if not only_mesh and any(shape[a] > 1 and cfg.seq_len < n for a, n in long_only.items()):
+      if not only_mesh and any(shape[a] > 1 and cfg.seq_len < length
+                               for a, length in long_only.items()):
         continue
       mesh = mesh_lib.abstract_mesh(shape)
       mems = {}                                # params + optimizer state per stored model

@@ -600,7 +600,7 @@ def _at(pos, i):
   return jax.tree.map(lambda a: a[i], pos)
 
 
-def _stage_layout(cfg, ep_size, t, opts, c=1):
+def _stage_layout(cfg, ep_size, opts):
   """A stage's layers on one device: the MoE ep.py's moe_body with its padded all-to-all over
   expert; with c = |context| > 1, cp's all-gather exchange by hand (each device's queries are
   its S/c positions of the load-balanced order; K and V, MLA's latent, all-gathered over
@@ -619,7 +619,8 @@ def _stage_layout(cfg, ep_size, t, opts, c=1):
   its S/t positions through the all-to-all over both and writes their outputs into its slice of
   a zero [b/M, S, D], which the block's all-reduce assembles. The router statistics are
   counted by tensor rank 0 (split: each rank holds the same; fold: summed over tensor first)."""
-  cp = (CONTEXT,) if c > 1 else ()
+  t = jax.lax.axis_size(TENSOR)
+  cp = (CONTEXT,) if jax.lax.axis_size(CONTEXT) > 1 else ()
   ring = bool(cp) and opts.kv_exchange == "ring"
   gather = context.sequence_gatherer(CONTEXT) if cp and cfg.capacity_factor > 0 else None
   body = functools.partial(ep.moe_body, cfg=cfg, ep_axes=(EXPERT,), ep=ep_size,
@@ -650,13 +651,11 @@ def _stage_layout(cfg, ep_size, t, opts, c=1):
   gather = context.sequence_gatherer(seq) if cfg.capacity_factor > 0 else None
 
   def moe_folded(p, x, positions):                       # x [b/M, S/c, D], the same on every t
-    s = x.shape[1] // t
-    at = jax.lax.axis_index(TENSOR) * s                  # this rank's positions: at .. at+s-1
-    own = lambda a: jax.lax.dynamic_slice_in_dim(a, at, s, axis=1)
-    y, stats = ep.moe_body(p, own(x), own(positions), cfg=cfg, ep_axes=(EXPERT, TENSOR),
-                           ep=ep_size * t, token_axes=TOKENS + (TENSOR,),
-                           exchange=ep.a2a_exchange, gather_sequence=gather,
-                           seq_axes=seq)                 # y [b/M, S/(c t), D]
+    y, stats = ep.moe_body(p, _own(x, True), _own(positions, True), cfg=cfg,
+                           ep_axes=(EXPERT, TENSOR), ep=ep_size * t,
+                           token_axes=TOKENS + (TENSOR,), exchange=ep.a2a_exchange,
+                           gather_sequence=gather, seq_axes=seq)   # y [b/M, S/(c t), D]
+    at = jax.lax.axis_index(TENSOR) * y.shape[1]         # this rank's slice of the S/c
     return jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(x), y.astype(x.dtype), at,
                                                axis=1), stats   # [b/M, S/c, D], its slice
   return model.Parallelism(moe=moe_folded, scatter_out=scatter_out, kv_axes=cp, kv_ring=ring)
@@ -736,7 +735,7 @@ def _stages(p, tokens, pos, *, cfg, n_stage, ep_size, opts, unroll=False):
   # every microbatch's stage-0 input, [M, b/M, S, D]: the embedding and the leading dense layers
   # (DeepSeek's) on every device for its own rows (stages > 0 discard theirs: a zero gradient),
   # one microbatch at a time (lax.map: the working set of b/M rows, not of b)
-  lay = _stage_layout(cfg, ep_size, jax.lax.axis_size(TENSOR), opts, jax.lax.axis_size(CONTEXT))
+  lay = _stage_layout(cfg, ep_size, opts)
   x0 = jax.lax.map(lambda tp: model.dense_prefix(p["embed"][tp[0]], p, tp[1], cfg, lay),
                    (_split(tokens, m), pos))
   mask = _stage_mask(cfg, n_stage)
@@ -893,8 +892,7 @@ class _Run:
     # the stage's stacks: the MoE rows, and the dense rows inside the stack
     stacks = ("layers", "dense_layers") if cfg.dense_inside else ("layers",)
     self.layers = {k: pc[k] for k in stacks}
-    self.lay = _stage_layout(cfg, ep_size, jax.lax.axis_size(TENSOR), opts,
-                             jax.lax.axis_size(CONTEXT))
+    self.lay = _stage_layout(cfg, ep_size, opts)
     # the batch-wise loss's f needs the step's counts before the first backward: v = 1 unrolled
     # (a second while loop crashes XLA:CPU when reloaded from the persistent compilation cache);
     # v > 1 a loop (unrolled, XLA keeps every tick's share live)
@@ -1181,18 +1179,18 @@ def _tensor_terms(cfg, mesh, act, steps, pre_steps, opts) -> list:
   of the MLP block's (the MoE and shared expert's sum, or a dense FFN's); backward, the same two,
   each the transpose of the copy of the sum every rank's residual takes, per layer run
   (`_layer_runs`)."""
-  calls, pre = (2 * n for n in _layer_runs(cfg, mesh, steps, pre_steps, opts))
-  term = functools.partial(cost_lib.term, mesh)
+  runs, pre = _layer_runs(cfg, mesh, steps, pre_steps, opts)
   if opts.sequence_parallel:
-    return _sequence_parallel_terms(cfg, mesh, act, calls // 2, pre // 2)
+    return _sequence_parallel_terms(cfg, mesh, act, runs, pre)
+  term = functools.partial(cost_lib.term, mesh)
   # --remat=block recomputes attention's (the MLP block reads it), never the MLP block's (its
   # sum is the layer's output, which no gradient reads)
-  return (term("all-reduce", "fwd", "attention's row-parallel output", calls // 2 * act, TENSOR,
+  return (term("all-reduce", "fwd", "attention's row-parallel output", runs * act, TENSOR,
                cost_lib.BLOCK_ONLY)
-          + term("all-reduce", "fwd", "the MLP block's row-parallel output", calls // 2 * act,
-                 TENSOR)
-          + term("all-reduce", "bwd", "their cotangents", calls * act, TENSOR)
-          + term("all-reduce", "fwd", "counts pre-pass: row-parallel outputs", pre * act, TENSOR))
+          + term("all-reduce", "fwd", "the MLP block's row-parallel output", runs * act, TENSOR)
+          + term("all-reduce", "bwd", "their cotangents", 2 * runs * act, TENSOR)
+          + term("all-reduce", "fwd", "counts pre-pass: row-parallel outputs", 2 * pre * act,
+                 TENSOR))
 
 
 def _sequence_parallel_terms(cfg, mesh, act, runs, pre) -> list:
