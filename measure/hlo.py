@@ -86,7 +86,7 @@ _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 TAKEN = re.compile(r"\.taken_(\d+)_of_(\d+)/")   # a named scope: a branch's share of runs
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _COND = re.compile(r"\bcondition=%?([\w.\-]+)")
-_S32_CONST = re.compile(r"= s32\[\] constant\((\d+)\)")
+_S32_CONST = re.compile(r"= s32\[\](?:\{[^}]*\})? constant\((\d+)\)")   # XLA:TPU adds a layout
 _NUM_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
 _REPLICA_COUNT = re.compile(r"\breplica_count=(\d+)")
 
@@ -311,9 +311,12 @@ def is_trivial(op: CollectiveOp) -> bool:
 # Mapping groups to mesh axes.
 
 def _device_coords(mesh) -> dict[int, tuple[int, ...]]:
-  devices = np.asarray(mesh.devices)
-  ids = np.vectorize(lambda d: d if isinstance(d, (int, np.integer)) else d.id)(devices)
-  return {int(i): tuple(int(c) for c in idx) for idx, i in np.ndenumerate(ids)}
+  """{id in the HLO's groups: mesh coordinates}. A compiled program's groups name its devices by
+  their place in its device assignment (use_global_device_ids: replica x partitions +
+  partition), which for a step over one mesh is the mesh's devices in row-major order, not their
+  device ids: on a TPU slice jax.make_mesh orders a 2x2x2 torus's ids as 0,1,3,2,6,7,5,4."""
+  shape = np.asarray(mesh.devices).shape
+  return {i: tuple(int(c) for c in np.unravel_index(i, shape)) for i in range(math.prod(shape))}
 
 
 def op_axes(op: CollectiveOp, mesh) -> frozenset[str]:

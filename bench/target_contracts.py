@@ -1,0 +1,108 @@
+"""Each strategy's collectives on a target compiler's program: its test rows (TEST_CASES, the
+tiny models tests/test_strategies.py holds to XLA:CPU) compiled for 8 devices of `--target` on
+this host, each compiled (kind, mesh axes, bytes) held to the docstring's contract and the cost
+model, in measure.compilers' normal form (a reduce-scatter counted as the all-reduce XLA:TPU may
+issue in its place; one all-reduce over A+B in place of the model's A then B, found and named).
+
+Run from the repo root:
+  python bench/target_contracts.py --target=tpu-v5p [--rows=first|all] [--strategy=NAME]
+                                   [--json=FILE]      (--strategy=fsdp,cp: those strategies)
+Per row: the compile's seconds; the (kind, axes) set against the contract; the reduce-scatters
+the compiler kept and those it issued as all-reduces; the merged all-reduces; and any key that
+still disagrees (then the exit status is 1).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from modeling.config import ConfigError  # noqa: E402
+from runtime import target as target_lib  # noqa: E402
+
+DEVICES = 8
+
+
+def rows(pick: str | None, which: str):
+  """(strategy name, its TEST_CASES row) in the strategy table's order."""
+  import strategies
+  for name in strategies.NAMES:
+    if name == "reference" or (pick and name not in pick.split(",")):
+      continue
+    cases = strategies.get(name).TEST_CASES
+    yield from ((name, c) for c in (cases[:1] if which == "first" else cases))
+
+
+def check_row(name: str, case, devices) -> dict:
+  """One row compiled for `devices` (f32 at "highest" matmul precision, measure/compilers.py)."""
+  import jax
+  from layout import mesh as mesh_lib
+  from measure import compilers, cost, hlo
+  from runtime import train
+  import strategies
+  from tests import parity
+  strat = strategies.get(name)
+  cfg = parity.parity_config(case.config())
+  opts = strat.Options() if case.opts is None else case.opts
+  mesh = mesh_lib.for_strategy(strat, case.mesh, DEVICES, devices)
+  t0 = time.perf_counter()
+  with jax.default_matmul_precision("highest"):
+    job = train.build(strat, cfg, mesh, opts, compile_only=True)
+  seconds = time.perf_counter() - t0
+  measured = {k: v["bytes"] for k, v in hlo.collective_stats_by_axes(job.hlo, mesh).items()}
+  predicted = cost.by_axes(cost.step_terms(strat, cfg, mesh, opts))
+  declared = parity.declared(name, opts, mesh, cfg.optimizer, cfg)
+  off, merges = compilers.agreement(predicted, measured, mesh)
+  said = lambda keys: sorted("/".join(sorted(a)) for _, a in keys)
+  rs = {k for k in predicted if k[0] == "reduce-scatter"}
+  return {
+      "row": " ".join([name, case.model, case.mesh, *(f"{k}={v}" for k, v in vars(opts).items()
+                                                       if v != getattr(strat.Options(), k))]),
+      "compile_s": round(seconds, 1),
+      "model_is_contract": set(predicted) == declared,
+      "rs_kept": said(rs & set(measured)),
+      "rs_as_all_reduce": said(rs - set(measured)),
+      "merged": [["/".join(a), "/".join(b), x] for a, b, x in merges],
+      "off": {f"{k[0]} {'/'.join(sorted(k[1]))}": list(v) for k, v in off.items()},
+  }
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--target", required=True, help=", ".join(target_lib.PROFILES))
+  ap.add_argument("--rows", choices=("first", "all"), default="first")
+  ap.add_argument("--strategy", default=None, help="NAME[,NAME...]: only these strategies")
+  ap.add_argument("--json", default=None, help="also write the rows here, one JSON per line")
+  args = ap.parse_args(argv)
+  try:
+    target_lib.check(args.target, DEVICES)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  target_lib.configure(args.target)
+  devices = target_lib.devices(args.target, DEVICES)
+  print(f"{devices.compiler} ({args.target}, {devices.topology}): each strategy's test rows, "
+        f"f32, {DEVICES} devices")
+  print("| row | compile s | model = contract | reduce-scatters kept | as all-reduces | "
+        "merged all-reduces (A + B: bytes) | disagreeing |")
+  print("|---|---|---|---|---|---|---|")
+  out, bad = [], 0
+  for name, case in rows(args.strategy, args.rows):
+    r = check_row(name, case, devices.devices)
+    out.append(r)
+    bad += bool(r["off"]) or not r["model_is_contract"]
+    merged = ", ".join(f"{a} + {b}: {x:.0f}" for a, b, x in r["merged"]) or "-"
+    print(f"| {r['row']} | {r['compile_s']} | {'yes' if r['model_is_contract'] else 'NO'} | "
+          f"{', '.join(r['rs_kept']) or '-'} | {', '.join(r['rs_as_all_reduce']) or '-'} | "
+          f"{merged} | {r['off'] or '-'} |", flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in out)
+  print(f"{len(out)} rows, {len(out) - bad} agree with the model")
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
