@@ -125,14 +125,20 @@ def check_flags(F):
 def check_target(F, dist=None) -> None:
   """--target=NAME (runtime/target.py): a compile-only study, compare mode's or one strategy's,
   single-process, of --devices devices the profile makes, its package installed; one line
-  otherwise, before JAX starts. --plan compiles its candidates on this host's devices: it
-  refuses --target."""
+  otherwise, before JAX starts. With --plan the target's compiler compiles the best
+  --plan_compile candidates: the target is the --cluster's chip (--cluster defaults to it)."""
   from runtime import target
   target.profile(F.target)
   if F.plan:
-    raise UsageError(f"--target={F.target} with --plan is not built: the planner compiles its "
-                     "candidates on this host's devices; compile one of its layouts with "
-                     f"--strategy=NAME --mesh=... --compile_only --target={F.target}")
+    if not F["cluster"].present:
+      F.cluster = plan_cluster(F.target)
+    elif plan_cluster(F.target, F.cluster) != F.cluster:
+      raise UsageError(f"--target={F.target} compiles for another chip than --cluster={F.cluster}")
+    if F.plan_compile < 1:
+      raise UsageError(f"--target={F.target} with --plan compiles its best candidates: it needs "
+                       f"--plan_compile >= 1 (given {F.plan_compile})")
+    target.check(F.target, F.devices)
+    return
   if not F.compile_only:
     raise UsageError(f"--target={F.target} compiles for hardware this host lacks: it needs "
                      "--compile_only (nothing can run on the target's devices)")
@@ -145,6 +151,19 @@ def check_target(F, dist=None) -> None:
     raise UsageError(f"--attention=cudnn is not compiled for --target={F.target}: jax asks the "
                      "installed cuDNN for its version as it lowers; use --attention=chunked")
   target.check(F.target, F.devices)
+
+
+def plan_cluster(target_name: str, cluster: str | None = None) -> str:
+  """The planner's cluster profile (planning/clusters.py) of --target's chip: the one of that
+  name, or `cluster` when given and it is that chip (h800: an H100 with fewer NVLinks). One line
+  when the planner has no profile of the chip."""
+  from planning import clusters
+  if cluster in {"h100": ("h100", "h800")}.get(target_name, (target_name,)):
+    return cluster
+  if target_name not in clusters.PROFILES:
+    raise UsageError(f"--target={target_name} with --plan: the planner has no cluster profile of "
+                     f"{target_name} (it has {', '.join(clusters.PROFILES)})")
+  return target_name
 
 
 def check_hf_flags(F) -> None:

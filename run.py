@@ -138,7 +138,8 @@ flags.DEFINE_string("target", None, "with --compile_only: compile for --devices 
                     "hardware, on this host, with its own compiler (runtime/target.py): "
                     + ", ".join(target_lib.PROFILES) + " (TPU: pip install -r "
                     "requirements-tpu.txt; GPU: -r requirements-gpu.txt); the report's memory is "
-                    "that compiler's")
+                    "that compiler's. With --plan: --plan_compile's candidates are compiled so, "
+                    "on the target chip's --cluster")
 flags.DEFINE_string("compilation_cache", "~/.cache/moe-sharding/jax",
                     "persistent XLA compilation cache ('' = off); reruns skip compiles")
 

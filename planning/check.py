@@ -3,6 +3,7 @@ per-device memory (params + optimizer + the temp model vs params + optimizer + X
 bytes) and bytes per (kind, axes) (the cost model vs the HLO, measure.hlo). On CPU the step is
 compiled with --gmm=scan: XLA:CPU lowers ragged_dot through an [E, M, K] buffer no accelerator
 holds (docs/planner.md, "Does it fit?"), and the temp model is calibrated on scan's programs.
+With --target the target's compiler compiles them (runtime/target.py), ragged_dot as it is.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class Checked:
   compiled_temp: float
   bytes_by_axes: dict               # measure.cost.versus(..., by="axes")
   compile_s: float
+  rewrites: str = ""                # a --target's compiler: its rewrites (measure/compilers.py)
 
   @property
   def memory_ratio(self) -> float:
@@ -62,23 +64,30 @@ def find(cands: list[plan.Candidate], text: str) -> plan.Candidate | None:
                and all(str(getattr(c.opts, k)) == v for k, v in opts.items())), None)
 
 
-def compile_candidate(c: plan.Candidate, cfg, dump_dir: str | None = None) -> Checked:
-  """Compile c (compile only) on this process's devices and compare it with its prediction;
-  dump_dir: where XLA also writes the step's module and buffer assignment (measure/peak.py)."""
+def compile_candidate(c: plan.Candidate, cfg, dump_dir: str | None = None,
+                      devices=None) -> Checked:
+  """Compile c (compile only) and compare it with its prediction. devices: the
+  runtime.target.Target to compile for (None = this process's devices, XLA:CPU on this host; a
+  --target's compiler keeps the default ragged_dot); dump_dir: where XLA also writes the step's
+  module and buffer assignment (measure/peak.py)."""
   import jax
 
   from layout import mesh as mesh_lib
-  from measure import cost, hlo
+  from measure import compilers, cost, hlo
   from runtime import train
   import strategies
   strat = strategies.get(c.strategy)
   c_cfg = plan.config_for(c, cfg)
-  if jax.default_backend() == "cpu":
+  on_cpu = devices.compiler == "XLA:CPU" if devices is not None else jax.default_backend() == "cpu"
+  if on_cpu:
     c_cfg = c_cfg.replace(gmm_backend="scan")
-  mesh = mesh_lib.make_mesh(dict(c.sizes))
+  mesh = mesh_lib.make_mesh(dict(c.sizes), devices.devices if devices is not None else None)
   opts = c.opts if c.opts is not None else strat.Options()
   job = train.build(strat, c_cfg, mesh, opts, compile_only=True, dump_dir=dump_dir)
   temp = job.compiled.memory_analysis().temp_size_in_bytes
   got = hlo.collective_stats_by_axes(job.hlo, mesh)
-  table = cost.versus(cost.step_terms(strat, c_cfg, mesh, opts), got, by="axes")
-  return Checked(c, c.param_opt + temp, temp, table, job.compile_s)
+  terms = cost.step_terms(strat, c_cfg, mesh, opts)
+  table = cost.versus(terms, got, by="axes")
+  rewrites = "" if on_cpu else compilers.said(
+      compilers.agreement(cost.by_axes(terms), {k: v["bytes"] for k, v in got.items()}, mesh))
+  return Checked(c, c.param_opt + temp, temp, table, job.compile_s, rewrites)

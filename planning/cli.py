@@ -22,14 +22,13 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
          report_dir: str | None, setup_devices, find: tuple | None = None,
          batch_source: str = "") -> list[plan.Candidate]:
   """limits: what the flags hold fixed (Constraints() = the whole grid). setup_devices(n):
-  run.py's, called before anything could start JAX's backend when compile_k > 0 (the compiles
-  need n simulated devices). find: (strategy, {axis: size}): also print where that layout's
+  run.py's, called before anything could start JAX's backend when compile_k > 0: the
+  runtime.target.Target the compiles use (n simulated devices of this host, or a --target's). find: (strategy, {axis: size}): also print where that layout's
   candidates rank, or why they were refused. batch_source: where cfg.batch came from, for the
   first line. Raises NoCandidate, before printing anything, when no candidate is admitted."""
   cluster = clusters.get(cluster_name)
   hbm = cluster.hbm_bytes if hbm_bytes is None else hbm_bytes
-  if compile_k:
-    setup_devices(n)
+  devices = setup_devices(n) if compile_k else None
   t0 = time.perf_counter()
   print(f"planning {model_name} on {n} x {cluster.name} ...", file=sys.stderr, flush=True)
   cands = plan.enumerate_candidates(cfg, n, cluster, hbm, efficiency=efficiency,
@@ -70,7 +69,9 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
     results = []
     for i, c in enumerate(check.distinct([c for c in ranked if c.fits] or ranked, compile_k)):
       print(f"  compiling {i + 1}/{compile_k}: {c.layout()}", file=sys.stderr, flush=True)
-      results.append(check.compile_candidate(c, cfg))
+      results.append(check.compile_candidate(c, cfg, devices=devices))
+    print(f"compiled by {devices.memory_label()}; the temp model is fitted to XLA:CPU's "
+          "(docs/planner.md)")
     print(render.checked(results))
     print(render.compiled_verdict(results, hbm))
   return cands
@@ -137,7 +138,8 @@ def run(F, argv_names: list[str], find) -> None:
   """--plan: the planner (main, above) on the model's config, bf16 unless --dtype, with a
   global batch of max(the preset's, --devices) sequences unless --batch, over the candidates
   its constraint flags leave (planning/constraints.py: a bad one is a one-line error, exit 2;
-  constraints that leave no candidate raise NoCandidate: one line, exit 1)."""
+  constraints that leave no candidate raise NoCandidate: one line, exit 1). With --target the
+  compiled candidates are that chip's compiler's (command_line.check_target)."""
   given = {f: getattr(F, f) if F[f].present else None
            for f in ("capacity_factor", "remat", "microbatches")}
   # make_config would hold --microbatches to the preset's batch; the candidates take M from the
@@ -162,4 +164,5 @@ def run(F, argv_names: list[str], find) -> None:
                              layer_layout=F.layer_layout, **given)
   main(cfg, F.model, F.devices, F.cluster, None if F.hbm_gb is None else F.hbm_gb * 2**30,
        limits, F.plan_compile, F.plan_top, F.plan_efficiency, F.report_dir,
-       lambda n: command.setup_devices(n, None, F.compilation_cache), find, batch_source=source)
+       lambda n: command.setup_devices(n, None, F.compilation_cache, F.target), find,
+       batch_source=source)

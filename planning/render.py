@@ -94,6 +94,8 @@ def checked(results) -> str:
       out.append(f"  {kind:<20} over {','.join(sorted(axes)) or '-':<22} predicted "
                  f"{fmt_bytes(v['predicted']):>8}  compiled {fmt_bytes(v['measured']):>8}  "
                  f"ratio {v['ratio']:.4f}")
+    if r.rewrites:
+      out.append(f"  {r.rewrites}")
   return "\n".join(out)
 
 

@@ -46,7 +46,9 @@ def tpu_runs(tmp_path_factory):
   out = run_py_in_one_process({
       "a2a": EP + ["--target=tpu-v5p", "--devices=8", f"--metrics_file={d}/a2a.jsonl"],
       "ragged": EP + ["--target=tpu-v5p", "--devices=8", "--opt=exchange=ragged",
-                      f"--metrics_file={d}/ragged.jsonl"]})
+                      f"--metrics_file={d}/ragged.jsonl"],
+      "plan": ["--plan", "--model=tiny", "--devices=8", "--plan_compile=1", "--plan_top=3",
+               "--target=tpu-v5p"]})
   return {k: (*v, d / f"{k}.jsonl") for k, v in out.items()}
 
 
@@ -70,6 +72,18 @@ def test_tpu_v5p_compiles_the_ragged_exchange(tpu_runs):
   assert code == 0, stderr
   assert "ragged-all-to-all" in stdout, stdout
   assert _summary(metrics)["collectives"]["ragged-all-to-all"]["count"] > 0
+
+
+@needs_libtpu
+def test_plan_compiles_its_best_with_xla_tpu(tpu_runs):
+  """--plan --target: the planner's cluster is the target's chip, and its best candidate is
+  compiled by XLA:TPU, its collectives held to the cost model in measure.compilers' normal
+  form."""
+  code, stdout, stderr, _ = tpu_runs["plan"]
+  assert code == 0, stderr
+  assert "8 devices of tpu-v5p" in stdout, stdout
+  assert "compiled by XLA:TPU (tpu-v5p, 8 devices)" in stdout, stdout
+  assert "in measure.compilers' normal form every (kind, axes) agrees" in stdout, stdout
 
 
 @needs_cuda_plugin
@@ -98,7 +112,12 @@ BAD = [
     (["--strategy=ep", "--target=tpu-v5p"], "--target=tpu-v5p compiles for hardware this host "
      "lacks: it needs --compile_only"),
     (["--target=h100"], "it needs --compile_only"),
-    (["--plan", "--target=tpu-v5p"], "--target=tpu-v5p with --plan is not built"),
+    (["--plan", "--target=tpu-v5p", "--cluster=h100"],
+     "--target=tpu-v5p compiles for another chip than --cluster=h100"),
+    (["--plan", "--target=tpu-v5p", "--plan_compile=0"],
+     "--target=tpu-v5p with --plan compiles its best candidates: it needs --plan_compile >= 1"),
+    (["--plan", "--target=tpu-v6e"], "--target=tpu-v6e with --plan: the planner has no cluster "
+     "profile of tpu-v6e (it has h100, h800, tpu-v5p)"),
     (["--strategy=reference", "--devices=1", "--compile_only", "--target=h100"],
      "the reference runs on one device of this host"),
     (["--strategy=ep", "--compile_only", "--target=h100", "--attention=cudnn"],
