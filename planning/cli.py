@@ -23,9 +23,10 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
          batch_source: str = "") -> list[plan.Candidate]:
   """limits: what the flags hold fixed (Constraints() = the whole grid). setup_devices(n):
   run.py's, called before anything could start JAX's backend when compile_k > 0: the
-  runtime.target.Target the compiles use (n simulated devices of this host, or a --target's). find: (strategy, {axis: size}): also print where that layout's
-  candidates rank, or why they were refused. batch_source: where cfg.batch came from, for the
-  first line. Raises NoCandidate, before printing anything, when no candidate is admitted."""
+  runtime.target.Target the compiles use (n simulated devices of this host, or a --target's).
+  find: (strategy, {axis: size}): also print where that layout's candidates rank, or why they
+  were refused. batch_source: where cfg.batch came from, for the first line. Raises
+  NoCandidate, before printing anything, when no candidate is admitted."""
   cluster = clusters.get(cluster_name)
   hbm = cluster.hbm_bytes if hbm_bytes is None else hbm_bytes
   devices = setup_devices(n) if compile_k else None

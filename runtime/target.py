@@ -187,13 +187,15 @@ def _importable(module: str) -> bool:
 def configure(name: str) -> None:
   """Before JAX starts its backends: this host compiles with the CPU as its own backend; libtpu
   reads the topology it is given instead of probing this host (TPU_SKIP_MDS_QUERY and the
-  host's bounds, left as set where set); XLA:GPU gets GPU_FLAGS; no persistent cache."""
+  host's bounds, left as set where set) and neither takes nor waits for its one-process lock
+  (/tmp/libtpu_lockfile, which guards a chip this host does not have: two compiles for a TPU
+  run side by side); XLA:GPU gets GPU_FLAGS; no persistent cache."""
   import jax
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_enable_compilation_cache", False)
   if PROFILES[name].compiler == "XLA:TPU":
     for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                       ("TPU_HOST_BOUNDS", "1,1,1")):
+                       ("TPU_HOST_BOUNDS", "1,1,1"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
       os.environ.setdefault(key, value)
   else:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + GPU_FLAGS).strip()

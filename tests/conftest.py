@@ -116,16 +116,13 @@ def group_of(nodeid: str) -> str:
   worker, except tests/test_strategies.py, which groups per strategy (the first word of the
   test id): the table's rows spread over the workers while each strategy's parity, contract and
   cost tests share one compile. A strategy's own file (tests/test_ep_tp.py, ...) joins its
-  table's group: its tests read the same compiled rows. The files that compile with libtpu share
-  one group."""
+  table's group: its tests read the same compiled rows."""
   path, _, rest = nodeid.partition("::")
   group = path.rsplit("/", 1)[-1].removesuffix(".py")
   if group == "test_strategies" and "[" in rest:
     group += "-" + rest.split("[", 1)[1].split("-", 1)[0].rstrip("]")
   elif group.removeprefix("test_") in strategies.NAMES[1:]:            # not the reference
     group = "test_strategies-" + group.removeprefix("test_")
-  elif group == "test_target_contracts":   # libtpu admits one process at a time (its lock file)
-    group = "test_target"
   return group
 
 

@@ -109,3 +109,15 @@ def test_plan_memory_bad_input_is_one_line_before_any_compile(flags, message):
   out = _process("plan_memory.py", "--devices=8", *flags)
   assert out.returncode == 2 and out.stderr.startswith(message), (out.returncode, out.stderr)
   assert len(out.stderr.strip().splitlines()) == 1 and "| candidate" not in out.stdout, out
+
+
+def test_buffers_bench_sets_cpu_beside_tpu():
+  """bench/buffers.py on mixtral-test for 8 v5p chips: both compilers' temp and peak lines, and
+  the grouped table, its first group the largest of either column."""
+  pytest.importorskip("libtpu", reason="libtpu absent: pip install -r requirements-tpu.txt")
+  out = _run("buffers.py", "--target=tpu-v5p", "--strategy=ep", "--model=mixtral-test",
+             "--layers=2", "--devices=8", "--mesh=fsdp:2,expert:4", "--top=5")
+  assert re.search(r"XLA:CPU: temp \d+\.\d\d GiB, peak span", out), out
+  assert re.search(r"XLA:TPU: temp \d+\.\d\d GiB, peak span", out), out
+  rows = [l for l in out.splitlines() if l.startswith("| ") and "GiB |" not in l]
+  assert len(rows) == 6 and rows[-1].startswith("| the rest |"), out

@@ -202,3 +202,31 @@ def test_peak_reads_the_buffer_assignment(dtype, tmp_path):
   size, shape, _ = got.buffers[0]
   assert size == 256 * 32768 * 4 and shape.startswith("f32[") and "32768" in shape, \
       got.buffers[:3]
+
+
+# measure/compilers.py: the normal form the target compilers' programs are held in, on
+# hand-made byte tables over a data:2 x expert:4 mesh.
+class _Mesh:
+  shape = {"data": 2, "expert": 4}
+
+
+_D, _E, _DE = frozenset({"data"}), frozenset({"expert"}), frozenset({"data", "expert"})
+
+
+@pytest.mark.parametrize("predicted, measured, off, merges", [
+  # a reduce-scatter over expert issued as an all-reduce of the whole operand (4 x)
+  ({("reduce-scatter", _E): 100.0}, {("all-reduce", _E): 400}, {}, []),
+  # the model's sums over data and then expert, one all-reduce over both
+  ({("all-reduce", _D): 50.0, ("all-reduce", _E): 50.0, ("all-reduce", _DE): 1000.0},
+   {("all-reduce", _DE): 1050}, {}, [(("data",), ("expert",), 50.0)]),
+  # short on one axis, over on the union by another amount: not a merge, both reported
+  ({("all-reduce", _D): 50.0, ("all-reduce", _E): 50.0, ("all-reduce", _DE): 1000.0},
+   {("all-reduce", _DE): 1080, ("all-reduce", _E): 50},
+   {("all-reduce", _D): (50.0, 0), ("all-reduce", _DE): (1000.0, 1080)}, []),
+  # a reduce-scatter that vanished without its all-reduce
+  ({("reduce-scatter", _E): 100.0}, {}, {("all-reduce", _E): (400.0, 0.0)}, []),
+], ids=["rs_as_all_reduce", "merged", "not_a_merge", "missing"])
+def test_compilers_normal_form(predicted, measured, off, merges):
+  from measure import compilers
+  got_off, got_merges = compilers.agreement(predicted, measured, _Mesh)
+  assert got_off == off and got_merges == merges

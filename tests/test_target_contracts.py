@@ -35,43 +35,40 @@ def _rows(target: str, names: list[str], tmp) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tpu(tmp_path_factory):
-  return _rows("tpu-v5p", NAMES, tmp_path_factory.mktemp("tpu"))
+def compiled(tmp_path_factory):
+  """target -> {strategy: its row}, each target's rows compiled once, in one subprocess."""
+  rows = {}
+
+  def get(target: str) -> dict:
+    if target not in rows:
+      names = NAMES if target == "tpu-v5p" else GPU_NAMES
+      rows[target] = _rows(target, names, tmp_path_factory.mktemp(target))
+    return rows[target]
+  return get
 
 
-@pytest.fixture(scope="module")
-def gpu(tmp_path_factory):
-  return _rows("h100", GPU_NAMES, tmp_path_factory.mktemp("gpu"))
+def _on(target: str, *rows):
+  """Rows for `target`, skipped without its package; ids target-strategy[-field]."""
+  mark = needs_libtpu if target == "tpu-v5p" else needs_cuda_plugin
+  return [pytest.param(target, *r, marks=mark, id="-".join([target, *map(str, r[:2])]))
+          for r in rows]
 
 
-def _holds(row: dict) -> None:
-  assert row["model_is_contract"], row
-  assert not row["off"], row
+@pytest.mark.parametrize("target,name", _on("tpu-v5p", *[(n,) for n in NAMES])
+                         + _on("h100", *[(n,) for n in GPU_NAMES]))
+def test_contract_on_target(compiled, target, name):
+  row = compiled(target)[name]
+  assert row["model_is_contract"] and not row["off"], row
 
 
-@needs_libtpu
-@pytest.mark.parametrize("name", NAMES)
-def test_contract_on_xla_tpu(tpu, name):
-  _holds(tpu[name])
-
-
-@needs_libtpu
-def test_xla_tpu_rewrites_are_seen(tpu):
-  """The normal form is needed, and what it forgives is named: on the 2x2x2 v5p slice fsdp's
-  reduce-scatters over all 8 chips become all-reduces, and cp's sums over context and then data
-  (the norm scales' gradients and the CE sum: 1,284 bytes) become one all-reduce."""
-  assert tpu["fsdp"]["rs_as_all_reduce"] == ["fsdp"] and not tpu["fsdp"]["rs_kept"]
-  assert tpu["cp"]["merged"] == [["context", "data", 1284.0]], tpu["cp"]
-  assert tpu["pp"]["rs_kept"] == ["stage"], tpu["pp"]
-
-
-@needs_cuda_plugin
-@pytest.mark.parametrize("name", GPU_NAMES)
-def test_contract_on_xla_gpu(gpu, name):
-  _holds(gpu[name])
-
-
-@needs_cuda_plugin
-def test_xla_gpu_keeps_reduce_scatters(gpu):
-  """XLA:GPU has no reduce-scatter decomposer: fsdp's stay reduce-scatters."""
-  assert gpu["fsdp"]["rs_kept"] == ["fsdp"] and not gpu["fsdp"]["rs_as_all_reduce"], gpu["fsdp"]
+# The normal form is needed, and what it forgives is named: on the 2x2x2 v5p slice fsdp's
+# reduce-scatters over all 8 chips become all-reduces (XLA:GPU keeps them), and cp's sums over
+# context and then data (the norm scales' gradients and the CE sum: 1,284 bytes) become one
+# all-reduce on both targets.
+@pytest.mark.parametrize("target,name,field,want", _on(
+    "tpu-v5p", ("fsdp", "rs_as_all_reduce", ["fsdp"]), ("fsdp", "rs_kept", []),
+    ("cp", "merged", [["context", "data", 1284.0]]), ("pp", "rs_kept", ["stage"]))
+    + _on("h100", ("fsdp", "rs_kept", ["fsdp"]), ("fsdp", "rs_as_all_reduce", []),
+          ("cp", "merged", [["context", "data", 1284.0]])))
+def test_rewrites_are_seen(compiled, target, name, field, want):
+  assert compiled(target)[name][field] == want, compiled(target)[name]
