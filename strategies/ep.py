@@ -79,7 +79,7 @@ HLO contract, exchange=none (no all-to-all at all):
   all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
   all-reduce over data: expert grad shards
   all-reduce over (data, fsdp, expert): router stats, loss sums, norm-scale grads, grad norm
-HLO contract, exchange=ragged (GPU/TPU; not yet measured on hardware):
+HLO contract, exchange=ragged (GPU/TPU; XLA:TPU's program differs: docs/cost-model.md):
   all-gather over fsdp: weight matrices and experts (fwd)
   reduce-scatter over fsdp: their gradients
   all-gather over expert: the counts [EP_src, EP_dst, e] (int32) per layer
