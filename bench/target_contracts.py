@@ -7,6 +7,7 @@ issue in its place; one all-reduce over A+B in place of the model's A then B, fo
 Run from the repo root:
   python bench/target_contracts.py --target=tpu-v5p [--rows=first|all] [--strategy=NAME]
                                    [--json=FILE]      (--strategy=fsdp,cp: those strategies)
+Then each strategy's TARGET_CASES, rows XLA:CPU cannot compile (ep's ragged exchange).
 Per row: the compile's seconds; the (kind, axes) set against the contract; the reduce-scatters
 the compiler kept and those it issued as all-reduces; the merged all-reduces; and any key that
 still disagrees (then the exit status is 1).
@@ -26,13 +27,16 @@ DEVICES = 8
 
 
 def rows(pick: str | None, which: str):
-  """(strategy name, its TEST_CASES row) in the strategy table's order."""
+  """(strategy name, row, "first" | "test" | "target"): each strategy's TEST_CASES (the first,
+  or all) in the strategy table's order, then its TARGET_CASES (rows XLA:CPU cannot compile)."""
   import strategies
   for name in strategies.NAMES:
     if name == "reference" or (pick and name not in pick.split(",")):
       continue
-    cases = strategies.get(name).TEST_CASES
-    yield from ((name, c) for c in (cases[:1] if which == "first" else cases))
+    strat = strategies.get(name)
+    cases = strat.TEST_CASES[:1] if which == "first" else strat.TEST_CASES
+    yield from ((name, c, "first" if i == 0 else "test") for i, c in enumerate(cases))
+    yield from ((name, c, "target") for c in getattr(strat, "TARGET_CASES", ()))
 
 
 def check_row(name: str, case, devices) -> dict:
@@ -54,7 +58,7 @@ def check_row(name: str, case, devices) -> dict:
   measured = {k: v["bytes"] for k, v in hlo.collective_stats_by_axes(job.hlo, mesh).items()}
   predicted = cost.by_axes(cost.step_terms(strat, cfg, mesh, opts))
   declared = parity.declared(name, opts, mesh, cfg.optimizer, cfg)
-  off, merges = compilers.agreement(predicted, measured, mesh)
+  off, merges, gathers = compilers.agreement(predicted, measured, mesh)
   said = lambda keys: sorted("/".join(sorted(a)) for _, a in keys)
   rs = {k for k in predicted if k[0] == "reduce-scatter"}
   return {
@@ -65,6 +69,7 @@ def check_row(name: str, case, devices) -> dict:
       "rs_kept": said(rs & set(measured)),
       "rs_as_all_reduce": said(rs - set(measured)),
       "merged": [["/".join(a), "/".join(b), x] for a, b, x in merges],
+      "gathered_as_all_reduce": [["/".join(a), x] for a, x in gathers],
       "off": {f"{k[0]} {'/'.join(sorted(k[1]))}": list(v) for k, v in off.items()},
   }
 
@@ -86,14 +91,16 @@ def main(argv=None) -> int:
   print(f"{devices.compiler} ({args.target}, {devices.topology}): each strategy's test rows, "
         f"f32, {DEVICES} devices")
   print("| row | compile s | model = contract | reduce-scatters kept | as all-reduces | "
-        "merged all-reduces (A + B: bytes) | disagreeing |")
+        "merged all-reduces (A + B: bytes), all-gathers as all-reduces | disagreeing |")
   print("|---|---|---|---|---|---|---|")
   out, bad = [], 0
-  for name, case in rows(args.strategy, args.rows):
-    r = check_row(name, case, devices.devices)
+  for name, case, kind in rows(args.strategy, args.rows):
+    r = dict(check_row(name, case, devices.devices), kind=kind)
     out.append(r)
     bad += bool(r["off"]) or not r["model_is_contract"]
-    merged = ", ".join(f"{a} + {b}: {x:.0f}" for a, b, x in r["merged"]) or "-"
+    merged = ", ".join([f"{a} + {b}: {x:.0f}" for a, b, x in r["merged"]]
+                       + [f"all-gather {a} as one: {x:.0f}"
+                          for a, x in r["gathered_as_all_reduce"]]) or "-"
     print(f"| {r['row']} | {r['compile_s']} | {'yes' if r['model_is_contract'] else 'NO'} | "
           f"{', '.join(r['rs_kept']) or '-'} | {', '.join(r['rs_as_all_reduce']) or '-'} | "
           f"{merged} | {r['off'] or '-'} |", flush=True)

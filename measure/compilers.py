@@ -19,6 +19,10 @@ Two rewrites separate the compiled program from the model's terms; both keep wha
       B (two terms of the model: the norm scales' gradients, the router's statistics), XLA:TPU's
       and XLA:GPU's issue one all-reduce over both: the same bytes once, one term fewer.
       `agreement` finds each such merge: AR(A) and AR(B) short by x bytes and AR(A+B) over by x.
+  an all-gather as an all-reduce
+      XLA:TPU gathers a small array (ep's ragged exchange's int32 counts) as an all-reduce of
+      the zero-padded operand: the same result bytes, over the same axes. `agreement` finds each
+      (AG(A) short by x, AR(A) over by x).
 
 A third difference is avoided, not modelled: an f32 program at XLA:TPU's default matmul precision
 (bf16 passes) lets XLA move a gradient's conversion across its collective, so an f32 term travels
@@ -44,11 +48,11 @@ def normal_form(by_key: dict[Key, float], mesh) -> dict[Key, float]:
 
 
 def agreement(predicted: dict[Key, float], measured: dict[Key, float], mesh,
-              tol: float = 0.01) -> tuple[dict, list]:
+              tol: float = 0.01) -> tuple[dict, list, list]:
   """The model's bytes against a target's compiled bytes, both in `normal_form`, per (kind, axes),
-  with the merged all-reduces explained. -> ({key: (predicted, measured)} that disagree by more
-  than `tol` and no merge explains, [(axes A, axes B, bytes merged into one all-reduce over
-  A+B)])."""
+  with the merged all-reduces and the all-gathers issued as all-reduces explained. -> ({key:
+  (predicted, measured)} that disagree by more than `tol` and nothing explains, [(axes A, axes B,
+  bytes merged into one all-reduce over A+B)], [(axes, bytes gathered as an all-reduce)])."""
   pred, got = normal_form(predicted, mesh), normal_form(measured, mesh)
   keys = set(pred) | set(got)
   delta = {k: got.get(k, 0.0) - pred.get(k, 0.0) for k in keys}
@@ -65,14 +69,23 @@ def agreement(predicted: dict[Key, float], measured: dict[Key, float], mesh,
         merges.append((tuple(sorted(a)), tuple(sorted(union[1] - a)), x))
         off -= {union, *parts}
         break
-  return {k: (pred.get(k, 0.0), got.get(k, 0.0)) for k in sorted(off, key=str)}, merges
+  gathers = []
+  for key in sorted((k for k in off if k[0] == "all-gather" and delta[k] < 0), key=str):
+    x, reduce = -delta[key], ("all-reduce", key[1])
+    if abs(delta.get(reduce, 0.0) - x) <= tol * x + 1:
+      gathers.append((tuple(sorted(key[1])), x))
+      off -= {key, reduce}
+  return {k: (pred.get(k, 0.0), got.get(k, 0.0)) for k in sorted(off, key=str)}, merges, gathers
 
 
-def said(result: tuple[dict, list]) -> str:
-  """agreement's result in one line: whether every key agrees in the normal form, the merges."""
-  off, merges = result
+def said(result: tuple[dict, list, list]) -> str:
+  """agreement's result in one line: whether every key agrees in the normal form, what it
+  explained."""
+  off, merges, gathers = result
   merged = "".join(f"; all-reduces over {'/'.join(a)} and {'/'.join(b)} merged ({x:,.0f} B)"
                    for a, b, x in merges)
+  merged += "".join(f"; an all-gather over {'/'.join(a)} as an all-reduce ({x:,.0f} B)"
+                    for a, x in gathers)
   if not off:
     return "in measure.compilers' normal form every (kind, axes) agrees" + merged
   keys = ", ".join(f"{k} over {'/'.join(sorted(a)) or '-'}" for k, a in off)

@@ -37,6 +37,9 @@ Every strategy module exposes the same small functional interface:
                                  tests/test_strategies.py (parity and contract per TEST_CASES
                                  row, the cost model per COST_CASES row, one-line errors)
   BF16_CASE                   -> its bf16 mixed-precision row (a Case): tests/test_precision.py
+  TARGET_CASES                -> optional: rows only the hardware's compilers compile (ep's ragged
+                                 exchange), held to the contract and cost model on XLA:TPU's
+                                 program (bench/target_contracts.py, tests/test_target_contracts.py)
   PLAN_GRID, PLAN_EXTRA       -> optional: {option: values} whose every combination the planner
                                  enumerates, and option sets beyond that product
                                  (planning/plan.py option_sets); none: the defaults only

@@ -79,11 +79,12 @@ HLO contract, exchange=none (no all-to-all at all):
   all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
   all-reduce over data: expert grad shards
   all-reduce over (data, fsdp, expert): router stats, loss sums, norm-scale grads, grad norm
-HLO contract, exchange=ragged (GPU/TPU; XLA:TPU's program differs: docs/cost-model.md):
+HLO contract, exchange=ragged (GPU/TPU; held to XLA:TPU's program, tests/test_target_contracts.py):
   all-gather over fsdp: weight matrices and experts (fwd)
   reduce-scatter over fsdp: their gradients
   all-gather over expert: the counts [EP_src, EP_dst, e] (int32) per layer
   ragged-all-to-all over expert: dispatch [EP*C, D] and combine [T*K, D] rows, fwd and bwd
+  all-to-all over expert: the backward's sizes and offsets [EP] (int32), 4 per layer
   all-reduce over (data, expert): non-expert grad shards after the fsdp reduce-scatter
   all-reduce over data: expert grad shards
   all-reduce over (data, fsdp, expert): router stats, loss sums, norm-scale grads, grad norm
@@ -104,7 +105,7 @@ from layout.precision import precision
 from measure import cost as cost_lib
 from modeling import model, moe
 from modeling.config import ConfigError
-from parallel.sharding import dim_axes, gather_weight
+from parallel.sharding import dim_axes, gather_weight, to_varying, varying_axes
 from strategies import BadInput, Case
 
 NAME = "ep"
@@ -130,6 +131,11 @@ TEST_CASES = [Case("tiny", "expert:8"),
               Case("deepseek-test", "fsdp:2,expert:4"),
               Case("tiny", "data:2,expert:4", opts=Options(exchange="none"))]
 COST_CASES = TEST_CASES                          # accumulation: measure/cost.step_terms
+# ragged_all_to_all compiles for TPU and GPU only; D = 128, one TPU lane width: XLA:TPU lays a
+# [rows, 64] exchange out as [rows, 1, 128] and moves twice its bytes
+TARGET_CASES = [Case("tiny", "expert:8", dict(d_model=128), Options(exchange="ragged")),
+                Case("deepseek-test", "fsdp:2,expert:4", dict(d_model=128),
+                     Options(exchange="ragged"))]
 # bf16 mixed precision (tests/test_precision.py): the row holding its richest composition
 BF16_CASE = Case("tiny", "data:2,expert:4", dict(remat="block", microbatches=2, batch=16))
 BAD_INPUT = [
@@ -267,14 +273,18 @@ def ragged_exchange(p, x, plan, c, *, cfg, ep_axes, ep, ragged_fn=jax.lax.ragged
   g = jax.lax.all_gather(plan.counts, ep_axes, axis=0)                   # [EP_src, EP_dst, e]
   me = jax.lax.axis_index(ep_axes)
   there, home = dispatch.ragged_params(jnp.sum(g, axis=-1), me)          # offsets and sizes
+  # the output buffers typed varying as their operand is: the result takes its buffer's type,
+  # and an invariant one would be cast to varying where it meets the rows, whose transpose
+  # all-reduces each cotangent over the devices
+  like = lambda shape, a: to_varying(buffers.padded(shape, a.dtype), varying_axes(a))
   with jax.named_scope("dispatch_a2a"):
-    recv = ragged_fn(xs, buffers.padded((ep * c, d), x.dtype), *there, axis_name=ep_axes)
+    recv = ragged_fn(xs, like((ep * c, d), xs), *there, axis_name=ep_axes)
   with jax.named_scope("expert_gmm"):
     seg = dispatch.segment_ids(g[:, me, :].reshape(ep * n_local), ep * c)  # (source, local expert)
     ids = jnp.where(seg < ep * n_local, seg % n_local, n_local)          # local expert, e = pad
     out = moe.experts_ffn(p, recv, ids, n_local, cfg.gmm_backend, cfg)        # [EP*C, D]
   with jax.named_scope("combine_a2a"):
-    back = ragged_fn(out, buffers.padded((t * k, d), out.dtype), *home,
+    back = ragged_fn(out, like((t * k, d), out), *home,
                      axis_name=ep_axes)                                  # [T*K, D] expert-sorted
   sent = plan.dst < ep                                                   # dropped copies: unsent
   return jnp.where(sent[:, None], back[plan.pos], 0)                     # [T*K, D] copy order
@@ -392,5 +402,7 @@ def exchange_terms(cfg, mesh, exchange_name, b_loc, t_loc, axes=(EXPERT,), calls
             + term("ragged-all-to-all", "fwd", "dispatch rows", calls * send, axes,
                    cost_lib.RECOMPUTED)
             + term("ragged-all-to-all", "fwd", "combine rows", calls * back, axes, combine_remat)
-            + term("ragged-all-to-all", "bwd", "their transposes", calls * (send + back), axes))
+            + term("ragged-all-to-all", "bwd", "their transposes", calls * (send + back), axes)
+            + term("all-to-all", "bwd", "the transposes' sizes and offsets [EP] (int32)",
+                   calls * 4 * e * 4, axes))
   return []

@@ -228,5 +228,15 @@ _D, _E, _DE = frozenset({"data"}), frozenset({"expert"}), frozenset({"data", "ex
 ], ids=["rs_as_all_reduce", "merged", "not_a_merge", "missing"])
 def test_compilers_normal_form(predicted, measured, off, merges):
   from measure import compilers
-  got_off, got_merges = compilers.agreement(predicted, measured, _Mesh)
-  assert got_off == off and got_merges == merges
+  got_off, got_merges, gathers = compilers.agreement(predicted, measured, _Mesh)
+  assert got_off == off and got_merges == merges and gathers == []
+
+
+def test_compilers_all_gather_as_all_reduce():
+  from measure import compilers
+  got = compilers.agreement({("all-gather", _E): 512.0, ("all-reduce", _E): 10000.0},
+                            {("all-reduce", _E): 10512}, _Mesh)
+  assert got == ({}, [], [(("expert",), 512.0)])
+  got = compilers.agreement({("all-gather", _E): 512.0, ("all-reduce", _E): 10000.0},
+                            {("all-reduce", _E): 10000}, _Mesh)
+  assert got[0] == {("all-gather", _E): (512.0, 0.0)} and got[2] == []

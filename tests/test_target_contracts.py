@@ -6,7 +6,8 @@ counted as the all-reduce XLA:TPU may issue in its place, all-reduces merged ove
 named). The same rows on XLA:CPU are tests/test_strategies.py's. XLA:GPU compiles a step in about
 30 s here, so its rows are the two that show what it does differently from XLA:TPU (fsdp's
 reduce-scatters, which it keeps, and cp's merged all-reduces); `python bench/target_contracts.py
---target=h100` runs them all."""
+--target=h100` runs them all. XLA:TPU also compiles each strategy's TARGET_CASES, rows XLA:CPU
+cannot compile (ep's ragged exchange)."""
 import json
 import os
 import subprocess
@@ -31,7 +32,8 @@ def _rows(target: str, names: list[str], tmp) -> dict:
                       f"--strategy={','.join(names)}", f"--json={out}"], cwd=ROOT, env=env,
                      capture_output=True, text=True, timeout=1200)
   assert out.exists(), r.stdout + r.stderr[-3000:]
-  return {json.loads(l)["row"].split()[0]: json.loads(l) for l in out.read_text().splitlines()}
+  rows = [json.loads(l) for l in out.read_text().splitlines()]
+  return {r["row"].split()[0] if r["kind"] == "first" else r["row"]: r for r in rows}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,12 @@ def _on(target: str, *rows):
           for r in rows]
 
 
-@pytest.mark.parametrize("target,name", _on("tpu-v5p", *[(n,) for n in NAMES])
+TARGET_ROWS = [" ".join([n, c.model, c.mesh, *(f"{k}={v}" for k, v in vars(c.opts).items()
+                                                if v != getattr(strategies.get(n).Options(), k))])
+               for n in NAMES for c in getattr(strategies.get(n), "TARGET_CASES", ())]
+
+
+@pytest.mark.parametrize("target,name", _on("tpu-v5p", *[(n,) for n in NAMES + TARGET_ROWS])
                          + _on("h100", *[(n,) for n in GPU_NAMES]))
 def test_contract_on_target(compiled, target, name):
   row = compiled(target)[name]
