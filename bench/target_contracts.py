@@ -2,7 +2,8 @@
 tiny models tests/test_strategies.py holds to XLA:CPU) compiled for 8 devices of `--target` on
 this host, each compiled (kind, mesh axes, bytes) held to the docstring's contract and the cost
 model, in measure.compilers' normal form (a reduce-scatter counted as the all-reduce XLA:TPU may
-issue in its place; one all-reduce over A+B in place of the model's A then B, found and named).
+issue in its place; one all-reduce over A+B in place of the model's A then B, and an all-gather
+issued as an all-reduce, each found and named).
 
 Run from the repo root:
   python bench/target_contracts.py --target=tpu-v5p [--rows=first|all] [--strategy=NAME]
@@ -62,8 +63,7 @@ def check_row(name: str, case, devices) -> dict:
   said = lambda keys: sorted("/".join(sorted(a)) for _, a in keys)
   rs = {k for k in predicted if k[0] == "reduce-scatter"}
   return {
-      "row": " ".join([name, case.model, case.mesh, *(f"{k}={v}" for k, v in vars(opts).items()
-                                                       if v != getattr(strat.Options(), k))]),
+      "row": case.label(name),
       "compile_s": round(seconds, 1),
       "model_is_contract": set(predicted) == declared,
       "rs_kept": said(rs & set(measured)),

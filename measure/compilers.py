@@ -3,7 +3,7 @@ terms are held to XLA:TPU's and XLA:GPU's programs (`--target`, runtime/target.p
 XLA:CPU's (tests/test_target_contracts.py, `python bench/target_contracts.py`). The docs'
 account, with the measurements: docs/cost-model.md, "On the target's compiler".
 
-Two rewrites separate the compiled program from the model's terms; both keep what is computed:
+Three rewrites separate the compiled program from the model's terms; each keeps what is computed:
 
   a reduce-scatter as an all-reduce
       XLA:TPU's reduce-scatter-decomposer pass turns a reduce-scatter whose shape or group its

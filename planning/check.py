@@ -74,14 +74,15 @@ def compile_candidate(c: plan.Candidate, cfg, dump_dir: str | None = None,
 
   from layout import mesh as mesh_lib
   from measure import compilers, cost, hlo
-  from runtime import train
+  from runtime import target, train
   import strategies
+  devices = target.host(jax.devices()) if devices is None else devices
   strat = strategies.get(c.strategy)
   c_cfg = plan.config_for(c, cfg)
-  on_cpu = devices.compiler == "XLA:CPU" if devices is not None else jax.default_backend() == "cpu"
+  on_cpu = devices.compiler == "XLA:CPU"
   if on_cpu:
     c_cfg = c_cfg.replace(gmm_backend="scan")
-  mesh = mesh_lib.make_mesh(dict(c.sizes), devices.devices if devices is not None else None)
+  mesh = mesh_lib.make_mesh(dict(c.sizes), devices.devices)
   opts = c.opts if c.opts is not None else strat.Options()
   job = train.build(strat, c_cfg, mesh, opts, compile_only=True, dump_dir=dump_dir)
   temp = job.compiled.memory_analysis().temp_size_in_bytes

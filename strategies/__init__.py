@@ -81,6 +81,14 @@ class Case(NamedTuple):
     from modeling.config import get_config
     return get_config(self.model, **self.overrides)
 
+  def label(self, name: str) -> str:
+    """`ep tiny expert:8 exchange=ragged`: strategy `name`, the preset, the mesh and the options
+    that differ from the strategy's defaults."""
+    default = get(name).Options()
+    opts = vars(self.opts) if self.opts is not None else {}
+    return " ".join([name, self.model, self.mesh or "-",
+                     *(f"{k}={v}" for k, v in opts.items() if v != getattr(default, k))])
+
 
 class BadInput(NamedTuple):
   """A config / mesh / options the strategy's check() refuses with exactly this one line."""

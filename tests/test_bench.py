@@ -113,7 +113,7 @@ def test_plan_memory_bad_input_is_one_line_before_any_compile(flags, message):
 
 def test_buffers_bench_sets_cpu_beside_tpu():
   """bench/buffers.py on mixtral-test for 8 v5p chips: both compilers' temp and peak lines, and
-  the grouped table, its first group the largest of either column."""
+  the grouped table: --top=5 groups, then the rest."""
   pytest.importorskip("libtpu", reason="libtpu absent: pip install -r requirements-tpu.txt")
   out = _run("buffers.py", "--target=tpu-v5p", "--strategy=ep", "--model=mixtral-test",
              "--layers=2", "--devices=8", "--mesh=fsdp:2,expert:4", "--top=5")

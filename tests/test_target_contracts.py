@@ -56,9 +56,7 @@ def _on(target: str, *rows):
           for r in rows]
 
 
-TARGET_ROWS = [" ".join([n, c.model, c.mesh, *(f"{k}={v}" for k, v in vars(c.opts).items()
-                                                if v != getattr(strategies.get(n).Options(), k))])
-               for n in NAMES for c in getattr(strategies.get(n), "TARGET_CASES", ())]
+TARGET_ROWS = [c.label(n) for n in NAMES for c in getattr(strategies.get(n), "TARGET_CASES", ())]
 
 
 @pytest.mark.parametrize("target,name", _on("tpu-v5p", *[(n,) for n in NAMES + TARGET_ROWS])
