@@ -129,6 +129,9 @@ def check_target(F, dist=None) -> None:
   --plan_compile candidates: the target is the --cluster's chip (--cluster defaults to it)."""
   from runtime import target
   target.profile(F.target)
+  if F.attention == "cudnn":
+    raise UsageError(f"--attention=cudnn is not compiled for --target={F.target}: jax asks the "
+                     "installed cuDNN for its version as it lowers; use --attention=chunked")
   if F.plan:
     if not F["cluster"].present:
       F.cluster = plan_cluster(F.target)
@@ -147,10 +150,25 @@ def check_target(F, dist=None) -> None:
                      "one device of this host")
   if dist is not None:
     raise UsageError(f"--target={F.target} compiles on this host alone: not multi-process")
-  if F.attention == "cudnn":
-    raise UsageError(f"--attention=cudnn is not compiled for --target={F.target}: jax asks the "
-                     "installed cuDNN for its version as it lowers; use --attention=chunked")
   target.check(F.target, F.devices)
+
+
+def plan_target(F) -> str | None:
+  """--plan without --target on a TPU cluster: the cluster's chip compiles the --plan_compile
+  candidates, as the temp model it predicts with is XLA:TPU's, when this host can compile for it
+  (its target profile makes --devices devices and libtpu is installed); None otherwise (XLA:CPU
+  compiles them, and planning/cli.py says the two compilers differ)."""
+  from planning import clusters
+  from runtime import target
+  c = clusters.PROFILES.get(F.cluster)
+  if (c is None or c.temp_model != "XLA:TPU" or F.plan_compile < 1
+      or F.cluster not in target.PROFILES):
+    return None
+  try:
+    target.check(F.cluster, F.devices)
+  except ConfigError:
+    return None
+  return F.cluster
 
 
 def plan_cluster(target_name: str, cluster: str | None = None) -> str:
@@ -285,6 +303,16 @@ def make_config(F):
     raise
 
 
+def host_backend_only() -> None:
+  """On a host with no accelerator and JAX_PLATFORMS unset, JAX starts only its CPU backend:
+  an installed libtpu or CUDA plugin is not probed for (each would log a failed start on
+  stderr). Before anything starts a backend."""
+  import jax
+  from runtime import target
+  if not jax.config.jax_platforms and target.without_accelerator():
+    jax.config.update("jax_platforms", "cpu")
+
+
 def setup_devices(n: int, dist, cache: str = "", target_name: str | None = None):
   """-> the Target whose devices the run's meshes are built from (runtime/target.py): with
   target_name, n compile-only devices of that profile (no persistent cache); else this host's
@@ -297,8 +325,7 @@ def setup_devices(n: int, dist, cache: str = "", target_name: str | None = None)
   if target_name:
     target.configure(target_name)
     return target.devices(target_name, n)
-  if not jax.config.jax_platforms and target.without_accelerator():
-    jax.config.update("jax_platforms", "cpu")
+  host_backend_only()
   jax.config.update("jax_num_cpu_devices", n)
   if cache:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache))

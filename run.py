@@ -126,7 +126,9 @@ flags.DEFINE_bool("plan", False, "rank every admissible layout of --model on --d
                   "(planning/). Given with it, --strategy / --compare, --mesh, --microbatches, "
                   "--remat (none | block), --capacity_factor, --opt=key=value and --layer_layout "
                   "(pp only) restrict what it enumerates to their values")
-flags.DEFINE_string("cluster", "h100", "--plan: the cluster profile (planning/clusters.py): h100 | h800")
+flags.DEFINE_string("cluster", "h100", "--plan: the cluster profile (planning/clusters.py): "
+                    "h100 | h800 | h200 | b200 | tpu-v5p | tpu-v6e | tpu-v7; on a TPU, "
+                    "--plan_compile compiles with XLA:TPU where libtpu is installed")
 flags.DEFINE_integer("plan_compile", 2, "--plan: compile (compile only) this many of the best "
                      "layouts and print predicted vs compiled memory and bytes (0 = none)")
 flags.DEFINE_integer("plan_top", 15, "--plan: rows of the ranked table to print")
@@ -201,8 +203,12 @@ def main(argv):
   if F.strategy and F.compare:
     raise UsageError("give --strategy or --compare, not both")
   if F.plan:
+    if F.target is None:
+      F.target = command.plan_target(F)
     if F.target is not None:
       command.check_target(F)
+    else:
+      command.host_backend_only()     # ranking reads no device, but jax may start a backend
     from planning import cli
     import strategies
     find = cli.check_flags(F)
@@ -278,14 +284,15 @@ def _parse_flags(argv):
 def _run():
   """Exit status: 0 what was asked ran and passed; 1 a check failed (parity, a non-finite
   loss, a strategy that failed to build, nothing compared, a failed save, a plan with no
-  candidate left); 2 bad input, before anything compiles (docs/command-line.md)."""
+  candidate left, a --target's compiler refusing a step over its HBM); 2 bad input, before anything compiles (docs/command-line.md)."""
   from modeling.config import ConfigError
   from planning.constraints import NoCandidate
   from runtime.checkpoint import SaveError
   from runtime.session import NonFinite
+  from runtime.target import OverHBM
   try:
     app.run(main, flags_parser=_parse_flags)
-  except (ConfigError, UsageError, NonFinite, CheckFailed, SaveError, NoCandidate) as e:
+  except (ConfigError, UsageError, NonFinite, CheckFailed, SaveError, NoCandidate, OverHBM) as e:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2 if isinstance(e, (ConfigError, UsageError)) else 1)

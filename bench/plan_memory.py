@@ -11,6 +11,8 @@ A candidate is STRATEGY@MESH/M=m/REMAT[/option=value...]; capacity factor 1.25.
 config field, e.g. --set=d_ff=7168 (what the expert rows' hidden width adds).
 --save=F writes each candidate and XLA's temp bytes to F (JSON), rows that
 `python -m planning.calibrate --with=F` fits beside its own (planning/full_scale.json).
+--target=NAME compiles them with that chip's compiler (runtime/target.py; --cluster defaults
+to the chip's profile), as `run.py --plan --target` does: planning/tpu_v5p_scale.json.
 --peak=K prints, under each candidate, the K largest buffers live at XLA's temp peak
 (measure/peak.py, from the step's buffer assignment).
 --bytes adds a second table: the planner's predicted step time and the compiled program's
@@ -25,7 +27,8 @@ import time
 ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ARGS.add_argument("--model", default="mixtral-8x7b")
 ARGS.add_argument("--devices", type=int, default=64)
-ARGS.add_argument("--cluster", default="h100")
+ARGS.add_argument("--cluster", default=None, help="default: the --target's chip, else h100")
+ARGS.add_argument("--target", default=None, help="compile with this chip's compiler")
 ARGS.add_argument("--bytes", action="store_true")
 ARGS.add_argument("--batch", type=int, default=None, help="global batch (default: the planner's)")
 ARGS.add_argument("--layers", type=int, default=None,
@@ -38,15 +41,18 @@ ARGS.add_argument("--save", default=None, help="JSON file for calibrate.py --wit
 ARGS.add_argument("--peak", type=int, default=0, help="list the K largest buffers at the peak")
 ARGS.add_argument("candidates", nargs="+")
 A = ARGS.parse_args()
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={A.devices}")
+A.cluster = A.cluster or A.target or "h100"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not A.target:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + f" --xla_force_host_platform_device_count={A.devices}")
 
 import dataclasses  # noqa: E402
 
 from modeling.config import PRESETS, ConfigError, get_config  # noqa: E402
 from measure import peak  # noqa: E402
 from planning import check, clusters, plan  # noqa: E402
+from runtime import target  # noqa: E402
 
 G = 2**30
 
@@ -70,6 +76,9 @@ def config():
 try:                  # every input checked before the first compile
   cfg, over = config()
   cluster = clusters.get(A.cluster)
+  if A.target:
+    target.check(A.target, A.devices)
+    target.configure(A.target)
   cands = plan.enumerate_candidates(cfg, A.devices, cluster, cluster.hbm_bytes,
                                    names=tuple({check.parse(t)[0] for t in A.candidates}))
   chosen = [(text, check.find(cands, text)) for text in A.candidates]
@@ -79,13 +88,15 @@ try:                  # every input checked before the first compile
 except ConfigError as e:
   print(f"error: {e}", file=sys.stderr)
   sys.exit(2)
+devices = target.devices(A.target, A.devices) if A.target else None
+compiler = devices.compiler if devices else "XLA:CPU"
 checked = []
 print("| candidate | params+opt | predicted | compiled | ratio | temp predicted | temp compiled |")
 print("|---|---|---|---|---|---|---|")
 for text, c in chosen:
   t = time.time()
   with tempfile.TemporaryDirectory() as dump:
-    r = check.compile_candidate(c, cfg, dump_dir=dump if A.peak else None)
+    r = check.compile_candidate(c, cfg, dump_dir=dump if A.peak else None, devices=devices)
     top = peak.peak(dump) if A.peak else None
   checked.append((text, r))
   print(f"| {text} | {c.param_opt / G:.1f}G | {c.memory / G:.1f}G | {r.compiled_memory / G:.1f}G "
@@ -100,7 +111,9 @@ if A.save:
   import json
   with open(A.save, "w") as f:
     json.dump([{"model": A.model, "devices": A.devices, "cluster": A.cluster,
-                "batch": cfg.batch, "over": over, "candidate": text, "temp": r.compiled_temp}
+                "batch": cfg.batch, "over": over, "candidate": text, "temp": r.compiled_temp,
+                "compiler": compiler, **({"refused_over_hbm": r.refused_over}
+                                         if r.refused_over else {})}
                for text, r in checked], f, indent=1)
 
 if A.bytes:
@@ -110,5 +123,5 @@ if A.bytes:
     c = r.candidate
     got = ", ".join(f"{k} over {','.join(sorted(a))} {v['measured'] / G:.2f}G"
                     for (k, a), v in r.bytes_by_axes.items() if v["measured"] > 1e6)
-    worst = max(abs(v["ratio"] - 1) for v in r.bytes_by_axes.values())
+    worst = max((abs(v["ratio"] - 1) for v in r.bytes_by_axes.values()), default=float("nan"))
     print(f"| {text} | {c.step_s:.3f} | {c.dominant} | {got} | {worst:.3f} |")

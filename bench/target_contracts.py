@@ -56,7 +56,7 @@ def check_row(name: str, case, devices) -> dict:
   with jax.default_matmul_precision("highest"):
     job = train.build(strat, cfg, mesh, opts, compile_only=True)
   seconds = time.perf_counter() - t0
-  measured = {k: v["bytes"] for k, v in hlo.collective_stats_by_axes(job.hlo, mesh).items()}
+  measured = hlo.bytes_by_axes(hlo.collective_stats_by_axes(job.hlo, mesh))
   predicted = cost.by_axes(cost.step_terms(strat, cfg, mesh, opts))
   declared = parity.declared(name, opts, mesh, cfg.optimizer, cfg)
   off, merges, gathers = compilers.agreement(predicted, measured, mesh)

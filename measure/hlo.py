@@ -405,6 +405,12 @@ def collective_stats_by_axes(hlo_text: str, mesh) -> dict[tuple[str, frozenset],
   return _by_axes(collective_ops(hlo_text), mesh)
 
 
+def bytes_by_axes(stats: dict) -> dict[tuple[str, frozenset], int]:
+  """collective_stats_by_axes' stats -> {(kind, mesh axes): result bytes}, the form
+  measure.cost.by_axes gives the model's in and measure.compilers.agreement reads."""
+  return {k: v["bytes"] for k, v in stats.items()}
+
+
 def _by_kind(ops) -> dict:
   return _stats(ops, lambda op: op.kind, {k: _zero() for k in COLLECTIVE_KINDS})
 

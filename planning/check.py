@@ -8,6 +8,7 @@ With --target the target's compiler compiles them (runtime/target.py), ragged_do
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from modeling.config import ConfigError
 from planning import plan
@@ -21,6 +22,7 @@ class Checked:
   bytes_by_axes: dict               # measure.cost.versus(..., by="axes")
   compile_s: float
   rewrites: str = ""                # a --target's compiler: its rewrites (measure/compilers.py)
+  refused_over: float = 0.0         # XLA:TPU refused it: the HBM it has (compiled_temp: needs)
 
   @property
   def memory_ratio(self) -> float:
@@ -84,11 +86,19 @@ def compile_candidate(c: plan.Candidate, cfg, dump_dir: str | None = None,
     c_cfg = c_cfg.replace(gmm_backend="scan")
   mesh = mesh_lib.make_mesh(dict(c.sizes), devices.devices)
   opts = c.opts if c.opts is not None else strat.Options()
-  job = train.build(strat, c_cfg, mesh, opts, compile_only=True, dump_dir=dump_dir)
+  t0 = time.perf_counter()
+  try:
+    job = train.build(strat, c_cfg, mesh, opts, compile_only=True, dump_dir=dump_dir)
+  except jax.errors.JaxRuntimeError as e:
+    oom = target.hbm_oom(e)             # over the chip's HBM: no program, its temp is known
+    if oom is None:
+      raise
+    return Checked(c, c.param_opt + oom[0], oom[0], {}, time.perf_counter() - t0,
+                   refused_over=oom[1])
   temp = job.compiled.memory_analysis().temp_size_in_bytes
   got = hlo.collective_stats_by_axes(job.hlo, mesh)
   terms = cost.step_terms(strat, c_cfg, mesh, opts)
   table = cost.versus(terms, got, by="axes")
   rewrites = "" if on_cpu else compilers.said(
-      compilers.agreement(cost.by_axes(terms), {k: v["bytes"] for k, v in got.items()}, mesh))
+      compilers.agreement(cost.by_axes(terms), hlo.bytes_by_axes(got), mesh))
   return Checked(c, c.param_opt + temp, temp, table, job.compile_s, rewrites)

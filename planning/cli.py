@@ -44,7 +44,8 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
         f"{cfg.seq_len} tokens{source}")
   fixed = f"; held fixed: {limits.label()}" if limits.given else ""
   print(f"{model_name}, {n} devices of {cluster.name} ({cluster.doc}); memory per device "
-        f"{hbm / 2**30:.1f} GiB; {cfg.dtype}, {cfg.optimizer}; compute at {efficiency:.0%} of "
+        f"{hbm / 2**30:.1f} GiB, temp as {cluster.temp_model} holds it; {cfg.dtype}, "
+        f"{cfg.optimizer}; compute at {efficiency:.0%} of "
         f"{cluster.peak_flops / 1e12:.1f} TFLOP/s, no overlap; {len(cands)} enumerated "
         f"(strategy x mesh x M x remat x capacity factor x axes inside a node of "
         f"{cluster.node_size}{fixed}). G = GiB.")
@@ -71,8 +72,12 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
     for i, c in enumerate(check.distinct([c for c in ranked if c.fits] or ranked, compile_k)):
       print(f"  compiling {i + 1}/{compile_k}: {c.layout()}", file=sys.stderr, flush=True)
       results.append(check.compile_candidate(c, cfg, devices=devices))
-    print(f"compiled by {devices.memory_label()}; the temp model is fitted to XLA:CPU's "
-          "(docs/planner.md)")
+    print(f"compiled by {devices.memory_label()}; the temp model is fitted to "
+          f"{cluster.temp_model}'s (docs/planner.md)")
+    if devices.compiler != cluster.temp_model:
+      print(f"note: the ratios below set {devices.compiler}'s temp against {cluster.temp_model}'s "
+            f"model; {cluster.name} compiles with its own compiler where this host has it "
+            "(TPU: pip install -r requirements-tpu.txt) and --devices is a slice it makes")
     print(render.checked(results))
     print(render.compiled_verdict(results, hbm))
   return cands

@@ -31,6 +31,10 @@ class Cluster:
   intra_bw: float       # B/s one device sends per direction inside a node
   inter_bw: float       # B/s one device sends per direction across nodes
   doc: str              # the sources, one line
+  # whose compiler's temp the planner predicts (planning.plan.TEMP_COEFS): a TPU's is fitted to
+  # XLA:TPU's programs; a GPU's is XLA:CPU's, as no GPU fit exists (XLA:GPU compiles ragged_dot
+  # densely over the experts, where a GPU user runs a grouped-matmul kernel)
+  temp_model: str = "XLA:CPU"
 
 
 PROFILES = {
@@ -57,7 +61,38 @@ PROFILES = {
     "tpu-v5p": Cluster("tpu-v5p", 459 * TFLOPS, 95 * GB, 6144, 200 * GB, 6.25 * GB,
                        "Cloud TPU v5p: 459 TFLOP/s bf16, 95 GB HBM, ICI 1,200 GB/s bidir per chip "
                        "(3D torus; one dimension's 2 links, 200 GB/s per direction, assumed); "
-                       "DCN 50 Gb/s per chip; slices up to 6,144 chips"),
+                       "DCN 50 Gb/s per chip; slices up to 6,144 chips", temp_model="XLA:TPU"),
+    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): the H100's 989.4 TFLOP/s bf16 dense
+    # (1,979 with sparsity), 141 GB HBM3e, NVLink 900 GB/s bidirectional; HGX H200: 8 GPUs per
+    # node, 400 Gb/s InfiniBand NIC per GPU.
+    "h200": Cluster("h200", 989.4 * TFLOPS, 141 * GB, 8, 450 * GB, 50 * GB,
+                    "H200 SXM datasheet: 989 TFLOP/s bf16 dense, 141 GB, NVLink 900 GB/s bidir; "
+                    "HGX H200: 8 GPUs/node, 400 Gb/s IB per GPU"),
+    # NVIDIA HGX B200 (1,000 W per GPU): bf16 2,250 TFLOP/s dense (4,500 with sparsity),
+    # 180 GB HBM3e per GPU (1.44 TB for 8), fifth-generation NVLink 1.8 TB/s bidirectional per
+    # GPU (900 GB/s per direction); DGX B200: 8 GPUs per node, 400 Gb/s ConnectX-7 per GPU.
+    "b200": Cluster("b200", 2250 * TFLOPS, 180 * GB, 8, 900 * GB, 50 * GB,
+                    "HGX B200: 2,250 TFLOP/s bf16 dense, 180 GB, NVLink 1.8 TB/s bidir; "
+                    "DGX B200: 8 GPUs/node, 400 Gb/s IB per GPU"),
+    # Cloud TPU v6e, Trillium (cloud.google.com/tpu/docs/v6e): 918 TFLOP/s bf16 per chip, 32 GB
+    # HBM, ICI 800 GB/s bidirectional per chip over a 2D torus (four ports: 100 GB/s per port
+    # and direction, one dimension's two 200 GB/s per direction), DCN 100 Gb/s per chip
+    # (12.5 GB/s, the TPU7x page's comparison table); a pod, the largest slice, is 256 chips.
+    "tpu-v6e": Cluster("tpu-v6e", 918 * TFLOPS, 32 * GB, 256, 200 * GB, 12.5 * GB,
+                       "Cloud TPU v6e: 918 TFLOP/s bf16, 32 GB HBM, ICI 800 GB/s bidir per chip "
+                       "(2D torus; one dimension's 2 links, 200 GB/s per direction, assumed); "
+                       "DCN 100 Gb/s per chip; slices up to 256 chips", temp_model="XLA:TPU"),
+    # Cloud TPU7x, Ironwood (cloud.google.com/tpu/docs/tpu7x): per chip 2,307 TFLOP/s bf16
+    # (4,614 FP8), 192 GiB HBM, ICI 1,200 GB/s bidirectional over a 3D torus, DCN 100 Gb/s,
+    # two TensorCores that JAX sees as two devices; 9,216 chips per pod. A device here is half
+    # a chip: 1,153.5 TFLOP/s, 96 GiB, and half a chip's links (one dimension's two links of
+    # 100 GB/s per direction each, shared by its two devices: 100 GB/s per device).
+    "tpu-v7": Cluster("tpu-v7", 1153.5 * TFLOPS, 96 * 2**30, 18432, 100 * GB, 6.25 * GB,
+                      "Cloud TPU7x: 2,307 TFLOP/s bf16 and 192 GiB per chip, 2 devices per "
+                      "chip; ICI 1,200 GB/s bidir per chip (3D torus; one dimension's 2 links "
+                      "shared by the chip's 2 devices, 100 GB/s per device and direction, "
+                      "assumed); DCN 100 Gb/s per chip; pods of 9,216 chips",
+                      temp_model="XLA:TPU"),
 }
 
 

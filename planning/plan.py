@@ -91,7 +91,8 @@ Per candidate, per device:
            state donated (runtime/train.py compiles compile-only steps so): without donation XLA
            uses the outputs' buffers as scratch, and its temp leaves out up to a copy of the
            state (the gradients above among it).
-           TEMP_COEF: saved_block held at 1 (the calibration models have 4-5 layers, too few for
+           TEMP_COEFS["XLA:CPU"] (a GPU cluster's, TEMP_COEF): saved_block held at 1 (the
+           calibration models have 4-5 layers, too few for
            the fit to see it) and pp_weights at 1 (both buffers are live through the loop; the
            small models' stages are too small for the fit to see them: fitted, it came out at
            0.69 and DeepSeek-V3's 1f1b rows at 0.84 and 0.88), step_weights at 1 (above); the
@@ -117,6 +118,14 @@ Per candidate, per device:
            gpipe at M = 120 (0.72), fsdp with remat none (0.897) and a pp gpipe step (1.111).
            Held out (docs/planner.md, "Honesty"): tests/test_plan.py's small grid and the planner's
            picks, at 0.941 .. 1.007.
+           TEMP_COEFS["XLA:TPU"] (a TPU cluster's): the same features fitted to XLA:TPU's temp
+           bytes (ragged_dot as the TPU runs it, no --gmm=scan), saved_block and pp_weights held
+           at 1, the four saved_none terms at XLA:CPU's (three small remat-none rows cannot
+           fit four), step_weights fitted (XLA:TPU gathers bf16 weights as bf16); 18 of the 33
+           steps compiled for 8 v5p chips (planning/tpu_v5p_cases.json) and 4 Mixtral-8x7B
+           candidates on 64 (planning/tpu_v5p_scale.json, which also holds the held-out pick
+           and two steps XLA:TPU refused, over its HBM, that no fit reads). 19 of the 22 within
+           10% of XLA:TPU's total; the planner's first pick on 64 v5p chips, held out, 1.037.
   step time = compute + communication, no overlap:
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
@@ -159,14 +168,24 @@ EFFICIENCY = 0.5      # the fraction of peak FLOP/s the matmuls reach: an assump
 # combination) and PLAN_EXTRA (option sets beyond that product), declared in its file
 OPTION_GRID = {n: getattr(strategies.get(n), "PLAN_GRID", {}) for n in NAMES}
 OPTION_EXTRA = {n: getattr(strategies.get(n), "PLAN_EXTRA", ()) for n in NAMES}
-# Fitted by planning/calibrate.py (bytes of temp per byte of feature), saved_block and pp_weights
-# and step_weights held at 1; see the module docstring. attn_chunk fits to 0: at the fitted
-# lengths (S up to 4,096) one key chunk's scores are small beside every row's other terms.
-TEMP_COEF = {"logits": 0.736, "gathered": 1.766, "gathered_head": 0.971, "attn_chunk": 0.000,
-             "saved_none_res": 35.272, "saved_none_routed": 4.648, "saved_none_rows_f": 0.368,
-             "saved_none_gathered": 0.446, "work_rows_d": 7.099, "work_rows_f": 2.201,
-             "work_res": 6.638, "grads": 1.020, "grad_accum": 1.178, "saved_block": 1.000,
-             "pp_weights": 1.000, "step_weights": 1.000}
+# Fitted by planning/calibrate.py (bytes of temp per byte of feature), one model per compiler
+# (a cluster's `temp_model`), saved_block and pp_weights held at 1, XLA:CPU's step_weights too;
+# see the module docstring. attn_chunk fits to 0 on XLA:CPU: at the fitted lengths (S up to
+# 4,096) one key chunk's scores are small beside every row's other terms.
+TEMP_COEFS = {
+    "XLA:CPU": {"logits": 0.736, "gathered": 1.766, "gathered_head": 0.971, "attn_chunk": 0.000,
+                "saved_none_res": 35.272, "saved_none_routed": 4.648,
+                "saved_none_rows_f": 0.368, "saved_none_gathered": 0.446, "work_rows_d": 7.099,
+                "work_rows_f": 2.201, "work_res": 6.638, "grads": 1.020, "grad_accum": 1.178,
+                "saved_block": 1.000, "pp_weights": 1.000, "step_weights": 1.000},
+}
+TEMP_COEFS["XLA:TPU"] = {
+    "logits": 0.040, "gathered": 2.601, "gathered_head": 1.145, "attn_chunk": 0.000,
+    "saved_block": 1.000, "saved_none_res": 35.272, "saved_none_routed": 4.648,
+    "saved_none_rows_f": 0.368, "saved_none_gathered": 0.446, "work_rows_d": 4.208,
+    "work_rows_f": 0.478, "work_res": 21.135, "pp_weights": 1.000, "step_weights": 0.765,
+    "grads": 1.512, "grad_accum": 0.961}
+TEMP_COEF = TEMP_COEFS["XLA:CPU"]
 
 
 @dataclasses.dataclass
@@ -490,8 +509,10 @@ def _layers_held(name: str, cfg, shape: dict, opts=None) -> float:
           + cfg.first_k_dense_replace * prefix)
 
 
-def predict_temp(features: dict) -> float:
-  return sum(TEMP_COEF[k] * v for k, v in features.items())
+def predict_temp(features: dict, temp_model: str = "XLA:CPU") -> float:
+  """XLA's temp bytes per device as the compiler `temp_model` (a key of TEMP_COEFS) holds them."""
+  coef = TEMP_COEFS[temp_model]
+  return sum(coef[k] * v for k, v in features.items())
 
 
 def link_loads(terms) -> tuple:
@@ -615,7 +636,7 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
               c_cfg = base.replace(remat=remat)
               loads = link_loads(cost.finish(raw, c_cfg, mesh, lay))   # cost.step_terms
               temp = predict_temp(step_features(name, c_cfg, mesh, raw, opts,
-                                                o_mem["param_bytes"]))
+                                                o_mem["param_bytes"]), cluster.temp_model)
               for inner in placements(shape, cluster.node_size):
                 c = Candidate(*key[:3], remat, cf, opts, inner,
                               param_opt=o_mem["param_bytes"] + o_mem["opt_bytes"], temp=temp,

@@ -86,6 +86,13 @@ def checked(results) -> str:
   out = []
   for r in results:
     c = r.candidate
+    if r.refused_over:
+      # the size the compiler asked for when it gave up, not a compiled program's temp
+      out.append(f"compiled {c.layout()}: refused by the compiler in {r.compile_s:.1f}s, over "
+                 f"the {fmt_bytes(r.refused_over)} of HBM a device has: it asked for "
+                 f"{fmt_bytes(r.compiled_temp)} of temporaries (predicted: memory/dev "
+                 f"{fmt_bytes(c.memory)}, temp {fmt_bytes(c.temp)}); no program to read")
+      continue
     out.append(f"compiled {c.layout()} in {r.compile_s:.1f}s: memory/dev predicted "
                f"{fmt_bytes(c.memory)} vs compiled {fmt_bytes(r.compiled_memory)} "
                f"(ratio {r.memory_ratio:.3f}; temp {fmt_bytes(c.temp)} vs "
@@ -104,8 +111,9 @@ def compiled_verdict(results, hbm: float) -> str:
   fits, naming those ranked above it that the compiler puts over `hbm`."""
   fit = [i for i, r in enumerate(results) if r.compiled_memory <= hbm]
   ok = results[fit[0]] if fit else None
-  why = "; ".join(f"{r.candidate.layout()} compiles to {fmt_bytes(r.compiled_memory)} "
-                  f"(predicted {fmt_bytes(r.candidate.memory)}): over"
+  why = "; ".join(f"{r.candidate.layout()} "
+                  f"{'is refused by the compiler at' if r.refused_over else 'compiles to'} "
+                  f"{fmt_bytes(r.compiled_memory)} (predicted {fmt_bytes(r.candidate.memory)}): over"
                   for r in results[:fit[0] if fit else len(results)])   # all over hbm
   if ok is None:
     return (f"verdict after compiling {len(results)}: none fits in {fmt_bytes(hbm)} when "

@@ -12,7 +12,7 @@ import jax
 
 from measure import hlo
 from modeling.config import ConfigError
-from runtime import checkpoint, preempt, train
+from runtime import checkpoint, preempt, target, train
 
 
 class NonFinite(Exception):
@@ -56,7 +56,17 @@ def train_one(F, strat, cfg, mesh, opts, on_compiled: Callable, say, devices=Non
   if F.checkpoint_dir:                        # checked (and read) before anything compiles
     start, state, planned = prepare_checkpoints(F, cfg, strat, mesh, opts, steps, say, main)
   init, hf_config = hf_start(F, cfg, say)      # --init_from / --export_hf: before compiling
-  job = train.build(strat, cfg, mesh, opts, state=state, compile_only=F.compile_only, init=init)
+  try:
+    job = train.build(strat, cfg, mesh, opts, state=state, compile_only=F.compile_only,
+                      init=init)
+  except jax.errors.JaxRuntimeError as e:
+    oom = target.hbm_oom(e) if devices is not None and devices.name else None
+    if oom is None:
+      raise
+    raise target.OverHBM(
+        f"{devices.memory_label()} refuses the step: its temporaries need {oom[0] / 2**30:.2f} "
+        f"GiB, over the {oom[1] / 2**30:.2f} GiB of HBM a device has (XLA error E1000, "
+        "CompileTimeHbmOom)") from None
   mesh_desc = ",".join(f"{k}:{v}" for k, v in mesh.shape.items()) if mesh is not None else "single"
   for_target = f" for {devices.name} ({devices.topology})" if devices and devices.name else ""
   say(f"{F.strategy} on mesh {mesh_desc}, model {F.model}, gmm {cfg.gmm_backend}: compiled"

@@ -35,6 +35,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 from typing import Callable
 
 from modeling.config import ConfigError
@@ -211,6 +212,27 @@ def devices(name: str, n: int) -> Target:
     raise ConfigError(f"--target={name}: XLA made {len(devs)} devices for {n}")
   return Target(name, PROFILES[name].compiler, devs[0].platform,
                 kwargs.get("topology_name") or kwargs["topology"], devs)
+
+
+_HBM_OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "
+                      r"\(([\d.]+)([KMGT])\)")
+
+
+class OverHBM(Exception):
+  """A target's compiler refused the step: its temporaries exceed a device's HBM (one line,
+  exit status 1: `run.py --compile_only --target`)."""
+
+
+def hbm_oom(error: Exception) -> tuple[float, float] | None:
+  """XLA:TPU refuses to compile a program whose temporaries exceed the chip's HBM
+  (RESOURCE_EXHAUSTED, E1000 CompileTimeHbmOom: "the total memory required for HLO temporaries
+  (113.60G) exceeds available HBM (95.73G)", binary units). -> (the temp bytes it needs, the
+  bytes it has), or None for any other error."""
+  m = _HBM_OOM.search(str(error))
+  if m is None:
+    return None
+  scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+  return float(m[1]) * scale[m[2]], float(m[3]) * scale[m[4]]
 
 
 def host(devs) -> Target:

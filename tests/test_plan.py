@@ -197,6 +197,16 @@ def test_a_tpu_slice_is_one_node_of_ici_and_slices_meet_over_dcn():
   assert all(len(p) < 3 for p in plan.placements(sizes, tpu.node_size))
 
 
+def test_cluster_profiles_are_per_device():
+  """A profile's figures are one JAX device's: tpu-v7's device is half a chip (2,307 TFLOP/s and
+  192 GiB per chip); a TPU's temp model is XLA:TPU's fit, a GPU's XLA:CPU's."""
+  v7 = clusters.get("tpu-v7")
+  assert (2 * v7.peak_flops, 2 * v7.hbm_bytes) == (2307e12, 192 * 2**30)
+  for c in clusters.PROFILES.values():
+    assert c.temp_model == ("XLA:TPU" if c.name.startswith("tpu-") else "XLA:CPU"), c.name
+    assert c.temp_model in plan.TEMP_COEFS and c.intra_bw > c.inter_bw and c.doc, c.name
+
+
 def test_ranks_a_thousand_real_candidates_quickly(monkeypatch):
   """The speed docs/planner.md claims ("Speed"), loosely (a shared 2-core host): Mixtral-8x7B
   on 64 devices enumerates over a thousand candidates in well under a minute, without a device
@@ -310,6 +320,22 @@ def test_plan_command_line(tmp_path):
   assert lines[-1].startswith("verdict after compiling 1: "), lines[-1]
 
 
+def test_plan_on_a_tpu_cluster_says_when_xla_cpu_compiles():
+  """--plan --cluster=tpu-v5p predicts XLA:TPU's temp; on 2 devices (no v5p slice) XLA:CPU
+  compiles the checked candidate, and the output says the ratios set two compilers side by
+  side."""
+  from tests.test_cli import _run
+  r = _run("--plan", "--model=tiny", "--devices=2", "--cluster=tpu-v5p", "--plan_compile=1",
+           "--plan_top=1")
+  assert r.returncode == 0, r.stderr
+  assert "temp as XLA:TPU holds it" in r.stdout, r.stdout
+  assert "compiled by XLA:CPU; the temp model is fitted to XLA:TPU's" in r.stdout, r.stdout
+  assert "note: the ratios below set XLA:CPU's temp against XLA:TPU's model" in r.stdout
+  # ranking alone starts only the CPU backend: an installed CUDA plugin or libtpu is not probed
+  r0 = _run("--plan", "--model=tiny", "--devices=8", "--plan_compile=0", "--plan_top=1")
+  assert r0.returncode == 0 and "plugin configuration error" not in r0.stderr, r0.stderr
+
+
 def test_compiled_verdict_passes_over_what_compiles_over_hbm():
   """After the compiles, the verdict is the best-ranked candidate that fits by XLA's memory:
   one predicted to fit that compiles over HBM is named and passed over, and where none fits
@@ -367,6 +393,41 @@ def test_temp_model_holds_the_batch_sweep():
     assert [b for b, _ in points] == [16, 32, 64, 128], (name, points)
     steps = [b - a for (_, a), (_, b) in zip(points, points[1:])]
     assert all(1.5 < b / a < 2.5 for a, b in zip(steps, steps[1:])), (name, steps)
+
+
+def test_tpu_temp_model_is_fitted_to_xla_tpu():
+  """TEMP_COEFS["XLA:TPU"] is the fit of its saved compiles, refitted as `python -m
+  planning.calibrate --target=tpu-v5p --cases=planning/tpu_v5p_cases.json
+  --with=planning/tpu_v5p_scale.json` does: the calibration cases compiled by XLA:TPU for 8 v5p
+  chips and Mixtral-8x7B candidates on 64. The held-out rows (not fitted: the planner's first
+  pick on 64 v5p chips) are within MEMORY_RTOL of XLA:TPU's total, and a TPU cluster's
+  candidates carry the TPU's temp where a GPU's carry XLA:CPU's."""
+  import os
+  from planning import calibrate
+  here = os.path.dirname(plan.__file__)
+  scale = os.path.join(here, "tpu_v5p_scale.json")
+  rows = calibrate.case_rows(os.path.join(here, "tpu_v5p_cases.json"), "XLA:TPU")
+  rows += calibrate.full_scale_rows(scale, keep=lambda r: not r.get("held_out"),
+                                    compiler="XLA:TPU")
+  coef = calibrate.fit([(f, t) for f, t, _, _ in rows], calibrate.fixed("XLA:TPU"))
+  assert coef == pytest.approx(plan.TEMP_COEFS["XLA:TPU"], abs=1e-3)
+  held = calibrate.full_scale_rows(scale, keep=lambda r: r.get("held_out"), compiler="XLA:TPU")
+  assert held
+  for features, temp, param_opt, label in held:
+    pred = plan.predict_temp(features, "XLA:TPU")
+    assert abs((pred + param_opt) / (temp + param_opt) - 1) <= MEMORY_RTOL, label
+  with pytest.raises(ValueError, match="compiled by XLA:TPU, not XLA:CPU"):
+    calibrate.full_scale_rows(scale)
+  cfg = get_config("tiny", dtype="bfloat16")
+  temps = {}
+  for name in ("tpu-v5p", "h100"):
+    cluster = clusters.get(name)
+    c = next(c for c in plan.enumerate_candidates(cfg, 8, cluster, cluster.hbm_bytes,
+                                                  names=("ep",)) if not c.error)
+    features = plan.candidate_features(c, cfg)
+    assert c.temp == pytest.approx(plan.predict_temp(features, cluster.temp_model))
+    temps[name] = c.temp
+  assert temps["tpu-v5p"] != pytest.approx(temps["h100"])
 
 
 def test_abstract_mesh_is_what_enumeration_uses():

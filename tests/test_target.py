@@ -48,7 +48,9 @@ def tpu_runs(tmp_path_factory):
       "ragged": EP + ["--target=tpu-v5p", "--devices=8", "--opt=exchange=ragged",
                       f"--metrics_file={d}/ragged.jsonl"],
       "plan": ["--plan", "--model=tiny", "--devices=8", "--plan_compile=1", "--plan_top=3",
-               "--target=tpu-v5p"]})
+               "--target=tpu-v5p"],
+      "cluster": ["--plan", "--model=tiny", "--devices=8", "--plan_compile=1", "--plan_top=1",
+                  "--cluster=tpu-v5p"]})
   return {k: (*v, d / f"{k}.jsonl") for k, v in out.items()}
 
 
@@ -86,6 +88,18 @@ def test_plan_compiles_its_best_with_xla_tpu(tpu_runs):
   assert "in measure.compilers' normal form every (kind, axes) agrees" in stdout, stdout
 
 
+@needs_libtpu
+def test_plan_on_a_tpu_cluster_compiles_with_xla_tpu(tpu_runs):
+  """--plan --cluster=tpu-v5p without --target: the temp model is XLA:TPU's, so XLA:TPU compiles
+  the candidates it checks (libtpu installed, 8 devices a slice v5p makes)."""
+  code, stdout, stderr, _ = tpu_runs["cluster"]
+  assert code == 0, stderr
+  assert "temp as XLA:TPU holds it" in stdout, stdout
+  assert ("compiled by XLA:TPU (tpu-v5p, 8 devices); the temp model is fitted to XLA:TPU's"
+          in stdout), stdout
+  assert "note: the ratios below" not in stdout, stdout
+
+
 @needs_cuda_plugin
 def test_h100_compiles_ep_with_xla_gpu(tmp_path):
   m = tmp_path / "m.jsonl"
@@ -116,11 +130,13 @@ BAD = [
      "--target=tpu-v5p compiles for another chip than --cluster=h100"),
     (["--plan", "--target=tpu-v5p", "--plan_compile=0"],
      "--target=tpu-v5p with --plan compiles its best candidates: it needs --plan_compile >= 1"),
-    (["--plan", "--target=tpu-v6e"], "--target=tpu-v6e with --plan: the planner has no cluster "
-     "profile of tpu-v6e (it has h100, h800, tpu-v5p)"),
+    (["--plan", "--target=tpu-v5e"], "--target=tpu-v5e with --plan: the planner has no cluster "
+     "profile of tpu-v5e (it has h100, h800, tpu-v5p, h200, b200, tpu-v6e, tpu-v7)"),
     (["--strategy=reference", "--devices=1", "--compile_only", "--target=h100"],
      "the reference runs on one device of this host"),
     (["--strategy=ep", "--compile_only", "--target=h100", "--attention=cudnn"],
+     "--attention=cudnn is not compiled for --target=h100"),
+    (["--plan", "--target=h100", "--attention=cudnn"],
      "--attention=cudnn is not compiled for --target=h100"),
 ]
 
@@ -160,3 +176,27 @@ def test_missing_package_is_one_line(flag, line):
   r = subprocess.run([sys.executable, "-c", _HIDDEN, "--strategy=ep", "--compile_only", flag],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 2 and r.stderr.strip() == line, r.stderr
+
+
+def test_a_step_over_the_chips_hbm_is_read_from_the_refusal():
+  """XLA:TPU refuses to compile a step whose temporaries exceed a device's HBM (E1000); the
+  refusal names both sizes in binary units, which runtime.target.hbm_oom reads: the planner's
+  check and the fit keep the step's temp, `run.py --compile_only` says it in one line."""
+  from planning import check, plan, render
+  from runtime import target
+  text = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
+          "memory required for HLO temporaries (113.60G) exceeds available HBM (95.73G). HLO "
+          "module: jit_step.")
+  assert target.hbm_oom(RuntimeError(text)) == (113.60 * 2**30, 95.73 * 2**30)
+  assert target.hbm_oom(RuntimeError("RESOURCE_EXHAUSTED: something else")) is None
+  c = plan.Candidate("fsdp", (("data", 1), ("fsdp", 64)), 1, "block", 1.25,
+                     param_opt=10 * 2**30, temp=80 * 2**30)
+  r = check.Checked(c, c.param_opt + 113.6 * 2**30, 113.6 * 2**30, {}, 180.0,
+                    refused_over=95.73 * 2**30)
+  line = render.checked([r])
+  assert "refused by the compiler" in line and "over the 95.7G" in line, line
+  assert "asked for 113.6G of temporaries" in line and "no program to read" in line, line
+  assert "ratio" not in line, line
+  verdict = render.compiled_verdict([r], 95 * 2**30)
+  assert verdict.startswith("verdict after compiling 1: none"), verdict
+  assert "is refused by the compiler at 123.6G (predicted 90.0G): over" in verdict, verdict
