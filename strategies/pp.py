@@ -293,10 +293,13 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               # 1f1b: the batch-wise loss's counts pre-pass, M = 8 > 2P-1, Muon on its gradients
               Case("tiny", "stage:4,data:2",
                    dict(n_layers=4, batch=16, microbatches=8, optimizer="muon"), ONE_F),
-              # the sequence-wise loss, the prefix, drops, remat in the stage's vjp, layout 2 + 1
+              # the sequence-wise loss, the prefix, drops, remat in the stage's vjp, layout 2 + 1.
+              # Seed 3: at seed 0 the reference's own routing flips one token at step 1 or 2
+              # when its init moves by 3e-6 relative (a near-tie, the noise of another layout);
+              # at seed 3 three such perturbations drop the same tokens at every step
               Case("deepseek-test", "stage:2,data:2,expert:2",
                    dict(n_layers=5, first_k_dense_replace=2, layer_layout="2,1", batch=16,
-                        microbatches=4, capacity_factor=1.0, remat="block"), ONE_F),
+                        microbatches=4, capacity_factor=1.0, remat="block", seed=3), ONE_F),
               # interleaved, v = 2: 4 MoE layers as 4 chunks, stage 0 holding layers 0 and 2
               Case("tiny", "stage:2,expert:4",
                    dict(n_layers=4, batch=16, microbatches=4, layer_layout="1,1,1,1",
