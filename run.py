@@ -136,6 +136,10 @@ flags.DEFINE_string("plan_find", None, "--plan: also print where one layout rank
                     "was refused: STRATEGY@MESH, e.g. pp@stage:16,data:2,expert:64")
 flags.DEFINE_float("plan_efficiency", 0.5, "--plan: the fraction of peak FLOP/s the step's "
                    "matmuls are assumed to reach")
+flags.DEFINE_string("plan_overlap", "none", "--plan: what communication runs under compute: "
+                    "none (every collective serial with it: the upper bound) | weights (weight "
+                    "gathers, gradient reductions and point-to-point sends hidden) | schedule "
+                    "(also the all-to-alls of 1f1b, which pairs two microbatches in a tick)")
 flags.DEFINE_string("target", None, "with --compile_only: compile for --devices devices of this "
                     "hardware, on this host, with its own compiler (runtime/target.py): "
                     + ", ".join(target_lib.PROFILES) + " (TPU: pip install -r "

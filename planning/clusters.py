@@ -6,7 +6,7 @@ What the planner assumes beyond these figures (its own assumptions, not sourced)
   - a group whose devices all sit in one node runs at the NVLink per-direction bandwidth;
     a group that crosses a node boundary runs at the InfiniBand bandwidth per GPU (one 400 Gb/s
     NIC per GPU; no hierarchical algorithm, no NVLink share of a cross-node all-to-all);
-  - no overlap of communication with compute and no per-collective latency.
+  - no per-collective latency; what runs under compute is --plan_overlap's (planning/plan.py).
 TPU (tpu-v5p): the two link classes are a slice's ICI and the data-center network between
 slices; the "node" is the largest single slice. A slice's ICI is a 3D torus: a chip has six
 links, and a collective runs at what the links of the torus dimensions its group spans carry.
@@ -35,16 +35,20 @@ class Cluster:
   # XLA:TPU's programs; a GPU's is XLA:CPU's, as no GPU fit exists (XLA:GPU compiles ragged_dot
   # densely over the experts, where a GPU user runs a grouped-matmul kernel)
   temp_model: str = "XLA:CPU"
+  # dense FP8 FLOP/s per device (no 2:4 sparsity), 0 where the chip has no FP8 matmul; only
+  # published FP8 runs are priced at it (planning/published.py: the suite trains in bf16)
+  fp8_flops: float = 0.0
 
 
 PROFILES = {
     # NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100, H100 SXM column):
-    # BF16 Tensor Core 1,979 TFLOPS "with sparsity", i.e. 989.4 dense; 80 GB HBM3; NVLink
+    # BF16 Tensor Core 1,979 TFLOPS "with sparsity", i.e. 989.4 dense (FP8 3,958 with sparsity,
+    # 1,978.9 dense, as on the H800 and H200); 80 GB HBM3; NVLink
     # 900 GB/s (bidirectional: 450 GB/s per direction). DGX H100 user guide: 8 GPUs per node,
     # 8 ConnectX-7 NICs of 400 Gb/s InfiniBand NDR, one per GPU: 50 GB/s per direction.
     "h100": Cluster("h100", 989.4 * TFLOPS, 80 * GB, 8, 450 * GB, 50 * GB,
                     "H100 SXM datasheet: 989 TFLOP/s bf16 dense, 80 GB, NVLink 900 GB/s bidir; "
-                    "DGX H100: 8 GPUs/node, 400 Gb/s IB per GPU"),
+                    "DGX H100: 8 GPUs/node, 400 Gb/s IB per GPU", fp8_flops=1978.9 * TFLOPS),
     # H800 SXM: the H100 SXM die with NVLink cut to 400 GB/s bidirectional (NVIDIA H800 product
     # brief: 200 GB/s per direction); the same 989.4 TFLOP/s bf16 dense and 80 GB HBM3.
     # DeepSeek-V3 technical report (arXiv 2412.19437, section 3.2.2): 8 GPUs per node on NVLink /
@@ -52,7 +56,8 @@ PROFILES = {
     # NVLink bandwidth it achieves, which is below the 200 GB/s used here.
     "h800": Cluster("h800", 989.4 * TFLOPS, 80 * GB, 8, 200 * GB, 50 * GB,
                     "H800 SXM: 989 TFLOP/s bf16 dense, 80 GB, NVLink 400 GB/s bidir; "
-                    "DeepSeek-V3 report: 8 GPUs/node, IB 50 GB/s per GPU"),
+                    "DeepSeek-V3 report: 8 GPUs/node, IB 50 GB/s per GPU",
+                    fp8_flops=1978.9 * TFLOPS),
     # Cloud TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TFLOP/s bf16 per chip; 95 GiB HBM2e
     # ("95 GB" in an earlier revision of the page: 95e9 B here, the smaller); bidirectional ICI
     # 1,200 GB/s per chip over a 3D torus (six links: 100 GB/s per link and direction), one
@@ -67,13 +72,14 @@ PROFILES = {
     # node, 400 Gb/s InfiniBand NIC per GPU.
     "h200": Cluster("h200", 989.4 * TFLOPS, 141 * GB, 8, 450 * GB, 50 * GB,
                     "H200 SXM datasheet: 989 TFLOP/s bf16 dense, 141 GB, NVLink 900 GB/s bidir; "
-                    "HGX H200: 8 GPUs/node, 400 Gb/s IB per GPU"),
+                    "HGX H200: 8 GPUs/node, 400 Gb/s IB per GPU", fp8_flops=1978.9 * TFLOPS),
     # NVIDIA HGX B200 (1,000 W per GPU): bf16 2,250 TFLOP/s dense (4,500 with sparsity),
-    # 180 GB HBM3e per GPU (1.44 TB for 8), fifth-generation NVLink 1.8 TB/s bidirectional per
-    # GPU (900 GB/s per direction); DGX B200: 8 GPUs per node, 400 Gb/s ConnectX-7 per GPU.
+    # FP8 4,500 dense (9,000 with sparsity); 180 GB HBM3e per GPU (1.44 TB for 8),
+    # fifth-generation NVLink 1.8 TB/s bidirectional per GPU (900 GB/s per direction); DGX
+    # B200: 8 GPUs per node, 400 Gb/s ConnectX-7 per GPU.
     "b200": Cluster("b200", 2250 * TFLOPS, 180 * GB, 8, 900 * GB, 50 * GB,
                     "HGX B200: 2,250 TFLOP/s bf16 dense, 180 GB, NVLink 1.8 TB/s bidir; "
-                    "DGX B200: 8 GPUs/node, 400 Gb/s IB per GPU"),
+                    "DGX B200: 8 GPUs/node, 400 Gb/s IB per GPU", fp8_flops=4500 * TFLOPS),
     # Cloud TPU v6e, Trillium (cloud.google.com/tpu/docs/v6e): 918 TFLOP/s bf16 per chip, 32 GB
     # HBM, ICI 800 GB/s bidirectional per chip over a 2D torus (four ports: 100 GB/s per port
     # and direction, one dimension's two 200 GB/s per direction), DCN 100 Gb/s per chip
@@ -92,7 +98,7 @@ PROFILES = {
                       "chip; ICI 1,200 GB/s bidir per chip (3D torus; one dimension's 2 links "
                       "shared by the chip's 2 devices, 100 GB/s per device and direction, "
                       "assumed); DCN 100 Gb/s per chip; pods of 9,216 chips",
-                      temp_model="XLA:TPU"),
+                      temp_model="XLA:TPU", fp8_flops=2307 * TFLOPS),
 }
 
 

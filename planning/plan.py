@@ -126,7 +126,10 @@ Per candidate, per device:
            candidates on 64 (planning/tpu_v5p_scale.json, which also holds the held-out pick
            and two steps XLA:TPU refused, over its HBM, that no fit reads). 19 of the 22 within
            10% of XLA:TPU's total; the planner's first pick on 64 v5p chips, held out, 1.037.
-  step time = compute + communication, no overlap:
+  step time = compute + the communication --plan_overlap leaves exposed (OVERLAPS: none, the
+             default, adds every collective; weights hides weight traffic and point-to-point
+             sends, schedule also 1f1b's all-to-alls; what is hidden hides up to the compute's
+             length):
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
                tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
                recomputed forward), + 1/3 for gradient accumulation's pass 1 under the
@@ -135,6 +138,8 @@ Per candidate, per device:
                pre-pass's (M + P - 1) F) / (M (F + B)), B = 2F, 3F with remat block;
                interleaved 1F1B: its table's ticks, each of one chunk, `one_f_ticks`) and its
                dense prefix run on every stage
+             (a published FP8 run: the matmuls at the cluster's FP8 peak, the attention core
+               at bf16's)
              communication = per cost-model term (measure.cost.step_terms: kind, axes, bytes),
                its wire bytes over the bandwidth of the links its group spans: the node's when
                every axis of the group lies inside a node, else the inter-node one.
@@ -200,7 +205,8 @@ class Candidate:
   param_opt: float = 0.0       # bytes per device
   temp: float = 0.0
   compute_s: float = 0.0
-  comm_s: float = 0.0
+  comm_s: float = 0.0          # exposed: what --plan_overlap leaves beside the compute
+  serial_comm_s: float = 0.0   # every collective's time, none hidden (--plan_overlap=none)
   dominant: str = ""           # the collective (kind over axes) taking the most time
   dominant_s: float = 0.0
   tokens_per_s: float = 0.0    # per device
@@ -288,16 +294,26 @@ def placements(sizes: dict, node: int) -> list[tuple]:
   return seen or [()]
 
 
-def flops_per_step(cfg) -> float:
-  """Model FLOPs of one train step (forward + backward = 3 x forward, no recompute): 2 x the
-  active matmul params per token (every weight but the embedding lookup, top_k of the routed
-  experts) + the attention core, q.k and p.v over S/2 keys on average (causal), per layer."""
+def _forward_flops_per_token(cfg) -> tuple[float, float]:
+  """(matmuls against weights, the attention core) of one token's forward: 2 x the active
+  matmul params (every weight but the embedding lookup, top_k of the routed experts), and q.k
+  and p.v over S/2 keys on average (causal), per layer."""
   _, active = model.param_counts(cfg)
   active -= cfg.d_model                                 # the embedding row: a lookup
   qk = cfg.qk_head_dim if cfg.mla else cfg.head_dim
   v = cfg.v_head_dim if cfg.mla else cfg.head_dim
-  attn = 2 * cfg.n_layers * cfg.n_heads * (qk + v) * cfg.seq_len / 2
-  return 3 * (2 * active + attn) * cfg.batch * cfg.seq_len
+  return 2 * active, 2 * cfg.n_layers * cfg.n_heads * (qk + v) * cfg.seq_len / 2
+
+
+def flops_per_step(cfg) -> float:
+  """Model FLOPs of one train step (forward + backward = 3 x forward, no recompute)."""
+  return 3 * sum(_forward_flops_per_token(cfg)) * cfg.batch * cfg.seq_len
+
+
+def attention_share(cfg) -> float:
+  """The attention core's share of flops_per_step (the rest is matmuls against weights)."""
+  mm, attn = _forward_flops_per_token(cfg)
+  return attn / (mm + attn)
 
 
 def _dense_flops_share(cfg) -> float:
@@ -505,8 +521,8 @@ def _layers_held(name: str, cfg, shape: dict, opts=None) -> float:
   # 1f1b: stage 0 runs the prefix inside its phases, its residuals in the ring too
   prefix = _in_flight(cfg, shape, opts) if _one_f(opts) else 1
   # a stage's rows: its MoE rows and the dense layers inside the stack it holds with them
-  return ((cfg.n_layer_slots + len(cfg.dense_inside)) / shape["stage"] * _in_flight(cfg, shape, opts)
-          + cfg.first_k_dense_replace * prefix)
+  rows = (cfg.n_layer_slots + len(cfg.dense_inside)) / shape["stage"]
+  return rows * _in_flight(cfg, shape, opts) + cfg.first_k_dense_replace * prefix
 
 
 def predict_temp(features: dict, temp_model: str = "XLA:CPU") -> float:
@@ -515,18 +531,49 @@ def predict_temp(features: dict, temp_model: str = "XLA:CPU") -> float:
   return sum(coef[k] * v for k, v in features.items())
 
 
+# --plan_overlap: what communication the step time lets run under compute (module docstring)
+OVERLAPS = ("none",       # every collective serial with the compute: the upper bound
+            "weights",    # weight traffic (gathers, gradient reductions, the optimizer's) and
+                          # point-to-point sends (pp's stage permutes, ring attention's K/V)
+            "schedule")   # those, and the exchanges of schedules that pair two microbatches in a
+                          # tick (1f1b: one's all-to-all runs under the other's compute)
+OVERLAP = "none"      # the planner's default (--plan_overlap)
+
+
+def overlap_class(t) -> str:
+  """Which --plan_overlap hides a cost term behind compute: "weights" (a weight's gather or
+  gradient reduction, the optimizer's, a point-to-point send), "paired" (an all-to-all: only a
+  schedule that runs two microbatches in a tick hides it) or "" (on the critical path: tensor
+  parallelism's reductions, the routing's statistics)."""
+  if t.params or t.phase == "opt" or t.kind == "collective-permute":
+    return "weights"
+  return "paired" if t.kind == "all-to-all" else ""
+
+
 def link_loads(terms) -> tuple:
-  """A step's cost terms summed per collective: (("kind over axes", axes, wire bytes a device
-  sends), ...), in the order the terms first name them; what `timing` prices on each placement."""
+  """A step's cost terms summed per collective and overlap class: (("kind over axes", axes,
+  wire bytes a device sends, overlap_class), ...), in the order the terms first name them; what
+  `timing` prices on each placement."""
   loads: dict = {}
   for x in terms:
-    loads[x.kind, x.axes] = loads.get((x.kind, x.axes), 0.0) + x.wire_bytes
-  return tuple((f"{kind} over {','.join(axes)}", axes, b) for (kind, axes), b in loads.items())
+    key = (x.kind, x.axes, overlap_class(x))
+    loads[key] = loads.get(key, 0.0) + x.wire_bytes
+  return tuple((f"{kind} over {','.join(axes)}", axes, b, cls)
+               for (kind, axes, cls), b in loads.items())
 
 
-def timing(c: Candidate, cfg, loads, cluster, efficiency: float) -> None:
-  """Fill c's compute, communication, dominant collective, tokens/s and MFU (module docstring).
-  loads: link_loads of the step's cost terms."""
+def hidden(cls: str, overlap: str, paired: bool) -> bool:
+  """Whether a load of overlap class `cls` runs under compute at --plan_overlap=overlap; paired:
+  the candidate's schedule runs two microbatches in a tick."""
+  return bool(cls) and (overlap == "schedule" and (cls == "weights" or paired)
+                        or overlap == "weights" and cls == "weights")
+
+
+def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
+           overlap: str = OVERLAP, fp8: bool = False) -> None:
+  """Fill c's compute, communication (exposed: what overlap leaves on the critical path),
+  dominant collective, tokens/s and MFU (module docstring). loads: link_loads of the step's
+  cost terms. fp8: the matmuls run in FP8 (a published run's; the suite trains in bf16)."""
   model_flops = flops_per_step(cfg)
   n = math.prod(s for _, s in c.sizes)
   # forward + backward = 3 forwards; remat block recomputes one, and gradient accumulation's
@@ -550,12 +597,24 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float) -> None:
     # an uneven layout's stages run the largest group's rows each tick (padding included)
     pipe *= cfg.n_layer_slots / cfg.n_moe_layers
     work *= (1 - _dense_flops_share(cfg)) * pipe + _dense_flops_share(cfg) * p
-  c.compute_s = work / (efficiency * cluster.peak_flops)
+  if fp8:      # the matmuls at the FP8 peak, the attention core (softmax(q k^T) v) at bf16's
+    a = attention_share(cfg)
+    c.compute_s = work * (a / cluster.peak_flops + (1 - a) / cluster.fp8_flops) / efficiency
+  else:
+    c.compute_s = work / (efficiency * cluster.peak_flops)
   per_key: dict = {}
-  for key, axes, wire in loads:   # the node's links where every axis of the group lies inside it
+  paired = _pipelined(c.strategy) and _one_f(c.opts)
+  under = exposed = 0.0
+  for key, axes, wire, cls in loads:   # the node's links where every axis lies inside it
     bw = cluster.intra_bw if all(a in c.inner for a in axes) else cluster.inter_bw
     per_key[key] = per_key.get(key, 0.0) + wire / bw
-  c.comm_s = sum(per_key.values())
+    if hidden(cls, overlap, paired):
+      under += wire / bw
+    else:
+      exposed += wire / bw
+  # what runs under compute is hidden up to the compute's length; the rest is exposed
+  c.serial_comm_s = under + exposed
+  c.comm_s = exposed + max(0.0, under - c.compute_s)
   if per_key:
     c.dominant, c.dominant_s = max(per_key.items(), key=lambda kv: kv[1])
   c.tokens_per_s = cfg.batch * cfg.seq_len / c.step_s / n
@@ -566,8 +625,8 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                          remats=REMATS, capacity_factors=CAPACITY_FACTORS,
                          pp_max_microbatches=PP_MAX_MICROBATCHES,
                          accum_max_microbatches=ACCUM_MAX_MICROBATCHES,
-                         efficiency: float = EFFICIENCY,
-                         progress=None, microbatches: int | None = None,
+                         efficiency: float = EFFICIENCY, overlap: str = OVERLAP,
+                         fp8: bool = False, progress=None, microbatches: int | None = None,
                          only_mesh: dict | None = None, options: dict | None = None
                          ) -> list[Candidate]:
   """Every candidate of the grid (module docstring), predicted; refused ones carry `error`
@@ -641,7 +700,7 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                 c = Candidate(*key[:3], remat, cf, opts, inner,
                               param_opt=o_mem["param_bytes"] + o_mem["opt_bytes"], temp=temp,
                               layer_layout=o_layers, layer_stages=o_cfg.layer_stages)
-                timing(c, c_cfg, loads, cluster, efficiency)
+                timing(c, c_cfg, loads, cluster, efficiency, overlap, fp8)
                 c.fits = c.memory <= hbm_bytes
                 out.append(c)
       if progress is not None and time.perf_counter() - last > 2:

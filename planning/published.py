@@ -5,6 +5,7 @@ layout, and the error printed beside it.
 
   python -m planning.published          # one line per row, then the summary line:
   published: N rows, median error X, worst error Y, Spearman R
+  python -m planning.published --overlap=none --no_fp8    # every collective serial, bf16 only
 
 error = |predicted / measured - 1| over the quantity the publisher measured (step time, tokens/s
 per device, or TFLOP/s per device counted with the suite's FLOPs, planning.plan.flops_per_step;
@@ -23,8 +24,14 @@ its full recompute and MaxText's `remat_policy=full` as remat block. Megatron's 
 (dropless, forced-balanced or real routing) move the routed rows, not a worst-case buffer: its
 rows are posed at capacity factor 1.0, where the padded all-to-all carries exactly the routed
 bytes of balanced routing (the dropless worst case, capacity factor 0, pads each exchange to
-every token of the shard: 20x Qwen3-235B's 2a step). FP8 rows run the suite's bf16 step: the
-time model has no FP8 term yet.
+every token of the shard: 20x Qwen3-235B's 2a step). Megatron's load-balancing loss is
+computed per micro-batch: its rows run the suite's per-sequence loss (`aux_loss_kind=sequence`),
+which has no counts pass over the step's microbatches. FP8 rows price their matmuls at the
+cluster's FP8 peak (`Cluster.fp8_flops`), the attention core at bf16's. Each row hides what its
+run overlaps (`Row.overlap`, planning.plan.OVERLAPS): `schedule` (weight traffic, point-to-point
+sends and 1f1b's all-to-alls), `weights` where the publisher turned the all-to-all overlap off
+(2c). The compute efficiency is the planner's default (planning.plan.EFFICIENCY), not fitted
+to these rows.
 """
 from __future__ import annotations
 
@@ -62,12 +69,21 @@ class Row:
   measured: float
   source: str
   waits: str = ""             # what the suite lacks to pose it: no prediction
+  config: tuple = ()          # model config fields the publisher's run sets, ((field, value),)
+  overlap: str = "schedule"   # planning.plan.OVERLAPS: what the run hides behind compute
+
+
+# Megatron computes the load-balancing loss over each micro-batch's tokens: no counts pass over
+# the step's microbatches first, as the suite's batch-wise loss runs; the per-sequence loss is
+# the suite's statistic with no such pass
+PER_MICROBATCH = (("aux_loss_kind", "sequence"),)
 
 
 def _qwen3(row, layout, mesh, options, m, measured, remat="none", strategy="pp", seq=4096,
-           batch=2048, measure="step_s", waits=""):
+           batch=2048, measure="step_s", waits="", overlap="schedule"):
   return Row(row, "qwen3-235b-a22b", "h100", 256, "bf16", layout, strategy, mesh, options, m,
-             remat, 1.0, seq, batch, measure, measured, MEGATRON_QWEN3, waits)
+             remat, 1.0, seq, batch, measure, measured, MEGATRON_QWEN3, waits, PER_MICROBATCH,
+             overlap)
 
 
 FOLD_1F1B = {"experts": "fold", "schedule": "1f1b"}
@@ -81,7 +97,8 @@ ROWS = [
     _qwen3("2b", "TP2 EP8 PP1 FSDP, MBS 4, full recompute", {"data": 16, "expert": 8, "tensor": 2},
            {"zero1": True}, 4, 17.6, remat="block", strategy="ep_x_tp"),
     _qwen3("2c", "TP2 EP32 PP8 VPP4 DP16, no a2a overlap",
-           {"stage": 8, "expert": 16, "tensor": 2}, dict(FOLD_1F1B, virtual_stages=4), 128, 19.7),
+           {"stage": 8, "expert": 16, "tensor": 2}, dict(FOLD_1F1B, virtual_stages=4), 128, 19.7,
+           overlap="weights"),
     _qwen3("2d", "TP2 EP8 PP32 VPP3 DP4, plain a2a", {"stage": 32, "expert": 4, "tensor": 2},
            dict(FOLD_1F1B, virtual_stages=3), 512, 24.2),
     _qwen3("2e", "TP4 EP8 PP8 VPP4 DP8", {"stage": 8, "data": 4, "expert": 2, "tensor": 4},
@@ -144,7 +161,8 @@ def predict(row: Row) -> Prediction:
   if row.waits:
     return Prediction(row, error=row.waits)
   cluster = clusters.get(row.cluster)
-  cfg = get_config(row.model, dtype="bfloat16").replace(seq_len=row.seq, batch=row.batch)
+  cfg = get_config(row.model, dtype="bfloat16").replace(seq_len=row.seq, batch=row.batch,
+                                                        **dict(row.config))
   strat = strategies.get(row.strategy)
   try:
     cfg = cfg.validate()
@@ -156,7 +174,8 @@ def predict(row: Row) -> Prediction:
                                     names=(row.strategy,), remats=(row.remat,),
                                     capacity_factors=(row.capacity_factor,),
                                     microbatches=row.microbatches, only_mesh=mesh,
-                                    options={row.strategy: [opts]})
+                                    options={row.strategy: [opts]}, overlap=row.overlap,
+                                    fp8=row.dtype == "fp8")
   ok = [c for c in cands if not c.error]
   if not ok:
     return Prediction(row, error=cands[0].error if cands else "no candidate")
@@ -215,12 +234,22 @@ def line(p: Prediction) -> str:
            + (f" (publisher's {implied / 1e9:.0f}G)" if implied else ""))
   return (f"{head}\n    as {c.layout()}: predicted {p.predicted:,.2f} {UNITS[r.measure]}, "
           f"measured {r.measured:,.2f}, ratio {p.ratio:.3f}; step {c.step_s:.2f} s = compute "
-          f"{c.compute_s:.2f} + comm {c.comm_s:.2f} (dominant {c.dominant} "
+          f"{c.compute_s:.2f}{' (FP8 matmuls)' if r.dtype == 'fp8' else ''} + exposed comm "
+          f"{c.comm_s:.2f} of {c.serial_comm_s:.2f} (overlap {r.overlap}; dominant {c.dominant} "
           f"{c.dominant_s:.2f} s){flops}\n    source: {r.source}")
 
 
 def main() -> None:
-  preds = [predict(r) for r in ROWS]
+  import argparse
+  ap = argparse.ArgumentParser(description="the planner's step time against published runs")
+  ap.add_argument("--overlap", choices=("row", "none", "weights", "schedule"), default="row",
+                  help="what every row hides behind compute (default: each run's own)")
+  ap.add_argument("--no_fp8", action="store_true", help="FP8 rows at bf16's peak")
+  a = ap.parse_args()
+  rows = [dataclasses.replace(r, overlap=r.overlap if a.overlap == "row" else a.overlap,
+                              dtype="bf16" if a.no_fp8 and r.dtype == "fp8" else r.dtype)
+          for r in ROWS]
+  preds = [predict(r) for r in rows]
   for p in preds:
     print(line(p), flush=True)
   print(summary(preds))

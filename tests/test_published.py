@@ -1,7 +1,9 @@
 """planning/published.py: the published MoE runs as data, each posed as the suite's layout and
 predicted by the planner, and the summary line's contract."""
+import dataclasses
 import math
 import re
+import statistics
 
 import pytest
 
@@ -64,14 +66,84 @@ def test_summary_line(preds):
 
 def test_prediction_is_the_planners():
   """A row's prediction is the planner's own ranking of that layout: the same candidate
-  `enumerate_candidates` gives under the row's constraints, at its fastest placement."""
+  `enumerate_candidates` gives under the row's constraints and overlap, at its fastest
+  placement."""
   row = next(r for r in published.ROWS if r.row == "5")
   p = published.predict(row)
   from modeling.config import get_config
   cfg = get_config(row.model, dtype="bfloat16").replace(batch=row.batch, seq_len=row.seq)
   cluster = clusters.get(row.cluster)
   cands = [c for c in plan.enumerate_candidates(cfg, row.devices, cluster, cluster.hbm_bytes,
-                                                 names=("fsdp",), remats=(row.remat,))
+                                                 names=("fsdp",), remats=(row.remat,),
+                                                 overlap=row.overlap)
            if not c.error and dict(c.sizes) == {"data": 1, "fsdp": 256}
            and c.capacity_factor == row.capacity_factor and c.microbatches == 1]
   assert p.candidate.step_s == pytest.approx(min(c.step_s for c in cands))
+
+
+@pytest.mark.parametrize("overlap,one_f,exposed", [
+    ("none", True, 1 + 2 + 4 + 8),      # every collective serial
+    ("weights", True, 2 + 8),           # the gather and the permute under compute
+    ("schedule", False, 2 + 8),         # gpipe pairs no microbatches: its all-to-all stays
+    ("schedule", True, 8),              # 1f1b: the all-to-all too
+])
+def test_overlap_hides_each_class_up_to_the_compute(overlap, one_f, exposed):
+  """planning.plan.timing: the loads --plan_overlap hides run under compute, up to its length
+  (past it they are exposed again); the rest is added to it. Loads on NVLink (1 s of bytes
+  each at 450 GB/s, x the factor in the parametrization)."""
+  from strategies import pp
+  opts = pp.Options(schedule="1f1b" if one_f else "gpipe")
+  from modeling.config import get_config
+  cfg = get_config("tiny")
+  bw = clusters.get("h100").intra_bw
+  loads = (("all-gather over expert", ("expert",), 1 * bw, "weights"),
+           ("all-to-all over expert", ("expert",), 2 * bw, "paired"),
+           ("collective-permute over expert", ("expert",), 4 * bw, "weights"),
+           ("all-reduce over expert", ("expert",), 8 * bw, ""))
+  c = plan.Candidate("pp", (("stage", 1), ("expert", 8)), 1, "none", 1.0, opts,
+                     inner=("expert",))
+  plan.timing(c, cfg, loads, clusters.get("h100"), plan.EFFICIENCY, overlap)
+  assert c.serial_comm_s == pytest.approx(15.0)
+  hid = 15.0 - exposed
+  assert c.comm_s == pytest.approx(exposed + max(0.0, hid - c.compute_s))
+  assert c.step_s == pytest.approx(c.compute_s + c.comm_s)
+
+
+def test_overlap_classes_of_real_terms():
+  """Weight gathers and gradient reductions (a term with a parameter group), the optimizer's,
+  and point-to-point sends are "weights"; all-to-alls "paired"; tensor parallelism's
+  reductions of activations are on the critical path."""
+  from measure import cost
+  term = lambda kind, phase="fwd", params="": cost.Term(kind, phase, "x", 1.0, ("a",), 2,
+                                                       params=params)
+  assert plan.overlap_class(term("all-gather", params="layers")) == "weights"
+  assert plan.overlap_class(term("all-reduce", "bwd", params="layers")) == "weights"
+  assert plan.overlap_class(term("all-gather", "opt")) == "weights"
+  assert plan.overlap_class(term("collective-permute")) == "weights"
+  assert plan.overlap_class(term("all-to-all")) == "paired"
+  assert plan.overlap_class(term("all-reduce")) == ""
+
+
+def test_fp8_rows_price_the_matmuls_at_the_fp8_peak(preds):
+  """An FP8 row's compute is bf16's with the matmuls' share at the cluster's FP8 peak: H800's
+  1,978.9 TFLOP/s against 989.4, the attention core at bf16's."""
+  p = next(p for p in preds if p.row.row == "8")
+  bf16 = published.predict(dataclasses.replace(p.row, dtype="bf16"))
+  from modeling.config import get_config
+  cfg = get_config("deepseek-v3").replace(seq_len=p.row.seq)
+  a = plan.attention_share(cfg)
+  assert 0 < a < 0.2
+  assert p.candidate.compute_s == pytest.approx(
+      bf16.candidate.compute_s * (a + (1 - a) * 989.4 / 1978.9), rel=1e-9)
+
+
+def test_the_publishers_orders_and_errors(preds):
+  """What the time model gets right, held: the all-to-all overlap makes Qwen3-235B's 2a
+  faster than the same layout without it (2c), as measured (17.6 s, 19.7 s); DeepSeek-V3's
+  layout on 2,048 H800 within 25% of its ~1,540 tokens/s/GPU (the issue's target); and the
+  summary no worse than docs/planner.md prints (median error 0.374, worst 1.323)."""
+  by = {p.row.row: p for p in preds}
+  assert by["2a"].predicted < by["2c"].predicted
+  assert abs(by["8"].ratio - 1) <= 0.25, by["8"].ratio
+  errors = sorted(abs(p.ratio - 1) for p in preds if not p.error)
+  assert statistics.median(errors) <= 0.375 and errors[-1] <= 1.324, errors
