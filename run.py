@@ -140,6 +140,9 @@ flags.DEFINE_string("plan_overlap", "none", "--plan: what communication runs und
                     "none (every collective serial with it: the upper bound) | weights (weight "
                     "gathers, gradient reductions and point-to-point sends hidden) | schedule "
                     "(also the all-to-alls of 1f1b, which pairs two microbatches in a tick)")
+flags.DEFINE_string("plan_a2a", "flat", "--plan: how an all-to-all that crosses nodes moves its "
+                    "rows: flat (every routed copy over InfiniBand) | hierarchical (DeepEP: a "
+                    "token crosses to each destination node once, NVLink fans it out there)")
 flags.DEFINE_string("target", None, "with --compile_only: compile for --devices devices of this "
                     "hardware, on this host, with its own compiler (runtime/target.py): "
                     + ", ".join(target_lib.PROFILES) + " (TPU: pip install -r "

@@ -142,7 +142,8 @@ Per candidate, per device:
                at bf16's)
              communication = per cost-model term (measure.cost.step_terms: kind, axes, bytes),
                its wire bytes over the bandwidth of the links its group spans: the node's when
-               every axis of the group lies inside a node, else the inter-node one.
+               every axis of the group lies inside a node, else the inter-node one; an
+               all-to-all across nodes as --plan_a2a says (A2AS, `a2a_seconds`).
   MFU = model FLOPs (6 x active params x tokens + attention, no recompute) / (step time x peak).
 """
 from __future__ import annotations
@@ -562,6 +563,32 @@ def link_loads(terms) -> tuple:
                for (kind, axes, cls), b in loads.items())
 
 
+# --plan_a2a: how an all-to-all whose group crosses nodes moves its rows (module docstring)
+A2AS = ("flat",           # every routed copy over the inter-node link, one per destination
+        "hierarchical")   # DeepEP / DeepSeek-V3: a token crosses to each destination node once,
+                          # and NVLink fans it out to that node's experts
+A2A = "flat"
+
+
+def a2a_seconds(wire: float, group: int, top_k: int, cluster, a2a: str) -> float:
+  """An all-to-all over `group` devices that crosses nodes, of `wire` bytes a device sends (its
+  copies to every other member). flat: all of it at the inter-node bandwidth. hierarchical:
+  the group filling whole nodes of cluster.node_size, each token's top_k copies land on
+  distinct nodes (uniform over the group's nodes): the bytes to other nodes shrink to one copy
+  per distinct remote node, over InfiniBand, while NVLink carries the node's own copies and
+  fans the arrivals out; the slower of the two links sets the time."""
+  node = cluster.node_size
+  if a2a == "flat" or group <= node:
+    return wire / cluster.inter_bw
+  nodes = group // node
+  remote = wire * (group - node) / (group - 1)        # the bytes of copies to other nodes
+  copies = top_k * (nodes - 1) / nodes                 # a token's copies to other nodes
+  distinct = (nodes - 1) * (1 - (1 - 1 / nodes) ** top_k)   # ... and their distinct nodes
+  ib = remote * distinct / copies / cluster.inter_bw
+  nvlink = (wire * (node - 1) / (group - 1) + remote) / cluster.intra_bw
+  return max(ib, nvlink)
+
+
 def hidden(cls: str, overlap: str, paired: bool) -> bool:
   """Whether a load of overlap class `cls` runs under compute at --plan_overlap=overlap; paired:
   the candidate's schedule runs two microbatches in a tick."""
@@ -570,10 +597,11 @@ def hidden(cls: str, overlap: str, paired: bool) -> bool:
 
 
 def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
-           overlap: str = OVERLAP, fp8: bool = False) -> None:
+           overlap: str = OVERLAP, fp8: bool = False, a2a: str = A2A) -> None:
   """Fill c's compute, communication (exposed: what overlap leaves on the critical path),
   dominant collective, tokens/s and MFU (module docstring). loads: link_loads of the step's
-  cost terms. fp8: the matmuls run in FP8 (a published run's; the suite trains in bf16)."""
+  cost terms. fp8: the matmuls run in FP8 (a published run's; the suite trains in bf16);
+  a2a: A2AS, how a cross-node all-to-all moves its rows."""
   model_flops = flops_per_step(cfg)
   n = math.prod(s for _, s in c.sizes)
   # forward + backward = 3 forwards; remat block recomputes one, and gradient accumulation's
@@ -606,12 +634,17 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
   paired = _pipelined(c.strategy) and _one_f(c.opts)
   under = exposed = 0.0
   for key, axes, wire, cls in loads:   # the node's links where every axis lies inside it
-    bw = cluster.intra_bw if all(a in c.inner for a in axes) else cluster.inter_bw
-    per_key[key] = per_key.get(key, 0.0) + wire / bw
-    if hidden(cls, overlap, paired):
-      under += wire / bw
+    if all(a in c.inner for a in axes):
+      t = wire / cluster.intra_bw
+    elif key.startswith("all-to-all"):
+      t = a2a_seconds(wire, math.prod(shape[a] for a in axes), cfg.top_k, cluster, a2a)
     else:
-      exposed += wire / bw
+      t = wire / cluster.inter_bw
+    per_key[key] = per_key.get(key, 0.0) + t
+    if hidden(cls, overlap, paired):
+      under += t
+    else:
+      exposed += t
   # what runs under compute is hidden up to the compute's length; the rest is exposed
   c.serial_comm_s = under + exposed
   c.comm_s = exposed + max(0.0, under - c.compute_s)
@@ -626,14 +659,15 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                          pp_max_microbatches=PP_MAX_MICROBATCHES,
                          accum_max_microbatches=ACCUM_MAX_MICROBATCHES,
                          efficiency: float = EFFICIENCY, overlap: str = OVERLAP,
-                         fp8: bool = False, progress=None, microbatches: int | None = None,
-                         only_mesh: dict | None = None, options: dict | None = None
-                         ) -> list[Candidate]:
+                         fp8: bool = False, a2a: str = A2A, progress=None,
+                         microbatches: int | None = None, only_mesh: dict | None = None,
+                         options: dict | None = None) -> list[Candidate]:
   """Every candidate of the grid (module docstring), predicted; refused ones carry `error`
-  (check()'s one line) and no prediction. progress: called as progress(done, name, kept) now
-  and then. The user's constraints (planning/constraints.py): microbatches, one M in place of
-  the divisors; only_mesh, {axis: size} in place of every split of n (a strategy without one
-  of its axes is skipped); options, {strategy: [Options]} in place of option_sets(strategy)."""
+  (check()'s one line) and no prediction. overlap, fp8, a2a: `timing`'s. progress: called as
+  progress(done, name, kept) now and then. The user's constraints (planning/constraints.py):
+  microbatches, one M in place of the divisors; only_mesh, {axis: size} in place of every
+  split of n (a strategy without one of its axes is skipped); options, {strategy: [Options]}
+  in place of option_sets(strategy)."""
   shapes = model.init_params_shapes(cfg)
   out, last = [], time.perf_counter()
   for name in names:
@@ -700,7 +734,7 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                 c = Candidate(*key[:3], remat, cf, opts, inner,
                               param_opt=o_mem["param_bytes"] + o_mem["opt_bytes"], temp=temp,
                               layer_layout=o_layers, layer_stages=o_cfg.layer_stages)
-                timing(c, c_cfg, loads, cluster, efficiency, overlap, fp8)
+                timing(c, c_cfg, loads, cluster, efficiency, overlap, fp8, a2a)
                 c.fits = c.memory <= hbm_bytes
                 out.append(c)
       if progress is not None and time.perf_counter() - last > 2:

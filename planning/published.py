@@ -5,7 +5,7 @@ layout, and the error printed beside it.
 
   python -m planning.published          # one line per row, then the summary line:
   published: N rows, median error X, worst error Y, Spearman R
-  python -m planning.published --overlap=none --no_fp8    # every collective serial, bf16 only
+  python -m planning.published --overlap=none --a2a=flat --no_fp8   # the terms off
 
 error = |predicted / measured - 1| over the quantity the publisher measured (step time, tokens/s
 per device, or TFLOP/s per device counted with the suite's FLOPs, planning.plan.flops_per_step;
@@ -30,8 +30,9 @@ which has no counts pass over the step's microbatches. FP8 rows price their matm
 cluster's FP8 peak (`Cluster.fp8_flops`), the attention core at bf16's. Each row hides what its
 run overlaps (`Row.overlap`, planning.plan.OVERLAPS): `schedule` (weight traffic, point-to-point
 sends and 1f1b's all-to-alls), `weights` where the publisher turned the all-to-all overlap off
-(2c). The compute efficiency is the planner's default (planning.plan.EFFICIENCY), not fitted
-to these rows.
+(2c). Rows whose run uses DeepEP or DeepSeek's node-forwarding exchange (2a, 2c, 8) price
+their cross-node all-to-all `hierarchical` (planning.plan.A2AS). The compute efficiency is the
+planner's default (planning.plan.EFFICIENCY), not fitted to these rows.
 """
 from __future__ import annotations
 
@@ -71,6 +72,8 @@ class Row:
   waits: str = ""             # what the suite lacks to pose it: no prediction
   config: tuple = ()          # model config fields the publisher's run sets, ((field, value),)
   overlap: str = "schedule"   # planning.plan.OVERLAPS: what the run hides behind compute
+  a2a: str = "flat"           # planning.plan.A2AS: "hierarchical" where the run uses DeepEP or
+                              # DeepSeek's node-forwarding exchange
 
 
 # Megatron computes the load-balancing loss over each micro-batch's tokens: no counts pass over
@@ -80,10 +83,10 @@ PER_MICROBATCH = (("aux_loss_kind", "sequence"),)
 
 
 def _qwen3(row, layout, mesh, options, m, measured, remat="none", strategy="pp", seq=4096,
-           batch=2048, measure="step_s", waits="", overlap="schedule"):
+           batch=2048, measure="step_s", waits="", overlap="schedule", a2a="flat"):
   return Row(row, "qwen3-235b-a22b", "h100", 256, "bf16", layout, strategy, mesh, options, m,
              remat, 1.0, seq, batch, measure, measured, MEGATRON_QWEN3, waits, PER_MICROBATCH,
-             overlap)
+             overlap, a2a)
 
 
 FOLD_1F1B = {"experts": "fold", "schedule": "1f1b"}
@@ -93,12 +96,13 @@ ROWS = [
         dict(FOLD_1F1B, virtual_stages=4), 128, "none", 1.0, 4096, 8192, "tokens_per_s", 1297.0,
         MEGATRON_BRIDGE),
     _qwen3("2a", "TP2 EP32 PP8 VPP4 DP16, DeepEP, 1F1B a2a overlap",
-           {"stage": 8, "expert": 16, "tensor": 2}, dict(FOLD_1F1B, virtual_stages=4), 128, 17.6),
+           {"stage": 8, "expert": 16, "tensor": 2}, dict(FOLD_1F1B, virtual_stages=4), 128, 17.6,
+           a2a="hierarchical"),
     _qwen3("2b", "TP2 EP8 PP1 FSDP, MBS 4, full recompute", {"data": 16, "expert": 8, "tensor": 2},
            {"zero1": True}, 4, 17.6, remat="block", strategy="ep_x_tp"),
     _qwen3("2c", "TP2 EP32 PP8 VPP4 DP16, no a2a overlap",
            {"stage": 8, "expert": 16, "tensor": 2}, dict(FOLD_1F1B, virtual_stages=4), 128, 19.7,
-           overlap="weights"),
+           overlap="weights", a2a="hierarchical"),
     _qwen3("2d", "TP2 EP8 PP32 VPP3 DP4, plain a2a", {"stage": 32, "expert": 4, "tensor": 2},
            dict(FOLD_1F1B, virtual_stages=3), 512, 24.2),
     _qwen3("2e", "TP4 EP8 PP8 VPP4 DP8", {"stage": 8, "data": 4, "expert": 2, "tensor": 4},
@@ -131,7 +135,8 @@ ROWS = [
     Row("8", "deepseek-v3", "h800", 2048, "fp8", "PP16 DualPipe x EP64 x ZeRO-1 DP2", "pp",
         {"stage": 16, "data": 2, "expert": 64}, {"schedule": "1f1b"}, 120, "none", 1.0, 4096,
         15360, "tokens_per_s", 1540.0,
-        "DeepSeek-V3 technical report: 180K H800 GPU-hours per trillion tokens"),
+        "DeepSeek-V3 technical report: 180K H800 GPU-hours per trillion tokens",
+        a2a="hierarchical"),
 ]
 # the publisher's FLOPs per token, where its row gives TFLOP/s and tokens/s (real-world notes:
 # TFLOP/s over tokens/s)
@@ -175,7 +180,7 @@ def predict(row: Row) -> Prediction:
                                     capacity_factors=(row.capacity_factor,),
                                     microbatches=row.microbatches, only_mesh=mesh,
                                     options={row.strategy: [opts]}, overlap=row.overlap,
-                                    fp8=row.dtype == "fp8")
+                                    fp8=row.dtype == "fp8", a2a=row.a2a)
   ok = [c for c in cands if not c.error]
   if not ok:
     return Prediction(row, error=cands[0].error if cands else "no candidate")
@@ -235,8 +240,8 @@ def line(p: Prediction) -> str:
   return (f"{head}\n    as {c.layout()}: predicted {p.predicted:,.2f} {UNITS[r.measure]}, "
           f"measured {r.measured:,.2f}, ratio {p.ratio:.3f}; step {c.step_s:.2f} s = compute "
           f"{c.compute_s:.2f}{' (FP8 matmuls)' if r.dtype == 'fp8' else ''} + exposed comm "
-          f"{c.comm_s:.2f} of {c.serial_comm_s:.2f} (overlap {r.overlap}; dominant {c.dominant} "
-          f"{c.dominant_s:.2f} s){flops}\n    source: {r.source}")
+          f"{c.comm_s:.2f} of {c.serial_comm_s:.2f} (overlap {r.overlap}, {r.a2a} all-to-all; "
+          f"dominant {c.dominant} {c.dominant_s:.2f} s){flops}\n    source: {r.source}")
 
 
 def main() -> None:
@@ -244,9 +249,12 @@ def main() -> None:
   ap = argparse.ArgumentParser(description="the planner's step time against published runs")
   ap.add_argument("--overlap", choices=("row", "none", "weights", "schedule"), default="row",
                   help="what every row hides behind compute (default: each run's own)")
+  ap.add_argument("--a2a", choices=("row", "flat", "hierarchical"), default="row",
+                  help="how every row's cross-node all-to-all moves (default: each run's own)")
   ap.add_argument("--no_fp8", action="store_true", help="FP8 rows at bf16's peak")
   a = ap.parse_args()
   rows = [dataclasses.replace(r, overlap=r.overlap if a.overlap == "row" else a.overlap,
+                              a2a=r.a2a if a.a2a == "row" else a.a2a,
                               dtype="bf16" if a.no_fp8 and r.dtype == "fp8" else r.dtype)
           for r in ROWS]
   preds = [predict(r) for r in rows]
