@@ -541,14 +541,17 @@ OVERLAPS = ("none",       # every collective serial with the compute: the upper 
 OVERLAP = "none"      # the planner's default (--plan_overlap)
 
 
+EXCHANGES = ("all-to-all", "ragged-all-to-all")
+
+
 def overlap_class(t) -> str:
   """Which --plan_overlap hides a cost term behind compute: "weights" (a weight's gather or
-  gradient reduction, the optimizer's, a point-to-point send), "paired" (an all-to-all: only a
-  schedule that runs two microbatches in a tick hides it) or "" (on the critical path: tensor
+  gradient reduction, the optimizer's, a point-to-point send), "paired" (an all-to-all, ragged
+  or padded: only a schedule that runs two microbatches in a tick hides it) or "" (on the critical path: tensor
   parallelism's reductions, the routing's statistics)."""
   if t.params or t.phase == "opt" or t.kind == "collective-permute":
     return "weights"
-  return "paired" if t.kind == "all-to-all" else ""
+  return "paired" if t.kind in EXCHANGES else ""
 
 
 def link_loads(terms) -> tuple:
@@ -636,7 +639,7 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
   for key, axes, wire, cls in loads:   # the node's links where every axis lies inside it
     if all(a in c.inner for a in axes):
       t = wire / cluster.intra_bw
-    elif key.startswith("all-to-all"):
+    elif key.split(" over ")[0] in EXCHANGES:
       t = a2a_seconds(wire, math.prod(shape[a] for a in axes), cfg.top_k, cluster, a2a)
     else:
       t = wire / cluster.inter_bw

@@ -121,6 +121,7 @@ def test_overlap_classes_of_real_terms():
   assert plan.overlap_class(term("all-gather", "opt")) == "weights"
   assert plan.overlap_class(term("collective-permute")) == "weights"
   assert plan.overlap_class(term("all-to-all")) == "paired"
+  assert plan.overlap_class(term("ragged-all-to-all")) == "paired"
   assert plan.overlap_class(term("all-reduce")) == ""
 
 
