@@ -17,9 +17,10 @@ The inverse of modeling/convert.py (numpy only, no torch, transformers or safete
                                   (run.py --init_from)
 
 Every family's names are one `Family` block below (what from_hf reads for that model_type): the
-routed experts' prefix and per-expert names on disk, the shared expert's names, and its
-config.json writer. Everything else (attention: GQA with its optional biases and QK-norm, or MLA;
-the dense prefix; the router's correction bias for sigmoid routers) follows cfg, as in from_hf.
+routed experts' prefix and per-expert names on disk (or, for gpt-oss and Llama 4, the writer of
+their one fused layout), the dense and shared experts' names, and its config.json writer.
+Everything else (attention: GQA with its optional biases, sinks, output bias and QK-norm, or MLA;
+the dense layers; the router's correction bias for sigmoid routers) follows cfg, as in from_hf.
 
 pp's padded MoE stack (cfg.layer_layout: inert zero rows so stages may differ) has no HF form:
 `unpadded` drops its padding rows back to depth order, `padded` puts a converted model into
@@ -51,6 +52,11 @@ class Family:
   experts: tuple = ("gate_proj", "up_proj", "down_proj")   # per-expert names: wi_0, wi_1, wo
   shared: str = "shared_experts."         # the shared expert inside the MoE block
   shared_gate: str | None = None          # its gate's weight [1, D] (cfg.shared_gate)
+  dense: str = "mlp."                     # a dense layer's SwiGLU inside a layer
+  # the routed block in the family's own layout, (moe params, prefix, where) -> tensors: its
+  # router and experts fused [E, D, 2F] on disk as in memory (gpt-oss, Llama 4), without a
+  # correction-bias tensor; None: _moe's gate, correction bias and per-expert (or v5) experts
+  routed: Callable | None = None
 
 
 def _rope_fields(cfg: Config) -> dict:
@@ -62,8 +68,17 @@ def _rope_fields(cfg: Config) -> dict:
                            "original_max_position_embeddings": cfg.yarn_original_max,
                            "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow,
                            "mscale": cfg.yarn_mscale, "mscale_all_dim": cfg.yarn_mscale_all_dim}
+    if not cfg.yarn_truncate:                 # the ramp's bounds unrounded (gpt-oss); absent: True
+      out["rope_scaling"]["truncate"] = False
     out["max_position_embeddings"] = max(cfg.seq_len,
                                          int(cfg.yarn_original_max * cfg.yarn_factor))
+  elif cfg.llama3_factor:
+    out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.llama3_factor,
+                           "low_freq_factor": cfg.llama3_low_freq_factor,
+                           "high_freq_factor": cfg.llama3_high_freq_factor,
+                           "original_max_position_embeddings": cfg.llama3_original_max}
+    out["max_position_embeddings"] = max(cfg.seq_len,
+                                         int(cfg.llama3_original_max * cfg.llama3_factor))
   return out
 
 
@@ -78,7 +93,8 @@ def _mixtral(cfg: Config) -> dict:
 
 
 def _qwen(cfg: Config) -> dict:
-  """Qwen2-MoE / Qwen3-MoE: every dense layer (the prefix and those inside) is in mlp_only_layers."""
+  """Qwen2-MoE / Qwen3-MoE: every dense layer (the prefix and those inside) is in
+  mlp_only_layers."""
   out = {**_gqa_fields(cfg), "num_experts": cfg.n_experts, "moe_intermediate_size": cfg.d_ff,
          "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
          "mlp_only_layers": [i for i, moe in enumerate(cfg.layer_is_moe) if not moe],
@@ -126,6 +142,95 @@ def _mla(cfg: Config) -> dict:
   return out
 
 
+def _depth_attentions(cfg: Config, family_name: str, kinds: dict) -> list:
+  """Each layer's attention kind (attention_pattern over the depth) -> the family's word for it
+  (kinds); ValueError naming attention_pattern when a kind has none."""
+  bad = sorted(set(cfg.layer_attentions) - set(kinds))
+  if bad:
+    raise ValueError(f"attention_pattern={cfg.attention_pattern!r}: {family_name} has no "
+                     f"{', '.join(bad)} layers ({', '.join(kinds)} only)")
+  period = cfg.layer_attentions
+  return [kinds[period[i % len(period)]] for i in range(cfg.n_layers)]
+
+
+def _gpt_oss(cfg: Config) -> dict:
+  """gpt-oss: layer_types from attention_pattern (full, sliding), sinks, one attention_bias for
+  q/k/v and o, the router's and experts' biases, the clamped SwiGLU; every layer MoE."""
+  types = _depth_attentions(cfg, "gpt_oss", {"full": "full_attention",
+                                             "sliding": "sliding_attention"})
+  if not cfg.swiglu_limit:
+    raise ValueError("swiglu_limit=0 (the plain SwiGLU): gpt-oss's experts always compute the "
+                     "clamped (up + 1) * gate * sigmoid(alpha * gate), at limit 0 too")
+  return {**_gqa_fields(cfg), "num_local_experts": cfg.n_experts, "intermediate_size": cfg.d_ff,
+          "layer_types": types, "sliding_window": cfg.sliding_window or None,
+          "attention_bias": cfg.qkv_bias, "swiglu_limit": cfg.swiglu_limit,
+          "swiglu_alpha": cfg.swiglu_alpha, "router_aux_loss_coef": cfg.aux_loss_coef}
+
+
+def _llama4(cfg: Config) -> dict:
+  """Llama 4's text model: MoE layers by index (moe_layers; the rest dense, of width
+  intermediate_size_mlp), NoPE layers (no_rope_layers 0) with temperature tuning, the RoPE
+  layers' chunk (attention_chunk_size), the L2 QK-norm (use_qk_norm), llama3 RoPE scaling."""
+  if cfg.yarn_factor:
+    raise ValueError(f"yarn_factor={cfg.yarn_factor}: transformers' Llama 4 reads any "
+                     "rope_scaling as llama3's")
+  local = "local" in cfg.layer_attentions
+  types = _depth_attentions(cfg, "llama4_text", {"full": "full_attention",
+                                                 "local": "chunked_attention",
+                                                 "nope": "full_attention"})
+  nope = [cfg.layer_attentions[i % len(cfg.layer_attentions)] == "nope"
+          for i in range(cfg.n_layers)]
+  moe_layers = [i for i, moe in enumerate(cfg.layer_is_moe) if moe]
+  out = {**_gqa_fields(cfg), "num_local_experts": cfg.n_experts, "intermediate_size": cfg.d_ff,
+         "intermediate_size_mlp": cfg.dense_d_ff or cfg.d_ff, "moe_layers": moe_layers,
+         "no_rope_layers": [int(not n) for n in nope], "layer_types": types,
+         "attention_chunk_size": cfg.local_chunk if local else None,
+         "use_qk_norm": cfg.qk_l2_norm, "attention_bias": cfg.qkv_bias,
+         "attn_temperature_tuning": bool(cfg.nope_attn_scale),
+         "attn_scale": cfg.nope_attn_scale or 0.1, "floor_scale": cfg.nope_floor_scale,
+         "router_jitter_noise": 0.0, "router_aux_loss_coef": cfg.aux_loss_coef}
+  step = next((s for s in range(1, cfg.n_layers + 1)
+               if list(range(s - 1, cfg.n_layers, s)) == moe_layers), None)
+  if step:                                     # the same layers as moe_layers (which it yields to)
+    out["interleave_moe_layer_step"] = step
+  return out
+
+
+def _no_bias(m: dict, where: str, whose: str) -> None:
+  """The router's correction bias must be zeros where the checkpoint has no tensor for it."""
+  if np.any(np.asarray(m["bias"]) != 0):
+    raise ValueError(f"{where}: a non-zero router bias, which {whose} checkpoint has no tensor "
+                     "for (trained with bias_update_rate > 0?)")
+
+
+def _interleave(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """[..., F] twice -> [..., 2F]: a in the even columns, b in the odd ones."""
+  return np.ascontiguousarray(np.stack([a, b], axis=-1).reshape(a.shape[:-1] + (2 * a.shape[-1],)))
+
+
+def _gpt_oss_moe(m: dict, p: str, where: str) -> dict:
+  """convert._gpt_oss_moe's inverse: router.weight [E, D] and router.bias [E];
+  experts.gate_up_proj [E, D, 2F] (gate the even columns, up the odd ones) and its bias [E, 2F];
+  experts.down_proj [E, F, D] and its bias [E, D] (the suite's [in, out] as they are)."""
+  _no_bias(m, where, "a gpt-oss")
+  f = {k: np.asarray(m[k], np.float32) for k in ("router_b", "wi_0", "wi_1", "wo", "bi_0", "bi_1",
+                                                 "bo")}
+  return {p + "router.weight": _t(m["router"]), p + "router.bias": f["router_b"],
+          p + "experts.gate_up_proj": _interleave(f["wi_0"], f["wi_1"]),
+          p + "experts.gate_up_proj_bias": _interleave(f["bi_0"], f["bi_1"]),
+          p + "experts.down_proj": f["wo"], p + "experts.down_proj_bias": f["bo"]}
+
+
+def _llama4_moe(m: dict, p: str, where: str) -> dict:
+  """convert._llama4_moe's inverse: router.weight [E, D]; experts.gate_up_proj [E, D, 2F] (gate
+  the first F columns, up the last), experts.down_proj [E, F, D] (the suite's [in, out])."""
+  _no_bias(m, where, "a Llama 4")
+  wi_0, wi_1, wo = (np.asarray(m[k], np.float32) for k in ("wi_0", "wi_1", "wo"))
+  return {p + "router.weight": _t(m["router"]),
+          p + "experts.gate_up_proj": np.ascontiguousarray(np.concatenate([wi_0, wi_1], axis=-1)),
+          p + "experts.down_proj": wo}
+
+
 FAMILIES: dict[str, Family] = {
     "mixtral": Family("MixtralForCausalLM", _mixtral, moe="block_sparse_moe.",
                       experts=("w1", "w3", "w2")),
@@ -136,6 +241,9 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v2": Family("DeepseekV2ForCausalLM", _mla),
     "deepseek_v3": Family("DeepseekV3ForCausalLM", _mla),
     "kimi_k2": Family("DeepseekV3ForCausalLM", _mla),
+    "gpt_oss": Family("GptOssForCausalLM", _gpt_oss, routed=_gpt_oss_moe),
+    "llama4_text": Family("Llama4ForCausalLM", _llama4, moe="feed_forward.",
+                          shared="shared_expert.", dense="feed_forward.", routed=_llama4_moe),
 }
 
 
@@ -150,7 +258,9 @@ def family(hf_config: Mapping) -> Family:
 def _comparable(cfg: Config) -> Config:
   """cfg's model with the fields that do not change it at their defaults: the stored layout
   (layer_layout, layer_stages), what MLA does not read (head_dim, n_kv_heads), the dense width
-  without dense layers, YaRN's knobs without YaRN, the group score without groups."""
+  without dense layers, YaRN's and llama3's knobs without their scaling, the group score without
+  groups, NoPE's temperature tuning without a NoPE layer (or its floor with the tuning off); and
+  attention_pattern as its shortest period over the depth."""
   d = {f.name: f.default for f in dataclasses.fields(Config)}
   off = {"layer_layout": d["layer_layout"], "layer_stages": d["layer_stages"]}
   if cfg.mla:
@@ -159,6 +269,19 @@ def _comparable(cfg: Config) -> Config:
     off["dense_d_ff"] = d["dense_d_ff"]
   if not cfg.yarn_factor:
     off.update({k: d[k] for k in d if k.startswith("yarn_")})
+  if not cfg.llama3_factor:
+    off.update({k: d[k] for k in d if k.startswith("llama3_")})
+  kinds = cfg.layer_attentions
+  # "local,nope,local,nope" and "local,nope" (or "full" and "") are one model: a config.json
+  # lists each layer's kind, and convert reads back the shortest period
+  off["attention_pattern"] = convert._pattern(  # noqa: SLF001 (convert's own reading)
+      [kinds[i % len(kinds)] for i in range(cfg.n_layers)])
+  if "nope" not in kinds or not cfg.nope_attn_scale:
+    # the tuning scales the NoPE layers' queries only; convert reads attn_scale only when the
+    # tuning is on and a NoPE layer exists, floor_scale always (Llama 4) or never (the others)
+    off["nope_floor_scale"] = d["nope_floor_scale"]
+    if "nope" not in kinds:
+      off["nope_attn_scale"] = d["nope_attn_scale"]
   if cfg.n_group == 1:
     off["group_score"] = d["group_score"]
   return cfg.replace(**off)
@@ -214,12 +337,17 @@ def check_export(cfg: Config, hf_config: Mapping | None = None) -> str:
     raise ValueError(f"bias_update_rate={cfg.bias_update_rate} trains a router bias, which a "
                      "softmax router's checkpoint has no tensor for")
   if hf_config is None:
-    return family_of(cfg)
-  family(hf_config)
-  off = model_mismatch(cfg, hf_config)
-  if off:
-    raise ValueError("the model is not its config.json's: " + "; ".join(off))
-  return hf_config["model_type"]
+    model_type = family_of(cfg)
+  else:
+    family(hf_config)
+    off = model_mismatch(cfg, hf_config)
+    if off:
+      raise ValueError("the model is not its config.json's: " + "; ".join(off))
+    model_type = hf_config["model_type"]
+  if cfg.bias_update_rate and FAMILIES[model_type].routed is not None:
+    raise ValueError(f"bias_update_rate={cfg.bias_update_rate} trains a router bias, which a "
+                     f"{model_type} checkpoint has no tensor for")
+  return model_type
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -234,12 +362,14 @@ def _attention(a: dict, p: str, mla: bool) -> dict:
     h, dh, d = a["wo"].shape
     out = {p + "q_proj.weight": _t(a["wq"]), p + "k_proj.weight": _t(a["wk"]),
            p + "v_proj.weight": _t(a["wv"]), p + "o_proj.weight": _t(a["wo"].reshape(h * dh, d))}
-    for b, n in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
+    for b, n in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj"), ("bo", "o_proj")):
       if b in a:
         out[f"{p}{n}.bias"] = np.asarray(a[b], np.float32).reshape(-1)
     for n in ("q_norm", "k_norm"):
       if n in a:
         out[f"{p}{n}.weight"] = np.asarray(a[n], np.float32)
+    if "sinks" in a:                                        # gpt-oss: one logit per query head
+      out[p + "sinks"] = np.asarray(a["sinks"], np.float32)
     return out
   out = {}
   if "wq_a" in a:
@@ -264,12 +394,10 @@ def _swiglu(m: dict, p: str, names=("gate_proj", "up_proj", "down_proj")) -> dic
 
 def _moe(m: dict, p: str, fam: Family, sigmoid: bool, fused: bool, where: str) -> dict:
   out = {p + "gate.weight": _t(m["router"])}
-  bias = np.asarray(m["bias"], np.float32)
   if sigmoid:
-    out[p + "gate.e_score_correction_bias"] = bias
-  elif np.any(bias != 0):
-    raise ValueError(f"{where}: a non-zero router bias, which a softmax router's checkpoint has "
-                     "no tensor for (trained with bias_update_rate > 0?)")
+    out[p + "gate.e_score_correction_bias"] = np.asarray(m["bias"], np.float32)
+  else:
+    _no_bias(m, where, "a softmax router's")
   wi_0, wi_1, wo = (np.asarray(m[k], np.float32) for k in ("wi_0", "wi_1", "wo"))
   if fused:                                    # [E, 2F, D] = [gate rows | up rows], [E, D, F]
     out[p + "experts.gate_up_proj"] = np.ascontiguousarray(
@@ -290,7 +418,8 @@ def to_hf(params: dict, cfg: Config, hf_config: Mapping, *, fused: bool = False)
   """The suite's param pytree (numpy or fully addressable jax arrays; cfg's stored layout, pp's
   padding rows dropped) -> {HF name: float32 array} for hf_config's model_type. fused: the
   routed experts as transformers v5's state_dict holds them (mlp.experts.gate_up_proj /
-  down_proj) instead of the per-expert tensors of checkpoints on disk."""
+  down_proj) instead of the per-expert tensors of checkpoints on disk; gpt-oss and Llama 4 have
+  one layout, fused [E, D, 2F], either way."""
   fam = family(hf_config)
   params = unpadded(params, cfg)
   out = {"model.embed_tokens.weight": np.asarray(params["embed"], np.float32)}
@@ -301,16 +430,19 @@ def to_hf(params: dict, cfg: Config, hf_config: Mapping, *, fused: bool = False)
     row[is_moe] += 1
     out.update(_attention(lp["attn"], p + "self_attn.", cfg.mla))
     if not is_moe:
-      out.update(_swiglu(lp["mlp"], p + "mlp."))
+      out.update(_swiglu(lp["mlp"], p + fam.dense))
+    elif fam.routed is not None:
+      m = p + fam.moe
+      out.update(fam.routed(lp["moe"], m, f"layer {i}"))
     else:
       m = p + ("mlp." if fused else fam.moe)
       out.update(_moe(lp["moe"], m, fam, cfg.router == "sigmoid", fused, f"layer {i}"))
-      if cfg.n_shared_experts:
-        out.update(_swiglu(lp["shared"], m + fam.shared))
-        if cfg.shared_gate:
-          if fam.shared_gate is None:
-            raise ValueError(f"{hf_config['model_type']} has no shared-expert gate")
-          out[m + fam.shared_gate] = np.asarray(lp["shared"]["wg"], np.float32)[None]
+    if is_moe and cfg.n_shared_experts:
+      out.update(_swiglu(lp["shared"], m + fam.shared))
+      if cfg.shared_gate:
+        if fam.shared_gate is None:
+          raise ValueError(f"{hf_config['model_type']} has no shared-expert gate")
+        out[m + fam.shared_gate] = np.asarray(lp["shared"]["wg"], np.float32)[None]
     out[p + "input_layernorm.weight"] = np.asarray(lp["attn_norm"], np.float32)
     out[p + "post_attention_layernorm.weight"] = np.asarray(lp["mlp_norm"], np.float32)
   out["model.norm.weight"] = np.asarray(params["final_norm"], np.float32)

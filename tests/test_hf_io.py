@@ -1,8 +1,11 @@
 """Hugging Face checkpoints in and out (modeling/export_hf.py; run.py --init_from / --export_hf).
 
-  to_hf          the exact inverse of convert.from_hf on every fixture of a supported family
-                 (tests/fixtures/hf/), in v5's fused expert layout and the per-expert one on disk
-  config_to_hf   read back by convert.config_from_hf to the same model
+  to_hf          the exact inverse of convert.from_hf on every fixture (tests/fixtures/hf/), in
+                 v5's fused expert layout and the per-expert one on disk (gpt-oss's and Llama 4's
+                 one fused layout); on gpt-oss and Llama 4 models with every feature their
+                 config.json can say, random in every tensor, both ways bit for bit
+  config_to_hf   read back by convert.config_from_hf to the same model; what a family cannot say
+                 refused, naming the field
   safetensors    save_safetensors -> convert.load_safetensors, float32 and bfloat16, one file and
                  sharded with an index
   padded stacks  pp's stored MoE stack (layer_layout, layer_stages) to and from depth order
@@ -13,6 +16,7 @@
 import json
 import os
 import pathlib
+import re
 
 import jax
 import ml_dtypes
@@ -26,10 +30,6 @@ from tests.conftest import compare_table, one_error_line, run_py_in_one_process
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 NAMES = sorted(p.stem for p in FIXTURES.glob("*.npz"))
-# gpt-oss's and Llama 4's export is not built (export_hf.FAMILIES): their fixtures are held by
-# tests/test_hf_parity.py, and --export_hf refuses their models in one line (below)
-NOT_EXPORTED = {"gpt_oss", "llama4"}
-EXPORTED = [n for n in NAMES if n not in NOT_EXPORTED]
 
 
 def fixture(name: str):
@@ -60,11 +60,11 @@ def converted(name: str):
   return hf, state, cfg, convert.from_hf(state, cfg, ignore=convert.mtp_prefixes(hf))
 
 
-@pytest.mark.parametrize("name", EXPORTED)
+@pytest.mark.parametrize("name", NAMES)
 def test_to_hf_inverts_from_hf(name):
   """to_hf(from_hf(state)) == state, every name and bit, in the fixture's layout (transformers
   v5's fused experts); the per-expert layout of checkpoints on disk converts back to the same
-  params."""
+  params (gpt-oss and Llama 4 have one layout, fused, on disk too)."""
   hf, state, cfg, params = converted(name)
   fused = any(n.endswith("experts.gate_up_proj") for n in state)
   back = export_hf.to_hf(params, cfg, hf, fused=fused)
@@ -73,12 +73,15 @@ def test_to_hf_inverts_from_hf(name):
     assert back[n].dtype == np.float32 and back[n].shape == a.shape, n
     assert np.array_equal(bits(back[n]), bits(a.astype(np.float32))), n
   on_disk = export_hf.to_hf(params, cfg, hf)
-  assert not any("gate_up_proj" in n for n in on_disk)
-  assert any(".experts.0." in n for n in on_disk)
+  if export_hf.family(hf).routed is not None:
+    assert sorted(on_disk) == sorted(state)
+  else:
+    assert not any("gate_up_proj" in n for n in on_disk)
+    assert any(".experts.0." in n for n in on_disk)
   assert same_tree(convert.from_hf(on_disk, cfg, ignore=convert.mtp_prefixes(hf)), params)
 
 
-@pytest.mark.parametrize("name", EXPORTED)
+@pytest.mark.parametrize("name", NAMES)
 def test_config_to_hf_round_trips(name):
   hf, _, cfg, _ = converted(name)
   written = export_hf.config_to_hf(cfg, hf["model_type"])
@@ -86,19 +89,103 @@ def test_config_to_hf_round_trips(name):
   assert written["model_type"] == hf["model_type"]
 
 
-@pytest.mark.parametrize("name", sorted(NOT_EXPORTED))
-def test_unexported_families_are_refused(name):
-  """The families without an export say so, rather than writing a checkpoint of another
-  family's form."""
-  hf, _, cfg, _ = converted(name)
-  with pytest.raises(ValueError, match=f"model_type '{hf['model_type']}' has no export"):
-    export_hf.check_export(cfg, hf)
-  with pytest.raises(ValueError, match="no Hugging Face model_type expresses this model"):
-    export_hf.check_export(cfg)
+# gpt-oss and Llama 4 with every feature their config.json can say: gpt-oss's sinks, q/k/v/o,
+# router and expert biases, the clamped SwiGLU, sliding and full layers, YaRN unrounded; Llama 4's
+# local-chunk and NoPE layers (temperature tuning), dense layers between the MoE layers (0 and 2),
+# the L2 QK-norm, q/k/v/o biases, llama3 RoPE, the shared expert
+FEATURED = {
+    "gpt_oss": ("gpt-oss-test", dict(n_layers=4, yarn_factor=4.0, yarn_original_max=8,
+                                     yarn_truncate=False)),
+    "llama4_text": ("llama4-maverick-test", dict(qk_l2_norm=True, qkv_bias=True, attn_o_bias=True,
+                                                 llama3_factor=4.0, llama3_original_max=16)),
+}
 
 
-@pytest.mark.parametrize("preset,family", [("tiny", "mixtral"), ("deepseek-test", "deepseek_v3"),
-                                           ("deepseek-v2-test", "deepseek_v2")])
+def featured(family: str):
+  """-> (cfg, params) of FEATURED[family]: every tensor random (so none is zero: the sinks and
+  biases too), but the router's correction bias, which neither family has a tensor for."""
+  preset, over = FEATURED[family]
+  cfg = get_config(preset, **over)
+  rng = np.random.default_rng(1)
+  params = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32),
+                        model.init_params(cfg))
+  params["layers"]["moe"]["bias"][:] = 0
+  return cfg, params
+
+
+@pytest.mark.parametrize("family", sorted(FEATURED))
+def test_featured_families_round_trip(family, tmp_path):
+  """gpt-oss's and Llama 4's export: family_of names the family; config_to_hf reads back to the
+  model; from_hf(to_hf(params)) == params and to_hf(from_hf(state)) == state, bit for bit; the
+  fused gate / up columns in the family's order (gate even for gpt-oss, first for Llama 4); a
+  directory written by export loads back to the params."""
+  cfg, params = featured(family)
+  kinds = set(cfg.layer_attentions)
+  assert kinds == ({"sliding", "full"} if family == "gpt_oss" else {"local", "nope"})
+  assert family == "gpt_oss" or (cfg.dense_inside and cfg.nope_attn_scale)
+  assert export_hf.family_of(cfg) == family
+  hf = export_hf.config_to_hf(cfg, family)
+  assert Config(**convert.config_from_hf(hf)).model_fields() == cfg.model_fields()
+  state = export_hf.to_hf(params, cfg, hf)
+  assert same_tree(convert.from_hf(state, cfg), params)
+  assert same_tree(export_hf.to_hf(convert.from_hf(state, cfg), cfg, hf), state)
+  assert same_tree(export_hf.to_hf(params, cfg, hf, fused=True), state)
+  moe, f = params["layers"]["moe"], cfg.d_ff
+  if family == "gpt_oss":
+    gate_up = state["model.layers.1.mlp.experts.gate_up_proj"]
+    assert np.array_equal(gate_up[..., 0::2], moe["wi_0"][1])
+    assert np.array_equal(gate_up[..., 1::2], moe["wi_1"][1])
+    bias = state["model.layers.1.mlp.experts.gate_up_proj_bias"]
+    assert np.array_equal(bias[:, 0::2], moe["bi_0"][1])
+    assert np.array_equal(state["model.layers.1.self_attn.sinks"],
+                          params["layers"]["attn"]["sinks"][1])
+  else:                                          # layers 0 and 2 dense, 1 and 3 MoE
+    gate_up = state["model.layers.3.feed_forward.experts.gate_up_proj"]
+    assert np.array_equal(gate_up[..., :f], moe["wi_0"][1])
+    assert np.array_equal(gate_up[..., f:], moe["wi_1"][1])
+    assert np.array_equal(state["model.layers.2.feed_forward.gate_proj.weight"],
+                          params["dense_layers"]["mlp"]["wi_0"][1].T)
+    assert "model.layers.3.feed_forward.shared_expert.up_proj.weight" in state
+  export_hf.export(str(tmp_path), params, cfg)
+  assert convert.read_config(str(tmp_path))["model_type"] == family
+  assert same_tree(export_hf.load(str(tmp_path), cfg), params)
+
+
+def test_featured_families_refuse_what_they_cannot_say():
+  """What gpt-oss's or Llama 4's checkpoint cannot hold is refused, naming the field, rather than
+  written as another model."""
+  gpt, _ = featured("gpt_oss")
+  llama, params = featured("llama4_text")
+  refused = [
+      (gpt.replace(swiglu_limit=0.0), "gpt_oss", "swiglu_limit=0"),
+      (gpt.replace(attention_pattern="local,full", local_chunk=4, sliding_window=0), "gpt_oss",
+       "attention_pattern='local,full': gpt_oss has no local layers"),
+      (gpt.replace(mlp_only_layers="1", dense_d_ff=32), "gpt_oss", "mlp_only_layers="),
+      (gpt.replace(attn_sinks=False), "gpt_oss", "attn_sinks="),
+      (llama.replace(attention_pattern="sliding,nope", sliding_window=4, local_chunk=0),
+       "llama4_text", "llama4_text has no sliding layers"),
+      (llama.replace(attention_pattern="full,local"), "llama4_text", "attention_pattern="),
+      (llama.replace(llama3_factor=0.0, yarn_factor=4.0, yarn_original_max=8), "llama4_text",
+       "yarn_factor=4.0"),
+      (llama.replace(shared_width=32), "llama4_text", "shared_width="),
+  ]
+  for cfg, family, why in refused:
+    with pytest.raises(ValueError, match=re.escape(why)):
+      export_hf.config_to_hf(cfg, family)
+  with pytest.raises(ValueError, match="a llama4_text checkpoint has no tensor for"):
+    export_hf.check_export(llama.replace(bias_update_rate=1e-3))
+  hf = export_hf.config_to_hf(llama, "llama4_text")
+  params["layers"]["moe"]["bias"][1, 0] = 0.5
+  with pytest.raises(ValueError, match="layer 3: a non-zero router bias"):
+    export_hf.to_hf(params, llama, hf)
+  with pytest.raises(ValueError, match="model_type 'llama4' has no export"):   # its text model's is
+    export_hf.to_hf(params, llama, {"model_type": "llama4", "text_config": hf})   # llama4_text
+
+
+@pytest.mark.parametrize("preset,family", [
+    ("tiny", "mixtral"), ("deepseek-test", "deepseek_v3"), ("deepseek-v2-test", "deepseek_v2"),
+    ("gpt-oss-test", "gpt_oss"), ("llama4-test", "llama4_text"),
+    ("llama4-maverick-test", "llama4_text")])
 def test_config_to_hf_of_presets(preset, family):
   """A preset's model (trained without --init_from) gets the first family that expresses it;
   a family that cannot is refused, naming the fields."""
