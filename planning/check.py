@@ -23,8 +23,6 @@ class Checked:
   compile_s: float
   rewrites: str = ""                # a --target's compiler: its rewrites (measure/compilers.py)
   refused_over: float = 0.0         # XLA:TPU refused it: the HBM it has (compiled_temp: needs)
-  compiler_step_s: float = 0.0      # the compiler's own estimate of the step's time (XLA:TPU's
-                                    # cost analysis, "optimal_seconds"); 0: it gives none
 
   @property
   def memory_ratio(self) -> float:
@@ -103,15 +101,4 @@ def compile_candidate(c: plan.Candidate, cfg, dump_dir: str | None = None,
   table = cost.versus(terms, got, by="axes")
   rewrites = "" if on_cpu else compilers.said(
       compilers.agreement(cost.by_axes(terms), hlo.bytes_by_axes(got), mesh))
-  return Checked(c, c.param_opt + temp, temp, table, job.compile_s, rewrites,
-                 compiler_step_s=compiler_seconds(job.compiled))
-
-
-def compiler_seconds(compiled) -> float:
-  """The compiler's own estimate of a compiled program's run time: XLA:TPU's cost analysis
-  ("optimal_seconds", from its per-fusion cycle estimates); 0.0 where the compiler gives none
-  (XLA:CPU)."""
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else {}
-  return max(float((cost or {}).get("optimal_seconds", 0.0)), 0.0)
+  return Checked(c, c.param_opt + temp, temp, table, job.compile_s, rewrites)

@@ -103,9 +103,6 @@ def checked(results) -> str:
                  f"ratio {v['ratio']:.4f}")
     if r.rewrites:
       out.append(f"  {r.rewrites}")
-    if r.compiler_step_s:
-      out.append(f"  step time: predicted {c.step_s:.4g} s, the compiler's own estimate "
-                 f"{r.compiler_step_s:.4g} s (ratio {c.step_s / r.compiler_step_s:.3f})")
   return "\n".join(out)
 
 

@@ -611,21 +611,3 @@ def test_plan_nothing_left_in_its_own_process():
   assert r.returncode == 1 and not r.stdout, (r.returncode, r.stdout, r.stderr)
   assert r.stderr.strip().splitlines()[-1].startswith(
       "error: no candidate left by --strategy=ep --microbatches=3: "), r.stderr
-
-
-def test_compiler_seconds_reads_xla_tpus_estimate():
-  """planning.check.compiler_seconds: XLA:TPU's cost analysis "optimal_seconds" (a dict, or
-  one per computation on older jax); 0 where the compiler gives none (XLA:CPU's has no key)."""
-  from planning import check
-
-  class Compiled:
-    def __init__(self, cost):
-      self.cost = cost
-
-    def cost_analysis(self):
-      return self.cost
-
-  assert check.compiler_seconds(Compiled({"flops": 1.0, "optimal_seconds": 0.25})) == 0.25
-  assert check.compiler_seconds(Compiled([{"optimal_seconds": 2.0}])) == 2.0
-  assert check.compiler_seconds(Compiled({"flops": 1.0})) == 0.0
-  assert check.compiler_seconds(Compiled([])) == 0.0

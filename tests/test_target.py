@@ -6,7 +6,6 @@ run everywhere."""
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -87,9 +86,6 @@ def test_plan_compiles_its_best_with_xla_tpu(tpu_runs):
   assert "8 devices of tpu-v5p" in stdout, stdout
   assert "compiled by XLA:TPU (tpu-v5p, 8 devices)" in stdout, stdout
   assert "in measure.compilers' normal form every (kind, axes) agrees" in stdout, stdout
-  # XLA:TPU's own estimate of the step's time beside the planner's (planning/check.py)
-  est = re.search(r"step time: predicted (\S+) s, the compiler's own estimate (\S+) s", stdout)
-  assert est and float(est.group(1)) > 0 and float(est.group(2)) > 0, stdout
 
 
 @needs_libtpu
