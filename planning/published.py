@@ -103,8 +103,9 @@ ROWS = [
     _qwen3("2c", "TP2 EP32 PP8 VPP4 DP16, no a2a overlap",
            {"stage": 8, "expert": 16, "tensor": 2}, dict(FOLD_1F1B, virtual_stages=4), 128, 19.7,
            overlap="weights", a2a="hierarchical"),
-    # 94 layers on 32 x 3 chunks: Megatron splits the layers, the embedding and the loss as 96
-    # pipeline slots; posed as 96 layers, the same 96 lockstep slots, two of them a layer here
+    # 94 layers on 32 x 3 chunks: posed as 96 layers, the lockstep of 96 equal slots; which two
+    # slots Megatron leaves lighter (its options can count the embedding and the loss as a
+    # layer each) the row does not say
     Row("2d", "qwen3-235b-a22b", "h100", 256, "bf16", "TP2 EP8 PP32 VPP3 DP4, plain a2a", "pp",
         {"stage": 32, "expert": 4, "tensor": 2}, dict(FOLD_1F1B, virtual_stages=3), 512, "none",
         1.0, 4096, 2048, "step_s", 24.2, MEGATRON_QWEN3,
