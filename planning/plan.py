@@ -546,9 +546,10 @@ EXCHANGES = ("all-to-all", "ragged-all-to-all")
 
 def overlap_class(t) -> str:
   """Which --plan_overlap hides a cost term behind compute: "weights" (a weight's gather or
-  gradient reduction, the optimizer's, a point-to-point send), "paired" (an all-to-all, ragged
-  or padded: only a schedule that runs two microbatches in a tick hides it) or "" (on the critical path: tensor
-  parallelism's reductions, the routing's statistics)."""
+  gradient reduction, the optimizer's, a point-to-point send), "paired" (the tokens' exchange,
+  an all-to-all ragged or padded: only a schedule that runs two microbatches in a tick hides
+  it) or "" (on the critical path: tensor parallelism's reductions, the routing's
+  statistics)."""
   if t.params or t.phase == "opt" or t.kind == "collective-permute":
     return "weights"
   return "paired" if t.kind in EXCHANGES else ""
@@ -595,8 +596,8 @@ def a2a_seconds(wire: float, group: int, top_k: int, cluster, a2a: str) -> float
 def hidden(cls: str, overlap: str, paired: bool) -> bool:
   """Whether a load of overlap class `cls` runs under compute at --plan_overlap=overlap; paired:
   the candidate's schedule runs two microbatches in a tick."""
-  return bool(cls) and (overlap == "schedule" and (cls == "weights" or paired)
-                        or overlap == "weights" and cls == "weights")
+  return (cls == "weights" and overlap != "none"
+          or cls == "paired" and paired and overlap == "schedule")
 
 
 def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
@@ -639,7 +640,7 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
   for key, axes, wire, cls in loads:   # the node's links where every axis lies inside it
     if all(a in c.inner for a in axes):
       t = wire / cluster.intra_bw
-    elif key.split(" over ")[0] in EXCHANGES:
+    elif cls == "paired":                # the tokens' exchange (overlap_class)
       t = a2a_seconds(wire, math.prod(shape[a] for a in axes), cfg.top_k, cluster, a2a)
     else:
       t = wire / cluster.inter_bw

@@ -252,9 +252,10 @@ def line(p: Prediction) -> str:
 def main() -> None:
   import argparse
   ap = argparse.ArgumentParser(description="the planner's step time against published runs")
-  ap.add_argument("--overlap", choices=("row", "none", "weights", "schedule"), default="row",
+  from planning import plan
+  ap.add_argument("--overlap", choices=("row",) + plan.OVERLAPS, default="row",
                   help="what every row hides behind compute (default: each run's own)")
-  ap.add_argument("--a2a", choices=("row", "flat", "hierarchical"), default="row",
+  ap.add_argument("--a2a", choices=("row",) + plan.A2AS, default="row",
                   help="how every row's cross-node all-to-all moves (default: each run's own)")
   ap.add_argument("--no_fp8", action="store_true", help="FP8 rows at bf16's peak")
   a = ap.parse_args()
