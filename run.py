@@ -143,6 +143,10 @@ flags.DEFINE_string("plan_overlap", "none", "--plan: what communication runs und
 flags.DEFINE_string("plan_a2a", "flat", "--plan: how an all-to-all that crosses nodes moves its "
                     "rows: flat (every routed copy over InfiniBand) | hierarchical (DeepEP: a "
                     "token crosses to each destination node once, NVLink fans it out there)")
+flags.DEFINE_string("plan_gmm", "flat", "--plan: what the routed experts' grouped matmuls cost: "
+                    "flat (at --plan_efficiency, whatever their rows) | rows (at efficiency x "
+                    "r / (r + planning.plan.GMM_HALF_ROWS), r the rows per local expert of one "
+                    "layer's call)")
 flags.DEFINE_string("target", None, "with --compile_only: compile for --devices devices of this "
                     "hardware, on this host, with its own compiler (runtime/target.py): "
                     + ", ".join(target_lib.PROFILES) + " (TPU: pip install -r "

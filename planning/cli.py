@@ -22,13 +22,16 @@ OVERLAP_WORDS = {"none": "no overlap (--plan_overlap=none)",
                             "(--plan_overlap=weights)",
                  "schedule": "weight traffic, point-to-point sends and 1f1b's all-to-alls under "
                              "compute (--plan_overlap=schedule)"}
+GMM_WORDS = {"flat": "grouped matmuls at that efficiency (--plan_gmm=flat)",
+             "rows": f"grouped matmuls at r / (r + {plan.GMM_HALF_ROWS:g}) of it, r rows per "
+                     "local expert (--plan_gmm=rows)"}
 
 
 def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | None,
          limits: Constraints, compile_k: int, top: int, efficiency: float,
          report_dir: str | None, setup_devices, find: tuple | None = None,
          batch_source: str = "", overlap: str = plan.OVERLAP,
-         a2a: str = plan.A2A) -> list[plan.Candidate]:
+         a2a: str = plan.A2A, gmm: str = plan.GMM) -> list[plan.Candidate]:
   """limits: what the flags hold fixed (Constraints() = the whole grid). setup_devices(n):
   run.py's, called before anything could start JAX's backend when compile_k > 0: the
   runtime.target.Target the compiles use (n simulated devices of this host, or a --target's).
@@ -41,7 +44,8 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
   t0 = time.perf_counter()
   print(f"planning {model_name} on {n} x {cluster.name} ...", file=sys.stderr, flush=True)
   cands = plan.enumerate_candidates(cfg, n, cluster, hbm, efficiency=efficiency,
-                                    overlap=overlap, a2a=a2a, progress=plan.progress_line,
+                                    overlap=overlap, a2a=a2a, gmm=gmm,
+                                    progress=plan.progress_line,
                                     **limits.kwargs())
   ranked = plan.rank(cands)
   dt = time.perf_counter() - t0
@@ -56,7 +60,7 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
         f"{hbm / 2**30:.1f} GiB, temp as {cluster.temp_model} holds it; {cfg.dtype}, "
         f"{cfg.optimizer}; compute at {efficiency:.0%} of "
         f"{cluster.peak_flops / 1e12:.1f} TFLOP/s, {OVERLAP_WORDS[overlap]}; {a2a} "
-        f"all-to-all across nodes (--plan_a2a); "
+        f"all-to-all across nodes (--plan_a2a); {GMM_WORDS[gmm]}; "
         f"{len(cands)} enumerated "
         f"(strategy x mesh x M x remat x capacity factor x axes inside a node of "
         f"{cluster.node_size}{fixed}). G = GiB.")
@@ -134,6 +138,8 @@ def check_flags(F):
     raise UsageError(f"--plan_overlap={F.plan_overlap}: choose from {' | '.join(plan.OVERLAPS)}")
   if F.plan_a2a not in plan.A2AS:
     raise UsageError(f"--plan_a2a={F.plan_a2a}: choose from {' | '.join(plan.A2AS)}")
+  if F.plan_gmm not in plan.GMMS:
+    raise UsageError(f"--plan_gmm={F.plan_gmm}: choose from {' | '.join(plan.GMMS)}")
   if F.report_dir:
     command.writable_dir("report_dir", F.report_dir)
   return find_flag(F)
@@ -186,4 +192,4 @@ def run(F, argv_names: list[str], find) -> None:
   main(cfg, F.model, F.devices, F.cluster, None if F.hbm_gb is None else F.hbm_gb * 2**30,
        limits, F.plan_compile, F.plan_top, F.plan_efficiency, F.report_dir,
        lambda n: command.setup_devices(n, None, F.compilation_cache, F.target), find,
-       batch_source=source, overlap=F.plan_overlap, a2a=F.plan_a2a)
+       batch_source=source, overlap=F.plan_overlap, a2a=F.plan_a2a, gmm=F.plan_gmm)

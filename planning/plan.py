@@ -139,7 +139,11 @@ Per candidate, per device:
                interleaved 1F1B: its table's ticks, each of one chunk, `one_f_ticks`) and its
                dense prefix run on every stage
              (a published FP8 run: the matmuls at the cluster's FP8 peak, the attention core
-               at bf16's)
+               at bf16's; a cluster without an FP8 peak, bf16's)
+             (--plan_gmm=rows: the routed experts' share of the FLOPs, `routed_share`, at
+               efficiency x r / (r + GMM_HALF_ROWS), r the rows per local expert of one MoE
+               layer's call on a device, the temp model's R over the experts the device holds;
+               GMM_HALF_ROWS fitted to planning/published.py's rows, `--fit_gmm`)
              communication = per cost-model term (measure.cost.step_terms: kind, axes, bytes),
                its wire bytes over the bandwidth of the links its group spans: the node's when
                every axis of the group lies inside a node, else the inter-node one; an
@@ -216,6 +220,7 @@ class Candidate:
   error: str = ""              # why check() refused it (then nothing is predicted)
   layer_layout: str = ""       # pp: MoE layers per stage where they do not divide evenly
   layer_stages: int = 0        # pp interleaved: the stack stored round-robin over the stages
+  expert_rows: float = 0.0     # rows per local expert of one MoE layer's call (--plan_gmm)
 
   @property
   def memory(self) -> float:
@@ -311,10 +316,21 @@ def flops_per_step(cfg) -> float:
   return 3 * sum(_forward_flops_per_token(cfg)) * cfg.batch * cfg.seq_len
 
 
+@functools.lru_cache(maxsize=256)
 def attention_share(cfg) -> float:
   """The attention core's share of flops_per_step (the rest is matmuls against weights)."""
   mm, attn = _forward_flops_per_token(cfg)
   return attn / (mm + attn)
+
+
+@functools.lru_cache(maxsize=256)
+def routed_share(cfg) -> float:
+  """The routed experts' share of flops_per_step: the grouped matmuls' (the rest: dense matmuls
+  and the attention core)."""
+  mm, attn = _forward_flops_per_token(cfg)
+  routed = sum(math.prod(leaf.shape) for leaf in model.param_leaves(cfg.replace(layer_layout=""))
+               if leaf.role in model.EXPERTS) * cfg.top_k // cfg.n_experts
+  return 2 * routed / (mm + attn)
 
 
 def _dense_flops_share(cfg) -> float:
@@ -573,6 +589,24 @@ A2AS = ("flat",           # every routed copy over the inter-node link, one per 
                           # and NVLink fans it out to that node's experts
 A2A = "flat"
 
+# --plan_gmm: what the grouped matmuls' rows per expert cost (module docstring)
+GMMS = ("flat",           # every matmul at the efficiency, whatever its rows
+        "rows")           # the routed experts' at efficiency x r / (r + GMM_HALF_ROWS)
+GMM = "flat"
+# The rows per expert at which a grouped matmul runs at half the dense matmuls' efficiency:
+# fitted to the five Qwen3-235B-A22B layouts of planning/published.py (`--fit_gmm`), its
+# leave-one-out error in docs/planner.md
+GMM_HALF_ROWS = 2560.0
+
+
+def gmm_efficiency(rows: float, gmm: str = GMM) -> float:
+  """The grouped matmul's efficiency relative to a dense matmul's at `rows` rows per local
+  expert (one MoE layer's call on a device): 1 under flat; r / (r + GMM_HALF_ROWS) under rows,
+  a kernel's fixed cost per expert tile beside work linear in its rows."""
+  if gmm == "flat" or rows <= 0:
+    return 1.0
+  return rows / (rows + GMM_HALF_ROWS)
+
 
 def a2a_seconds(wire: float, group: int, top_k: int, cluster, a2a: str) -> float:
   """An all-to-all over `group` devices that crosses nodes, of `wire` bytes a device sends (its
@@ -601,11 +635,13 @@ def hidden(cls: str, overlap: str, paired: bool) -> bool:
 
 
 def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
-           overlap: str = OVERLAP, fp8: bool = False, a2a: str = A2A) -> None:
+           overlap: str = OVERLAP, fp8: bool = False, a2a: str = A2A,
+           gmm: str = GMM, expert_rows: float = 0.0) -> None:
   """Fill c's compute, communication (exposed: what overlap leaves on the critical path),
   dominant collective, tokens/s and MFU (module docstring). loads: link_loads of the step's
   cost terms. fp8: the matmuls run in FP8 (a published run's; the suite trains in bf16);
-  a2a: A2AS, how a cross-node all-to-all moves its rows."""
+  a2a: A2AS, how a cross-node all-to-all moves its rows; gmm: GMMS, with expert_rows the rows
+  per local expert of one MoE layer's call on a device."""
   model_flops = flops_per_step(cfg)
   n = math.prod(s for _, s in c.sizes)
   # forward + backward = 3 forwards; remat block recomputes one, and gradient accumulation's
@@ -629,11 +665,13 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
     # an uneven layout's stages run the largest group's rows each tick (padding included)
     pipe *= cfg.n_layer_slots / cfg.n_moe_layers
     work *= (1 - _dense_flops_share(cfg)) * pipe + _dense_flops_share(cfg) * p
-  if fp8:      # the matmuls at the FP8 peak, the attention core (softmax(q k^T) v) at bf16's
-    a = attention_share(cfg)
-    c.compute_s = work * (a / cluster.peak_flops + (1 - a) / cluster.fp8_flops) / efficiency
-  else:
-    c.compute_s = work / (efficiency * cluster.peak_flops)
+  # the matmuls at the FP8 peak where the run is FP8, the attention core (softmax(q k^T) v) at
+  # bf16's; the routed experts' grouped matmuls at gmm_efficiency of the others'
+  a, r = attention_share(cfg), routed_share(cfg)
+  c.expert_rows = expert_rows
+  mm_peak = cluster.fp8_flops if fp8 and cluster.fp8_flops else cluster.peak_flops
+  c.compute_s = work * (a / cluster.peak_flops + (1 - a - r) / mm_peak
+                        + r / (mm_peak * gmm_efficiency(expert_rows, gmm))) / efficiency
   per_key: dict = {}
   paired = _pipelined(c.strategy) and _one_f(c.opts)
   under = exposed = 0.0
@@ -663,11 +701,11 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                          pp_max_microbatches=PP_MAX_MICROBATCHES,
                          accum_max_microbatches=ACCUM_MAX_MICROBATCHES,
                          efficiency: float = EFFICIENCY, overlap: str = OVERLAP,
-                         fp8: bool = False, a2a: str = A2A, progress=None,
+                         fp8: bool = False, a2a: str = A2A, gmm: str = GMM, progress=None,
                          microbatches: int | None = None, only_mesh: dict | None = None,
                          options: dict | None = None) -> list[Candidate]:
   """Every candidate of the grid (module docstring), predicted; refused ones carry `error`
-  (check()'s one line) and no prediction. overlap, fp8, a2a: `timing`'s. progress: called as
+  (check()'s one line) and no prediction. overlap, fp8, a2a, gmm: `timing`'s. progress: called as
   progress(done, name, kept) now and then. The user's constraints (planning/constraints.py):
   microbatches, one M in place of the divisors; only_mesh, {axis: size} in place of every
   split of n (a strategy without one of its axes is skipped); options, {strategy: [Options]}
@@ -724,21 +762,26 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
               continue
             if (o_cfg, opts) not in mems:          # opts may store the params (ep_x_tp's zero1)
               o_shapes = m_shapes if o_cfg is m_cfg else model.init_params_shapes(o_cfg)
-              mems[o_cfg, opts] = cost.param_memory(o_shapes, strat.param_specs(o_cfg, mesh, opts),
-                                                    mesh, cfg.optimizer)
-            o_mem = mems[o_cfg, opts]
+              specs = strat.param_specs(o_cfg, mesh, opts)
+              # the routed experts a device holds
+              local_e = o_cfg.n_experts / _dim_shards(specs["layers"]["moe"]["wi_0"], 1, mesh)
+              mems[o_cfg, opts] = (cost.param_memory(o_shapes, specs, mesh, cfg.optimizer),
+                                   local_e)
+            o_mem, local_e = mems[o_cfg, opts]
             lay = strat.layout(base, mesh, opts)
             raw = strat.cost(cost.microbatch(base, lay), mesh, opts)   # what cost.finish reads
             for remat in remats:
               c_cfg = base.replace(remat=remat)
               loads = link_loads(cost.finish(raw, c_cfg, mesh, lay))   # cost.step_terms
-              temp = predict_temp(step_features(name, c_cfg, mesh, raw, opts,
-                                                o_mem["param_bytes"]), cluster.temp_model)
+              feats = step_features(name, c_cfg, mesh, raw, opts, o_mem["param_bytes"])
+              temp = predict_temp(feats, cluster.temp_model)
+              # rows per local expert of one MoE layer's call (work_rows_d: R x D x 4)
+              rows = feats["work_rows_d"] / (4 * cfg.d_model) / local_e
               for inner in placements(shape, cluster.node_size):
                 c = Candidate(*key[:3], remat, cf, opts, inner,
                               param_opt=o_mem["param_bytes"] + o_mem["opt_bytes"], temp=temp,
                               layer_layout=o_layers, layer_stages=o_cfg.layer_stages)
-                timing(c, c_cfg, loads, cluster, efficiency, overlap, fp8, a2a)
+                timing(c, c_cfg, loads, cluster, efficiency, overlap, fp8, a2a, gmm, rows)
                 c.fits = c.memory <= hbm_bytes
                 out.append(c)
       if progress is not None and time.perf_counter() - last > 2:

@@ -32,11 +32,16 @@ run overlaps (`Row.overlap`, planning.plan.OVERLAPS): `schedule` (weight traffic
 sends and 1f1b's all-to-alls), `weights` where the publisher turned the all-to-all overlap off
 (2c). Rows whose run uses DeepEP or DeepSeek's node-forwarding exchange (2a, 2c, 8) price
 their cross-node all-to-all `hierarchical` (planning.plan.A2AS). The compute efficiency is the
-planner's default (planning.plan.EFFICIENCY), not fitted to these rows.
+planner's default (planning.plan.EFFICIENCY), not fitted to these rows; every row prices its
+grouped matmuls by their rows per expert (`gmm="rows"`, planning.plan.GMMS), at the one
+quantity fitted to these rows, planning.plan.GMM_HALF_ROWS:
+
+  python -m planning.published --fit_gmm    # the grid, the fit, each row's leave-one-out error
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -74,6 +79,7 @@ class Row:
   overlap: str = "schedule"   # planning.plan.OVERLAPS: what the run hides behind compute
   a2a: str = "flat"           # planning.plan.A2AS: "hierarchical" where the run uses DeepEP or
                               # DeepSeek's node-forwarding exchange
+  gmm: str = "rows"           # planning.plan.GMMS: the grouped matmuls' cost of few rows
 
 
 # Megatron computes the load-balancing loss over each micro-batch's tokens: no counts pass over
@@ -185,7 +191,7 @@ def predict(row: Row) -> Prediction:
                                     capacity_factors=(row.capacity_factor,),
                                     microbatches=row.microbatches, only_mesh=mesh,
                                     options={row.strategy: [opts]}, overlap=row.overlap,
-                                    fp8=row.dtype == "fp8", a2a=row.a2a)
+                                    fp8=row.dtype == "fp8", a2a=row.a2a, gmm=row.gmm)
   ok = [c for c in cands if not c.error]
   if not ok:
     return Prediction(row, error=cands[0].error if cands else "no candidate")
@@ -229,6 +235,31 @@ def summary(preds: list[Prediction]) -> str:
           f"worst error {max(errors):.3f}, Spearman {r:.2f}")
 
 
+GMM_GRID = (0, 256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144)
+
+
+def fit_gmm(rows: list[Row], grid=GMM_GRID) -> tuple[float, dict, list[str]]:
+  """planning.plan.GMM_HALF_ROWS fitted to the posed rows: the grid value with the least mean
+  |log(predicted / measured)|; and each row's leave-one-out error (its error at the value fitted
+  to the others), {row: error}; and one line per grid value (its summary)."""
+  from planning import plan
+  saved, table, lines = plan.GMM_HALF_ROWS, {}, []
+  try:
+    for v in grid:
+      plan.GMM_HALF_ROWS = float(v)
+      preds = [predict(dataclasses.replace(r, gmm="rows")) for r in rows]
+      table[v] = {p.row.row: math.log(p.ratio) for p in preds if not p.error}
+      lines.append(f"GMM_HALF_ROWS {v:>5}: {summary(preds)}")
+  finally:
+    plan.GMM_HALF_ROWS = saved
+
+  def best(leave: str = "") -> float:
+    return min(grid, key=lambda v: statistics.fmean(
+        abs(e) for k, e in table[v].items() if k != leave))
+  loo = {k: abs(math.exp(table[best(k)][k]) - 1) for k in table[grid[0]]}
+  return best(), loo, lines
+
+
 UNITS = {"step_s": "s/step", "tokens_per_s": "tokens/s/dev", "tflops": "TFLOP/s/dev"}
 
 
@@ -257,12 +288,24 @@ def main() -> None:
                   help="what every row hides behind compute (default: each run's own)")
   ap.add_argument("--a2a", choices=("row",) + plan.A2AS, default="row",
                   help="how every row's cross-node all-to-all moves (default: each run's own)")
+  ap.add_argument("--gmm", choices=("row",) + plan.GMMS, default="row",
+                  help="what every row's grouped matmuls cost at few rows (default: each row's)")
   ap.add_argument("--no_fp8", action="store_true", help="FP8 rows at bf16's peak")
+  ap.add_argument("--fit_gmm", action="store_true",
+                  help="fit planning.plan.GMM_HALF_ROWS to the rows, with leave-one-out errors")
   a = ap.parse_args()
   rows = [dataclasses.replace(r, overlap=r.overlap if a.overlap == "row" else a.overlap,
                               a2a=r.a2a if a.a2a == "row" else a.a2a,
+                              gmm=r.gmm if a.gmm == "row" else a.gmm,
                               dtype="bf16" if a.no_fp8 and r.dtype == "fp8" else r.dtype)
           for r in ROWS]
+  if a.fit_gmm:
+    value, loo, lines = fit_gmm(rows)
+    print("\n".join(lines))
+    print("leave-one-out: " + ", ".join(f"{k} {e:.3f}" for k, e in loo.items()))
+    print(f"fitted GMM_HALF_ROWS {value} (planning.plan: {plan.GMM_HALF_ROWS:g}); leave-one-out "
+          f"median error {statistics.median(loo.values()):.3f}, worst {max(loo.values()):.3f}")
+    return
   preds = [predict(r) for r in rows]
   for p in preds:
     print(line(p), flush=True)
