@@ -596,7 +596,7 @@ GMM = "flat"
 # The rows per expert at which a grouped matmul runs at half the dense matmuls' efficiency:
 # fitted to the five Qwen3-235B-A22B layouts of planning/published.py (`--fit_gmm`), its
 # leave-one-out error in docs/planner.md
-GMM_HALF_ROWS = 2560.0
+GMM_HALF_ROWS = 1024.0
 
 
 def gmm_efficiency(rows: float, gmm: str = GMM) -> float:

@@ -22,9 +22,11 @@ CP with EP folded over DP x TP (ETP 1) is strategies/pp.py with `experts=fold`: 
 Megatron's selective recompute (the published DeepSeek and Qwen3 rows) is posed as remat none,
 its full recompute and MaxText's `remat_policy=full` as remat block. Megatron's exchanges
 (dropless, forced-balanced or real routing) move the routed rows, not a worst-case buffer: its
-rows are posed at capacity factor 1.0, where the padded all-to-all carries exactly the routed
-bytes of balanced routing (the dropless worst case, capacity factor 0, pads each exchange to
-every token of the shard: 20x Qwen3-235B's 2a step). Megatron's load-balancing loss is
+rows are posed at the capacity factor where the padded all-to-all carries exactly the routed
+bytes of balanced routing (`routed_cf`: 1, or 1 / (t c) under experts=fold; the dropless
+worst case, capacity factor 0, pads each exchange to every token of the shard: row 2a posed so
+is predicted at 91.1 s, 5.2x its measured step). A PP1 run (2b) is pp on one stage: its gpipe
+is gradient accumulation, its weights split over data and gathered at use (Megatron's FSDP). Megatron's load-balancing loss is
 computed per micro-batch: its rows run the suite's per-sequence loss (`aux_loss_kind=sequence`),
 which has no counts pass over the step's microbatches. FP8 rows price their matmuls at the
 cluster's FP8 peak (`Cluster.fp8_flops`), the attention core at bf16's. Each row hides what its
@@ -88,24 +90,39 @@ class Row:
 PER_MICROBATCH = (("aux_loss_kind", "sequence"),)
 
 
+def routed_cf(mesh: dict, options: dict) -> float:
+  """The capacity factor at which the suite's padded exchange carries the routed rows of
+  balanced routing, the bytes a dropless exchange (Megatron's) moves: 1, but 1 / (t c) under
+  pp's experts=fold, where a device routes S / (c t) positions of a sequence and the capacity
+  rule bounds the copies it sends a shard by the whole sequence's slots (layout/dispatch.py:
+  rows_bound), t c times its routed rows. The step's FLOPs do not read it."""
+  if options.get("experts") != "fold":
+    return 1.0
+  return 1.0 / (mesh.get("tensor", 1) * mesh.get("context", 1))
+
+
 def _qwen3(row, layout, mesh, options, m, measured, remat="none", strategy="pp", seq=4096,
            batch=2048, measure="step_s", waits="", overlap="schedule", a2a="flat"):
   return Row(row, "qwen3-235b-a22b", "h100", 256, "bf16", layout, strategy, mesh, options, m,
-             remat, 1.0, seq, batch, measure, measured, MEGATRON_QWEN3, waits, PER_MICROBATCH,
-             overlap, a2a)
+             remat, routed_cf(mesh, options), seq, batch, measure, measured, MEGATRON_QWEN3,
+             waits, PER_MICROBATCH, overlap, a2a)
 
 
 FOLD_1F1B = {"experts": "fold", "schedule": "1f1b"}
 ROWS = [
     Row("1", "deepseek-v3", "h100", 1024, "fp8", "TP2 PP8 VP4 EP64, MBS 1, forced-balanced",
         "pp", {"stage": 8, "data": 2, "expert": 32, "tensor": 2},
-        dict(FOLD_1F1B, virtual_stages=4), 128, "none", 1.0, 4096, 8192, "tokens_per_s", 1297.0,
+        dict(FOLD_1F1B, virtual_stages=4), 128, "none", 1 / 2, 4096, 8192, "tokens_per_s", 1297.0,
         MEGATRON_BRIDGE),
     _qwen3("2a", "TP2 EP32 PP8 VPP4 DP16, DeepEP, 1F1B a2a overlap",
            {"stage": 8, "expert": 16, "tensor": 2}, dict(FOLD_1F1B, virtual_stages=4), 128, 17.6,
            a2a="hierarchical"),
-    _qwen3("2b", "TP2 EP8 PP1 FSDP, MBS 4, full recompute", {"data": 16, "expert": 8, "tensor": 2},
-           {"zero1": True}, 4, 17.6, remat="block", strategy="ep_x_tp"),
+    # PP1: pp on one stage, whose gpipe is gradient accumulation over M = 4 microbatches of MBS
+    # 4, the weights split over data and gathered at use (Megatron's FSDP); EP 8 folded over
+    # (expert, tensor) inside a node, as Megatron's parallel folding forms it from TP x DP
+    _qwen3("2b", "TP2 EP8 PP1 FSDP, MBS 4, full recompute",
+           {"stage": 1, "data": 32, "expert": 4, "tensor": 2},
+           {"experts": "fold", "schedule": "gpipe"}, 4, 17.6, remat="block"),
     _qwen3("2c", "TP2 EP32 PP8 VPP4 DP16, no a2a overlap",
            {"stage": 8, "expert": 16, "tensor": 2}, dict(FOLD_1F1B, virtual_stages=4), 128, 19.7,
            overlap="weights", a2a="hierarchical"),
@@ -114,7 +131,7 @@ ROWS = [
     # layer each) the row does not say
     Row("2d", "qwen3-235b-a22b", "h100", 256, "bf16", "TP2 EP8 PP32 VPP3 DP4, plain a2a", "pp",
         {"stage": 32, "expert": 4, "tensor": 2}, dict(FOLD_1F1B, virtual_stages=3), 512, "none",
-        1.0, 4096, 2048, "step_s", 24.2, MEGATRON_QWEN3,
+        1 / 2, 4096, 2048, "step_s", 24.2, MEGATRON_QWEN3,
         config=PER_MICROBATCH + (("n_layers", 96),)),
     _qwen3("2e", "TP4 EP8 PP8 VPP4 DP8", {"stage": 8, "data": 4, "expert": 2, "tensor": 4},
            dict(FOLD_1F1B, virtual_stages=4), 256, 29.0),
@@ -235,7 +252,7 @@ def summary(preds: list[Prediction]) -> str:
           f"worst error {max(errors):.3f}, Spearman {r:.2f}")
 
 
-GMM_GRID = (0, 256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144)
+GMM_GRID = (0, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 4096, 6144)
 
 
 def fit_gmm(rows: list[Row], grid=GMM_GRID) -> tuple[float, dict, list[str]]:
