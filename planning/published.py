@@ -27,8 +27,9 @@ bytes of balanced routing (`routed_cf`: 1, or 1 / (t c) under experts=fold; the 
 worst case, capacity factor 0, pads each exchange to every token of the shard: row 2a posed so
 is predicted at 91.1 s, 5.2x its measured step). A PP1 run (2b) is pp on one stage: its gpipe
 is gradient accumulation, its weights split over data and gathered at use (Megatron's FSDP).
-Megatron's load-balancing loss is computed per micro-batch: its rows run the suite's per-sequence loss (`aux_loss_kind=sequence`),
-which has no counts pass over the step's microbatches. FP8 rows price their matmuls at the
+Megatron's load-balancing loss is computed per micro-batch: its rows run the suite's
+per-sequence loss (`aux_loss_kind=sequence`), which has no counts pass over the step's
+microbatches. FP8 rows price their matmuls at the
 cluster's FP8 peak (`Cluster.fp8_flops`), the attention core at bf16's. Each row hides what its
 run overlaps (`Row.overlap`, planning.plan.OVERLAPS): `schedule` (weight traffic, point-to-point
 sends and 1f1b's all-to-alls), `weights` where the publisher turned the all-to-all overlap off
