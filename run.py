@@ -143,6 +143,10 @@ flags.DEFINE_string("plan_overlap", "none", "--plan: what communication runs und
 flags.DEFINE_string("plan_a2a", "flat", "--plan: how an all-to-all that crosses nodes moves its "
                     "rows: flat (every routed copy over InfiniBand) | hierarchical (DeepEP: a "
                     "token crosses to each destination node once, NVLink fans it out there)")
+flags.DEFINE_string("plan_ici", "dimension", "--plan on a TPU cluster: what a slice's torus "
+                    "gives a collective inside it: dimension (one torus dimension's links) | "
+                    "torus (the links of every dimension its group spans: 4 chips one, 16 two, "
+                    "64 or more three)")
 flags.DEFINE_string("plan_gmm", "flat", "--plan: what the routed experts' grouped matmuls cost: "
                     "flat (at --plan_efficiency, whatever their rows) | rows (at efficiency x "
                     "r / (r + planning.plan.GMM_HALF_ROWS), r the rows per local expert of one "

@@ -22,6 +22,10 @@ OVERLAP_WORDS = {"none": "no overlap (--plan_overlap=none)",
                             "(--plan_overlap=weights)",
                  "schedule": "weight traffic, point-to-point sends and 1f1b's all-to-alls under "
                              "compute (--plan_overlap=schedule)"}
+ICI_WORDS = {"dimension": "a collective in a slice on one torus dimension's links "
+                          "(--plan_ici=dimension)",
+             "torus": "a collective in a slice on every torus dimension its group spans "
+                      "(--plan_ici=torus)"}
 GMM_WORDS = {"flat": "grouped matmuls at that efficiency (--plan_gmm=flat)",
              "rows": f"grouped matmuls at r / (r + {plan.GMM_HALF_ROWS:g}) of it, r rows per "
                      "local expert (--plan_gmm=rows)"}
@@ -31,7 +35,8 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
          limits: Constraints, compile_k: int, top: int, efficiency: float,
          report_dir: str | None, setup_devices, find: tuple | None = None,
          batch_source: str = "", overlap: str = plan.OVERLAP,
-         a2a: str = plan.A2A, gmm: str = plan.GMM) -> list[plan.Candidate]:
+         a2a: str = plan.A2A, gmm: str = plan.GMM,
+         ici: str = plan.ICI) -> list[plan.Candidate]:
   """limits: what the flags hold fixed (Constraints() = the whole grid). setup_devices(n):
   run.py's, called before anything could start JAX's backend when compile_k > 0: the
   runtime.target.Target the compiles use (n simulated devices of this host, or a --target's).
@@ -44,7 +49,7 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
   t0 = time.perf_counter()
   print(f"planning {model_name} on {n} x {cluster.name} ...", file=sys.stderr, flush=True)
   cands = plan.enumerate_candidates(cfg, n, cluster, hbm, efficiency=efficiency,
-                                    overlap=overlap, a2a=a2a, gmm=gmm,
+                                    overlap=overlap, a2a=a2a, gmm=gmm, ici=ici,
                                     progress=plan.progress_line,
                                     **limits.kwargs())
   ranked = plan.rank(cands)
@@ -61,6 +66,7 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
         f"{cfg.optimizer}; compute at {efficiency:.0%} of "
         f"{cluster.peak_flops / 1e12:.1f} TFLOP/s, {OVERLAP_WORDS[overlap]}; {a2a} "
         f"all-to-all across nodes (--plan_a2a); {GMM_WORDS[gmm]}; "
+        f"{ICI_WORDS[ici] + '; ' if cluster.torus_dims else ''}"
         f"{len(cands)} enumerated "
         f"(strategy x mesh x M x remat x capacity factor x axes inside a node of "
         f"{cluster.node_size}{fixed}). G = GiB.")
@@ -138,6 +144,8 @@ def check_flags(F):
     raise UsageError(f"--plan_overlap={F.plan_overlap}: choose from {' | '.join(plan.OVERLAPS)}")
   if F.plan_a2a not in plan.A2AS:
     raise UsageError(f"--plan_a2a={F.plan_a2a}: choose from {' | '.join(plan.A2AS)}")
+  if F.plan_ici not in plan.ICIS:
+    raise UsageError(f"--plan_ici={F.plan_ici}: choose from {' | '.join(plan.ICIS)}")
   if F.plan_gmm not in plan.GMMS:
     raise UsageError(f"--plan_gmm={F.plan_gmm}: choose from {' | '.join(plan.GMMS)}")
   if F.report_dir:
@@ -192,4 +200,5 @@ def run(F, argv_names: list[str], find) -> None:
   main(cfg, F.model, F.devices, F.cluster, None if F.hbm_gb is None else F.hbm_gb * 2**30,
        limits, F.plan_compile, F.plan_top, F.plan_efficiency, F.report_dir,
        lambda n: command.setup_devices(n, None, F.compilation_cache, F.target), find,
-       batch_source=source, overlap=F.plan_overlap, a2a=F.plan_a2a, gmm=F.plan_gmm)
+       batch_source=source, overlap=F.plan_overlap, a2a=F.plan_a2a, gmm=F.plan_gmm,
+       ici=F.plan_ici)

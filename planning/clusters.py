@@ -10,9 +10,10 @@ What the planner assumes beyond these figures (its own assumptions, not sourced)
 TPU (tpu-v5p): the two link classes are a slice's ICI and the data-center network between
 slices; the "node" is the largest single slice. A slice's ICI is a 3D torus: a chip has six
 links, and a collective runs at what the links of the torus dimensions its group spans carry.
-The profile states one dimension's (two of the six links), for every group inside the slice: a
-group laid over two or three dimensions would run up to 2x or 3x faster, and one that is not a
-whole ring of its dimension slower. Which mesh axis maps to which dimension is not modelled.
+The profile states one dimension's (two of the six links). The planner gives every group inside
+the slice that (`--plan_ici=dimension`, the default) or, at `--plan_ici=torus`, k times it for a
+group that spans k dimensions (planning.plan.ici_dims). Which mesh axis maps to which dimension
+is not modelled, nor a group that is not a whole ring of its dimension.
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ class Cluster:
   # dense FP8 FLOP/s per device (no 2:4 sparsity), 0 where the chip has no FP8 matmul; only
   # published FP8 runs are priced at it (planning/published.py: the suite trains in bf16)
   fp8_flops: float = 0.0
+  # a TPU slice's ICI: the torus' dimensions (0: not a torus) and the devices JAX sees per chip
+  torus_dims: int = 0
+  chip_devices: int = 1
 
 
 PROFILES = {
@@ -66,7 +70,8 @@ PROFILES = {
     "tpu-v5p": Cluster("tpu-v5p", 459 * TFLOPS, 95 * GB, 6144, 200 * GB, 6.25 * GB,
                        "Cloud TPU v5p: 459 TFLOP/s bf16, 95 GB HBM, ICI 1,200 GB/s bidir per chip "
                        "(3D torus; one dimension's 2 links, 200 GB/s per direction, assumed); "
-                       "DCN 50 Gb/s per chip; slices up to 6,144 chips", temp_model="XLA:TPU"),
+                       "DCN 50 Gb/s per chip; slices up to 6,144 chips", temp_model="XLA:TPU",
+                       torus_dims=3),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): the H100's 989.4 TFLOP/s bf16 dense
     # (1,979 with sparsity), 141 GB HBM3e, NVLink 900 GB/s bidirectional; HGX H200: 8 GPUs per
     # node, 400 Gb/s InfiniBand NIC per GPU.
@@ -87,7 +92,8 @@ PROFILES = {
     "tpu-v6e": Cluster("tpu-v6e", 918 * TFLOPS, 32 * GB, 256, 200 * GB, 12.5 * GB,
                        "Cloud TPU v6e: 918 TFLOP/s bf16, 32 GB HBM, ICI 800 GB/s bidir per chip "
                        "(2D torus; one dimension's 2 links, 200 GB/s per direction, assumed); "
-                       "DCN 100 Gb/s per chip; slices up to 256 chips", temp_model="XLA:TPU"),
+                       "DCN 100 Gb/s per chip; slices up to 256 chips", temp_model="XLA:TPU",
+                       torus_dims=2),
     # Cloud TPU7x, Ironwood (cloud.google.com/tpu/docs/tpu7x): per chip 2,307 TFLOP/s bf16
     # (4,614 FP8), 192 GiB HBM, ICI 1,200 GB/s bidirectional over a 3D torus, DCN 100 Gb/s,
     # two TensorCores that JAX sees as two devices; 9,216 chips per pod. A device here is half
@@ -98,7 +104,8 @@ PROFILES = {
                       "chip; ICI 1,200 GB/s bidir per chip (3D torus; one dimension's 2 links "
                       "shared by the chip's 2 devices, 100 GB/s per device and direction, "
                       "assumed); DCN 100 Gb/s per chip; pods of 9,216 chips",
-                      temp_model="XLA:TPU", fp8_flops=2307 * TFLOPS),
+                      temp_model="XLA:TPU", fp8_flops=2307 * TFLOPS, torus_dims=3,
+                      chip_devices=2),
 }
 
 

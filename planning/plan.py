@@ -146,8 +146,10 @@ Per candidate, per device:
                GMM_HALF_ROWS fitted to planning/published.py's rows, `--fit_gmm`)
              communication = per cost-model term (measure.cost.step_terms: kind, axes, bytes),
                its wire bytes over the bandwidth of the links its group spans: the node's when
-               every axis of the group lies inside a node, else the inter-node one; an
-               all-to-all across nodes as --plan_a2a says (A2AS, `a2a_seconds`).
+               every axis of the group lies inside a node (a TPU slice's: one torus dimension's
+               links, or at --plan_ici=torus those of every dimension the group spans,
+               `ici_dims`), else the inter-node one; an all-to-all across nodes as --plan_a2a
+               says (A2AS, `a2a_seconds`).
   MFU = model FLOPs (6 x active params x tokens + attention, no recompute) / (step time x peak).
 """
 from __future__ import annotations
@@ -608,6 +610,25 @@ def gmm_efficiency(rows: float, gmm: str = GMM) -> float:
   return rows / (rows + GMM_HALF_ROWS)
 
 
+# --plan_ici: what a TPU slice's torus gives a group inside it (module docstring)
+ICIS = ("dimension",      # one torus dimension's links, whatever the group's size
+        "torus")          # the links of every dimension the group spans (ici_dims)
+ICI = "dimension"
+TORUS_RING = 4            # chips along one dimension of the smallest slice a group fills
+
+
+def ici_dims(group: int, cluster, ici: str = ICI) -> int:
+  """How many torus dimensions' links a collective over `group` devices inside a TPU slice runs
+  on: 1 under --plan_ici=dimension or off a torus; under torus, the group laid out as compactly
+  as slices are (rings of TORUS_RING chips a dimension: 4 chips span one, 16 two, 64 three),
+  min(dims, ceil(log_4(chips))), each dimension's rings running at once."""
+  if ici == "dimension" or not cluster.torus_dims:
+    return 1
+  chips = max(1, group // cluster.chip_devices)
+  span = math.ceil(math.log(chips, TORUS_RING) - 1e-9) if chips > 1 else 1
+  return max(1, min(cluster.torus_dims, span))
+
+
 def a2a_seconds(wire: float, group: int, top_k: int, cluster, a2a: str) -> float:
   """An all-to-all over `group` devices that crosses nodes, of `wire` bytes a device sends (its
   copies to every other member). flat: all of it at the inter-node bandwidth. hierarchical:
@@ -636,12 +657,12 @@ def hidden(cls: str, overlap: str, paired: bool) -> bool:
 
 def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
            overlap: str = OVERLAP, fp8: bool = False, a2a: str = A2A,
-           gmm: str = GMM, expert_rows: float = 0.0) -> None:
+           gmm: str = GMM, expert_rows: float = 0.0, ici: str = ICI) -> None:
   """Fill c's compute, communication (exposed: what overlap leaves on the critical path),
   dominant collective, tokens/s and MFU (module docstring). loads: link_loads of the step's
   cost terms. fp8: the matmuls run in FP8 (a published run's; the suite trains in bf16);
   a2a: A2AS, how a cross-node all-to-all moves its rows; gmm: GMMS, with expert_rows the rows
-  per local expert of one MoE layer's call on a device."""
+  per local expert of one MoE layer's call on a device; ici: ICIS, a TPU slice's links."""
   model_flops = flops_per_step(cfg)
   n = math.prod(s for _, s in c.sizes)
   # forward + backward = 3 forwards; remat block recomputes one, and gradient accumulation's
@@ -677,7 +698,7 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
   under = exposed = 0.0
   for key, axes, wire, cls in loads:   # the node's links where every axis lies inside it
     if all(a in c.inner for a in axes):
-      t = wire / cluster.intra_bw
+      t = wire / (cluster.intra_bw * ici_dims(math.prod(shape[a] for a in axes), cluster, ici))
     elif cls == "paired":                # the tokens' exchange (overlap_class)
       t = a2a_seconds(wire, math.prod(shape[a] for a in axes), cfg.top_k, cluster, a2a)
     else:
@@ -701,12 +722,14 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                          pp_max_microbatches=PP_MAX_MICROBATCHES,
                          accum_max_microbatches=ACCUM_MAX_MICROBATCHES,
                          efficiency: float = EFFICIENCY, overlap: str = OVERLAP,
-                         fp8: bool = False, a2a: str = A2A, gmm: str = GMM, progress=None,
+                         fp8: bool = False, a2a: str = A2A, gmm: str = GMM, ici: str = ICI,
+                         progress=None,
                          microbatches: int | None = None, only_mesh: dict | None = None,
                          options: dict | None = None) -> list[Candidate]:
   """Every candidate of the grid (module docstring), predicted; refused ones carry `error`
-  (check()'s one line) and no prediction. overlap, fp8, a2a, gmm: `timing`'s. progress: called as
-  progress(done, name, kept) now and then. The user's constraints (planning/constraints.py):
+  (check()'s one line) and no prediction. overlap, fp8, a2a, gmm, ici: `timing`'s. progress:
+  called as progress(done, name, kept) now and then. The user's constraints
+  (planning/constraints.py):
   microbatches, one M in place of the divisors; only_mesh, {axis: size} in place of every
   split of n (a strategy without one of its axes is skipped); options, {strategy: [Options]}
   in place of option_sets(strategy)."""
@@ -781,7 +804,8 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                 c = Candidate(*key[:3], remat, cf, opts, inner,
                               param_opt=o_mem["param_bytes"] + o_mem["opt_bytes"], temp=temp,
                               layer_layout=o_layers, layer_stages=o_cfg.layer_stages)
-                timing(c, c_cfg, loads, cluster, efficiency, overlap, fp8, a2a, gmm, rows)
+                timing(c, c_cfg, loads, cluster, efficiency, overlap, fp8, a2a, gmm, rows,
+                       ici)
                 c.fits = c.memory <= hbm_bytes
                 out.append(c)
       if progress is not None and time.perf_counter() - last > 2:

@@ -83,6 +83,7 @@ class Row:
   a2a: str = "flat"           # planning.plan.A2AS: "hierarchical" where the run uses DeepEP or
                               # DeepSeek's node-forwarding exchange
   gmm: str = "rows"           # planning.plan.GMMS: the grouped matmuls' cost of few rows
+  ici: str = "torus"          # planning.plan.ICIS: a TPU slice's links (no effect off a torus)
 
 
 # Megatron computes the load-balancing loss over each micro-batch's tokens: no counts pass over
@@ -209,7 +210,8 @@ def predict(row: Row) -> Prediction:
                                     capacity_factors=(row.capacity_factor,),
                                     microbatches=row.microbatches, only_mesh=mesh,
                                     options={row.strategy: [opts]}, overlap=row.overlap,
-                                    fp8=row.dtype == "fp8", a2a=row.a2a, gmm=row.gmm)
+                                    fp8=row.dtype == "fp8", a2a=row.a2a, gmm=row.gmm,
+                                    ici=row.ici)
   ok = [c for c in cands if not c.error]
   if not ok:
     return Prediction(row, error=cands[0].error if cands else "no candidate")
@@ -308,6 +310,8 @@ def main() -> None:
                   help="how every row's cross-node all-to-all moves (default: each run's own)")
   ap.add_argument("--gmm", choices=("row",) + plan.GMMS, default="row",
                   help="what every row's grouped matmuls cost at few rows (default: each row's)")
+  ap.add_argument("--ici", choices=("row",) + plan.ICIS, default="row",
+                  help="what a TPU slice's torus gives a group (default: each row's)")
   ap.add_argument("--no_fp8", action="store_true", help="FP8 rows at bf16's peak")
   ap.add_argument("--fit_gmm", action="store_true",
                   help="fit planning.plan.GMM_HALF_ROWS to the rows, with leave-one-out errors")
@@ -315,6 +319,7 @@ def main() -> None:
   rows = [dataclasses.replace(r, overlap=r.overlap if a.overlap == "row" else a.overlap,
                               a2a=r.a2a if a.a2a == "row" else a.a2a,
                               gmm=r.gmm if a.gmm == "row" else a.gmm,
+                              ici=r.ici if a.ici == "row" else a.ici,
                               dtype="bf16" if a.no_fp8 and r.dtype == "fp8" else r.dtype)
           for r in ROWS]
   if a.fit_gmm:

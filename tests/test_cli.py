@@ -128,6 +128,7 @@ BAD_FLAGS = [
     (["--plan", "--plan_overlap=all"], "--plan_overlap=all: choose from none | weights | schedule"),
     (["--plan", "--plan_a2a=deepep"], "--plan_a2a=deepep: choose from flat | hierarchical"),
     (["--plan", "--plan_gmm=tiles"], "--plan_gmm=tiles: choose from flat | rows"),
+    (["--plan", "--plan_ici=mesh"], "--plan_ici=mesh: choose from dimension | torus"),
     (["--plan", "--plan_find=pp"], "--plan_find=pp: expected STRATEGY@MESH"),
     (["--plan", "--plan_find=pp@stage:4"], "--plan_find=pp@stage:4 has 4 devices, not --devices=8"),
     (["--plan", "--plan_find=pp@fsdp:8"], "mesh axis 'fsdp' is not used by strategy 'pp'"),

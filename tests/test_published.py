@@ -75,7 +75,7 @@ def test_prediction_is_the_planners():
   cluster = clusters.get(row.cluster)
   cands = [c for c in plan.enumerate_candidates(cfg, row.devices, cluster, cluster.hbm_bytes,
                                                  names=("fsdp",), remats=(row.remat,),
-                                                 overlap=row.overlap, gmm=row.gmm)
+                                                 overlap=row.overlap, gmm=row.gmm, ici=row.ici)
            if not c.error and dict(c.sizes) == {"data": 1, "fsdp": 256}
            and c.capacity_factor == row.capacity_factor and c.microbatches == 1]
   assert p.candidate.step_s == pytest.approx(min(c.step_s for c in cands))
@@ -142,14 +142,14 @@ def test_the_publishers_orders_and_errors(preds):
   """What the time model gets right, held: the all-to-all overlap makes Qwen3-235B's 2a
   faster than the same layout without it (2c), as measured (17.6 s, 19.7 s); DeepSeek-V3's
   layout on 2,048 H800 within 25% of its ~1,540 tokens/s/GPU (the issue's target); and the
-  summary no worse than docs/planner.md prints (median error 0.091, worst 0.978, Spearman
+  summary no worse than docs/planner.md prints (median error 0.091, worst 0.411, Spearman
   0.97), and so the issue's targets: median at most 0.25, no row off by 2x, Spearman at least
   0.9 over the five Qwen3-235B layouts."""
   by = {p.row.row: p for p in preds}
   assert by["2a"].predicted < by["2c"].predicted
   assert abs(by["8"].ratio - 1) <= 0.25, by["8"].ratio
   errors = sorted(abs(p.ratio - 1) for p in preds if not p.error)
-  assert statistics.median(errors) <= 0.092 and errors[-1] <= 0.979, errors
+  assert statistics.median(errors) <= 0.092 and errors[-1] <= 0.412, errors
   assert float(published.summary(preds).split("Spearman ")[1]) >= 0.97
 
 
@@ -241,3 +241,35 @@ def test_routed_cf_sizes_the_exchange_at_the_routed_rows():
                    and x.what.startswith("dispatch"))
     calls = c.n_layer_slots * plan._runs("pp", c, dict(mesh.shape), opts)
     assert dispatch / calls / (c.d_model * 2) == pytest.approx(rows, rel=1e-5), cf
+
+
+def test_ici_dims():
+  """planning.plan.ici_dims: a group inside a TPU slice laid out as compactly as slices are,
+  rings of 4 chips a dimension (4 chips one dimension, 16 two, 64 three), capped at the torus'
+  dimensions; tpu-v7's two devices a chip; one dimension under --plan_ici=dimension and off a
+  torus."""
+  v5p, v6e, v7, h100 = (clusters.get(n) for n in ("tpu-v5p", "tpu-v6e", "tpu-v7", "h100"))
+  dims = {g: plan.ici_dims(g, v5p, "torus") for g in (1, 2, 4, 8, 16, 32, 64, 2048)}
+  assert dims == {1: 1, 2: 1, 4: 1, 8: 2, 16: 2, 32: 3, 64: 3, 2048: 3}
+  assert plan.ici_dims(256, v6e, "torus") == 2
+  assert plan.ici_dims(256, v7, "torus") == 3 and plan.ici_dims(8, v7, "torus") == 1
+  assert plan.ici_dims(256, v7, "dimension") == 1 and plan.ici_dims(256, h100, "torus") == 1
+
+
+def test_torus_prices_a_slice_group_on_its_dimensions():
+  """timing: a load inside a TPU slice runs at the profile's one-dimension bandwidth times the
+  dimensions its group spans (--plan_ici=torus); row 6's FSDP over 256 v7 devices (128 chips,
+  three dimensions) on a third of its serial communication."""
+  from modeling.config import get_config
+  cfg, v7 = get_config("tiny"), clusters.get("tpu-v7")
+  loads = (("all-reduce over fsdp", ("fsdp",), 3 * v7.intra_bw, ""),)
+  t = {}
+  for ici in plan.ICIS:
+    c = plan.Candidate("fsdp", (("data", 1), ("fsdp", 256)), 1, "none", 1.0, inner=("fsdp",))
+    plan.timing(c, cfg, loads, v7, plan.EFFICIENCY, ici=ici)
+    t[ici] = c.serial_comm_s
+  assert t == pytest.approx({"dimension": 3.0, "torus": 1.0})
+  row = next(r for r in published.ROWS if r.row == "6")
+  flat = published.predict(dataclasses.replace(row, ici="dimension")).candidate
+  torus = published.predict(row).candidate
+  assert torus.serial_comm_s == pytest.approx(flat.serial_comm_s / 3)
