@@ -332,10 +332,8 @@ def family_of(cfg: Config) -> str:
 def check_export(cfg: Config, hf_config: Mapping | None = None) -> str:
   """Whether cfg's params, trained, can be exported (run.py --export_hf asks before compiling)
   -> the model_type they will be written as: hf_config's (which must describe cfg's model), or
-  family_of(cfg)'s. ValueError saying why not."""
-  if cfg.router != "sigmoid" and cfg.bias_update_rate:
-    raise ValueError(f"bias_update_rate={cfg.bias_update_rate} trains a router bias, which a "
-                     "softmax router's checkpoint has no tensor for")
+  family_of(cfg)'s. ValueError saying why not. A trained router bias (bias_update_rate) has a
+  tensor only in a DeepSeek-style checkpoint: a sigmoid router outside the routed families."""
   if hf_config is None:
     model_type = family_of(cfg)
   else:
@@ -344,9 +342,10 @@ def check_export(cfg: Config, hf_config: Mapping | None = None) -> str:
     if off:
       raise ValueError("the model is not its config.json's: " + "; ".join(off))
     model_type = hf_config["model_type"]
-  if cfg.bias_update_rate and FAMILIES[model_type].routed is not None:
+  if cfg.bias_update_rate and (cfg.router != "sigmoid"
+                               or FAMILIES[model_type].routed is not None):
     raise ValueError(f"bias_update_rate={cfg.bias_update_rate} trains a router bias, which a "
-                     f"{model_type} checkpoint has no tensor for")
+                     f"{model_type} checkpoint with a {cfg.router} router has no tensor for")
   return model_type
 
 

@@ -172,8 +172,13 @@ def test_featured_families_refuse_what_they_cannot_say():
   for cfg, family, why in refused:
     with pytest.raises(ValueError, match=re.escape(why)):
       export_hf.config_to_hf(cfg, family)
-  with pytest.raises(ValueError, match="a llama4_text checkpoint has no tensor for"):
+  with pytest.raises(ValueError, match="a llama4_text checkpoint with a sigmoid router has no "
+                     "tensor for"):
     export_hf.check_export(llama.replace(bias_update_rate=1e-3))
+  with pytest.raises(ValueError, match="a mixtral checkpoint with a softmax router has no "):
+    export_hf.check_export(get_config("mixtral-test").replace(bias_update_rate=1e-3))
+  assert export_hf.check_export(get_config("deepseek-test").replace(
+      bias_update_rate=1e-3)) == "deepseek_v3"
   hf = export_hf.config_to_hf(llama, "llama4_text")
   params["layers"]["moe"]["bias"][1, 0] = 0.5
   with pytest.raises(ValueError, match="layer 3: a non-zero router bias"):
