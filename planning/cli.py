@@ -140,14 +140,10 @@ def check_flags(F):
     raise UsageError(f"--plan_top={F.plan_top} must be >= 1")
   if not (math.isfinite(F.plan_efficiency) and 0 < F.plan_efficiency <= 1):
     raise UsageError(f"--plan_efficiency={F.plan_efficiency} must be in (0, 1]")
-  if F.plan_overlap not in plan.OVERLAPS:
-    raise UsageError(f"--plan_overlap={F.plan_overlap}: choose from {' | '.join(plan.OVERLAPS)}")
-  if F.plan_a2a not in plan.A2AS:
-    raise UsageError(f"--plan_a2a={F.plan_a2a}: choose from {' | '.join(plan.A2AS)}")
-  if F.plan_ici not in plan.ICIS:
-    raise UsageError(f"--plan_ici={F.plan_ici}: choose from {' | '.join(plan.ICIS)}")
-  if F.plan_gmm not in plan.GMMS:
-    raise UsageError(f"--plan_gmm={F.plan_gmm}: choose from {' | '.join(plan.GMMS)}")
+  for flag, choices in (("plan_overlap", plan.OVERLAPS), ("plan_a2a", plan.A2AS),
+                        ("plan_ici", plan.ICIS), ("plan_gmm", plan.GMMS)):
+    if getattr(F, flag) not in choices:
+      raise UsageError(f"--{flag}={getattr(F, flag)}: choose from {' | '.join(choices)}")
   if F.report_dir:
     command.writable_dir("report_dir", F.report_dir)
   return find_flag(F)

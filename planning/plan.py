@@ -596,8 +596,8 @@ GMMS = ("flat",           # every matmul at the efficiency, whatever its rows
         "rows")           # the routed experts' at efficiency x r / (r + GMM_HALF_ROWS)
 GMM = "flat"
 # The rows per expert at which a grouped matmul runs at half the dense matmuls' efficiency:
-# fitted to the five Qwen3-235B-A22B layouts of planning/published.py (`--fit_gmm`), its
-# leave-one-out error in docs/planner.md
+# fitted to the posed rows of planning/published.py (`--fit_gmm`), its leave-one-out error in
+# docs/planner.md
 GMM_HALF_ROWS = 1024.0
 
 

@@ -29,15 +29,16 @@ is predicted at 91.1 s, 5.2x its measured step). A PP1 run (2b) is pp on one sta
 is gradient accumulation, its weights split over data and gathered at use (Megatron's FSDP).
 Megatron's load-balancing loss is computed per micro-batch: its rows run the suite's
 per-sequence loss (`aux_loss_kind=sequence`), which has no counts pass over the step's
-microbatches. FP8 rows price their matmuls at the
-cluster's FP8 peak (`Cluster.fp8_flops`), the attention core at bf16's. Each row hides what its
-run overlaps (`Row.overlap`, planning.plan.OVERLAPS): `schedule` (weight traffic, point-to-point
-sends and 1f1b's all-to-alls), `weights` where the publisher turned the all-to-all overlap off
-(2c). Rows whose run uses DeepEP or DeepSeek's node-forwarding exchange (2a, 2c, 8) price
-their cross-node all-to-all `hierarchical` (planning.plan.A2AS). The compute efficiency is the
-planner's default (planning.plan.EFFICIENCY), not fitted to these rows; every row prices its
-grouped matmuls by their rows per expert (`gmm="rows"`, planning.plan.GMMS), at the one
-quantity fitted to these rows, planning.plan.GMM_HALF_ROWS:
+microbatches. FP8 rows price their matmuls at the cluster's FP8 peak (`Cluster.fp8_flops`),
+the attention core at bf16's. Each row hides what its run overlaps (`Row.overlap`,
+planning.plan.OVERLAPS): `schedule` (weight traffic, point-to-point sends and 1f1b's
+all-to-alls), `weights` where the publisher turned the all-to-all overlap off (2c). Rows whose
+run uses DeepEP or DeepSeek's node-forwarding exchange (2a, 2c, 8) price their cross-node
+all-to-all `hierarchical` (planning.plan.A2AS), and the TPU rows (5, 6) run each collective on
+every torus dimension its group spans (`ici="torus"`, planning.plan.ICIS). The compute
+efficiency is the planner's default (planning.plan.EFFICIENCY), not fitted to these rows;
+every row prices its grouped matmuls by their rows per expert (`gmm="rows"`,
+planning.plan.GMMS), at the one quantity fitted to these rows, planning.plan.GMM_HALF_ROWS:
 
   python -m planning.published --fit_gmm    # the grid, the fit, each row's leave-one-out error
 """
@@ -104,18 +105,19 @@ def routed_cf(mesh: dict, options: dict) -> float:
 
 
 def _qwen3(row, layout, mesh, options, m, measured, remat="none", strategy="pp", seq=4096,
-           batch=2048, measure="step_s", waits="", overlap="schedule", a2a="flat"):
+           batch=2048, measure="step_s", waits="", overlap="schedule", a2a="flat", config=()):
   return Row(row, "qwen3-235b-a22b", "h100", 256, "bf16", layout, strategy, mesh, options, m,
              remat, routed_cf(mesh, options), seq, batch, measure, measured, MEGATRON_QWEN3,
-             waits, PER_MICROBATCH, overlap, a2a)
+             waits, PER_MICROBATCH + config, overlap, a2a)
 
 
 FOLD_1F1B = {"experts": "fold", "schedule": "1f1b"}
+BRIDGE_MESH = {"stage": 8, "data": 2, "expert": 32, "tensor": 2}
+BRIDGE_OPTIONS = dict(FOLD_1F1B, virtual_stages=4)
 ROWS = [
     Row("1", "deepseek-v3", "h100", 1024, "fp8", "TP2 PP8 VP4 EP64, MBS 1, forced-balanced",
-        "pp", {"stage": 8, "data": 2, "expert": 32, "tensor": 2},
-        dict(FOLD_1F1B, virtual_stages=4), 128, "none", 1 / 2, 4096, 8192, "tokens_per_s", 1297.0,
-        MEGATRON_BRIDGE),
+        "pp", BRIDGE_MESH, BRIDGE_OPTIONS, 128, "none", routed_cf(BRIDGE_MESH, BRIDGE_OPTIONS),
+        4096, 8192, "tokens_per_s", 1297.0, MEGATRON_BRIDGE),
     _qwen3("2a", "TP2 EP32 PP8 VPP4 DP16, DeepEP, 1F1B a2a overlap",
            {"stage": 8, "expert": 16, "tensor": 2}, dict(FOLD_1F1B, virtual_stages=4), 128, 17.6,
            a2a="hierarchical"),
@@ -131,10 +133,8 @@ ROWS = [
     # 94 layers on 32 x 3 chunks: posed as 96 layers, the lockstep of 96 equal slots; which two
     # slots Megatron leaves lighter (its options can count the embedding and the loss as a
     # layer each) the row does not say
-    Row("2d", "qwen3-235b-a22b", "h100", 256, "bf16", "TP2 EP8 PP32 VPP3 DP4, plain a2a", "pp",
-        {"stage": 32, "expert": 4, "tensor": 2}, dict(FOLD_1F1B, virtual_stages=3), 512, "none",
-        1 / 2, 4096, 2048, "step_s", 24.2, MEGATRON_QWEN3,
-        config=PER_MICROBATCH + (("n_layers", 96),)),
+    _qwen3("2d", "TP2 EP8 PP32 VPP3 DP4, plain a2a", {"stage": 32, "expert": 4, "tensor": 2},
+           dict(FOLD_1F1B, virtual_stages=3), 512, 24.2, config=(("n_layers", 96),)),
     _qwen3("2e", "TP4 EP8 PP8 VPP4 DP8", {"stage": 8, "data": 4, "expert": 2, "tensor": 4},
            dict(FOLD_1F1B, virtual_stages=4), 256, 29.0),
     _qwen3("3a", "TP4 PP8 VPP4 EP8 CP1, 16K, dropless", {"stage": 8, "data": 4, "expert": 2,
@@ -316,10 +316,8 @@ def main() -> None:
   ap.add_argument("--fit_gmm", action="store_true",
                   help="fit planning.plan.GMM_HALF_ROWS to the rows, with leave-one-out errors")
   a = ap.parse_args()
-  rows = [dataclasses.replace(r, overlap=r.overlap if a.overlap == "row" else a.overlap,
-                              a2a=r.a2a if a.a2a == "row" else a.a2a,
-                              gmm=r.gmm if a.gmm == "row" else a.gmm,
-                              ici=r.ici if a.ici == "row" else a.ici,
+  given = {k: getattr(a, k) for k in ("overlap", "a2a", "gmm", "ici") if getattr(a, k) != "row"}
+  rows = [dataclasses.replace(r, **given,
                               dtype="bf16" if a.no_fp8 and r.dtype == "fp8" else r.dtype)
           for r in ROWS]
   if a.fit_gmm:
