@@ -136,18 +136,19 @@ flags.DEFINE_string("plan_find", None, "--plan: also print where one layout rank
                     "was refused: STRATEGY@MESH, e.g. pp@stage:16,data:2,expert:64")
 flags.DEFINE_float("plan_efficiency", 0.5, "--plan: the fraction of peak FLOP/s the step's "
                    "matmuls are assumed to reach")
-flags.DEFINE_string("plan_overlap", "none", "--plan: what communication runs under compute: "
+flags.DEFINE_string("plan_overlap", "weights", "--plan: what communication runs under compute: "
                     "none (every collective serial with it: the upper bound) | weights (weight "
-                    "gathers, gradient reductions and point-to-point sends hidden) | schedule "
+                    "gathers, gradient reductions and point-to-point sends hidden, as XLA:GPU's "
+                    "asynchronous collectives run them) | schedule "
                     "(also the all-to-alls of 1f1b, which pairs two microbatches in a tick)")
 flags.DEFINE_string("plan_a2a", "flat", "--plan: how an all-to-all that crosses nodes moves its "
                     "rows: flat (every routed copy over InfiniBand) | hierarchical (DeepEP: a "
                     "token crosses to each destination node once, NVLink fans it out there)")
-flags.DEFINE_string("plan_ici", "dimension", "--plan on a TPU cluster: what a slice's torus "
+flags.DEFINE_string("plan_ici", "torus", "--plan on a TPU cluster: what a slice's torus "
                     "gives a collective inside it: dimension (one torus dimension's links) | "
                     "torus (the links of every dimension its group spans: 4 chips one, 16 two, "
                     "64 or more three)")
-flags.DEFINE_string("plan_gmm", "flat", "--plan: what the routed experts' grouped matmuls cost: "
+flags.DEFINE_string("plan_gmm", "rows", "--plan: what the routed experts' grouped matmuls cost: "
                     "flat (at --plan_efficiency, whatever their rows) | rows (at efficiency x "
                     "r / (r + planning.plan.GMM_HALF_ROWS), r the rows per local expert of one "
                     "layer's call)")

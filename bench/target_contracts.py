@@ -40,11 +40,11 @@ def rows(pick: str | None, which: str):
     yield from ((name, c, "target") for c in getattr(strat, "TARGET_CASES", ()))
 
 
-def check_row(name: str, case, devices) -> dict:
-  """One row compiled for `devices` (f32 at "highest" matmul precision, measure/compilers.py)."""
+def compile_row(name: str, case, devices):
+  """One row compiled for `devices` (f32 at "highest" matmul precision, measure/compilers.py):
+  (job, its config, mesh, options, compile seconds)."""
   import jax
   from layout import mesh as mesh_lib
-  from measure import compilers, cost, hlo
   from runtime import train
   import strategies
   from tests import parity
@@ -55,7 +55,16 @@ def check_row(name: str, case, devices) -> dict:
   t0 = time.perf_counter()
   with jax.default_matmul_precision("highest"):
     job = train.build(strat, cfg, mesh, opts, compile_only=True)
-  seconds = time.perf_counter() - t0
+  return job, cfg, mesh, opts, time.perf_counter() - t0
+
+
+def check_row(name: str, case, devices) -> dict:
+  """One row compiled for `devices`, its collectives held to the cost model."""
+  from measure import compilers, cost, hlo
+  import strategies
+  from tests import parity
+  strat = strategies.get(name)
+  job, cfg, mesh, opts, seconds = compile_row(name, case, devices)
   measured = hlo.bytes_by_axes(hlo.collective_stats_by_axes(job.hlo, mesh))
   predicted = cost.by_axes(cost.step_terms(strat, cfg, mesh, opts))
   declared = parity.declared(name, opts, mesh, cfg.optimizer, cfg)

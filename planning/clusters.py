@@ -11,8 +11,8 @@ TPU (tpu-v5p): the two link classes are a slice's ICI and the data-center networ
 slices; the "node" is the largest single slice. A slice's ICI is a 3D torus: a chip has six
 links, and a collective runs at what the links of the torus dimensions its group spans carry.
 The profile states one dimension's (two of the six links). The planner gives every group inside
-the slice that (`--plan_ici=dimension`, the default) or, at `--plan_ici=torus`, k times it for a
-group that spans k dimensions (planning.plan.ici_dims). Which mesh axis maps to which dimension
+the slice that (`--plan_ici=dimension`) or, at `--plan_ici=torus` (the default), k times it for
+a group that spans k dimensions (planning.plan.ici_dims). Which mesh axis maps to which dimension
 is not modelled, nor a group that is not a whole ring of its dimension.
 """
 from __future__ import annotations

@@ -126,8 +126,8 @@ Per candidate, per device:
            candidates on 64 (planning/tpu_v5p_scale.json, which also holds the held-out pick
            and two steps XLA:TPU refused, over its HBM, that no fit reads). 19 of the 22 within
            10% of XLA:TPU's total; the planner's first pick on 64 v5p chips, held out, 1.037.
-  step time = compute + the communication --plan_overlap leaves exposed (OVERLAPS: none, the
-             default, adds every collective; weights hides weight traffic and point-to-point
+  step time = compute + the communication --plan_overlap leaves exposed (OVERLAPS: none adds
+             every collective; weights, the default, hides weight traffic and point-to-point
              sends, schedule also 1f1b's all-to-alls; what is hidden hides up to the compute's
              length):
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
@@ -140,14 +140,16 @@ Per candidate, per device:
                dense prefix run on every stage
              (a published FP8 run: the matmuls at the cluster's FP8 peak, the attention core
                at bf16's; a cluster without an FP8 peak, bf16's)
-             (--plan_gmm=rows: the routed experts' share of the FLOPs, `routed_share`, at
-               efficiency x r / (r + GMM_HALF_ROWS), r the rows per local expert of one MoE
-               layer's call on a device, the temp model's R over the experts the device holds;
-               GMM_HALF_ROWS fitted to planning/published.py's rows, `--fit_gmm`)
+             (--plan_gmm=rows, the default: the routed experts' share of the FLOPs,
+               `routed_share`, at efficiency x r / (r + GMM_HALF_ROWS), r the rows balanced
+               routing gives a local expert in one MoE layer's call on a device, the temp
+               model's R at `routed_cf` over the experts the device holds, whatever the
+               candidate's capacity factor; GMM_HALF_ROWS fitted to planning/published.py's
+               rows, `--fit_gmm`)
              communication = per cost-model term (measure.cost.step_terms: kind, axes, bytes),
                its wire bytes over the bandwidth of the links its group spans: the node's when
                every axis of the group lies inside a node (a TPU slice's: one torus dimension's
-               links, or at --plan_ici=torus those of every dimension the group spans,
+               links, or at --plan_ici=torus, the default, those of every dimension the group spans,
                `ici_dims`), else the inter-node one; an all-to-all across nodes as --plan_a2a
                says (A2AS, `a2a_seconds`).
   MFU = model FLOPs (6 x active params x tokens + attention, no recompute) / (step time x peak).
@@ -482,6 +484,27 @@ def _routed_rows(name: str, cfg, shape: dict, t: float, terms, opts=None) -> flo
   return t * cfg.top_k
 
 
+def routed_cf(shape: dict, opts) -> float:
+  """The capacity factor at which the padded exchange carries the routed rows of balanced
+  routing: 1, but 1 / (t c) under pp's experts=fold, where a device routes S / (c t) positions
+  of a sequence and the capacity rule bounds the copies it sends a shard by the whole
+  sequence's slots (layout/dispatch.py: rows_bound), t c times its routed rows."""
+  if getattr(opts, "experts", None) != "fold":
+    return 1.0
+  return 1.0 / (shape.get("tensor", 1) * shape.get("context", 1))
+
+
+def _balanced_rows(name: str, cfg, mesh, opts, local_e: float) -> float:
+  """The rows per local expert of one MoE layer's call under balanced routing (--plan_gmm):
+  the expert rows (the temp model's work_rows_d, R x D x 4) of the candidate at routed_cf,
+  over the experts a device holds. Not the candidate's own padded rows: its capacity factor
+  pads the buffer (dropless to the worst case), not the rows each expert's matmul runs on."""
+  strat = strategies.get(name)
+  r_cfg = cfg.replace(capacity_factor=routed_cf(dict(mesh.shape), opts))
+  raw = strat.cost(cost.microbatch(r_cfg, strat.layout(r_cfg, mesh, opts)), mesh, opts)
+  return step_features(name, r_cfg, mesh, raw, opts)["work_rows_d"] / (4 * cfg.d_model) / local_e
+
+
 def _dim_shards(spec, dim: int, mesh) -> int:
   if spec is None or dim >= len(spec) or spec[dim] is None:
     return 1
@@ -556,7 +579,10 @@ OVERLAPS = ("none",       # every collective serial with the compute: the upper 
                           # point-to-point sends (pp's stage permutes, ring attention's K/V)
             "schedule")   # those, and the exchanges of schedules that pair two microbatches in a
                           # tick (1f1b: one's all-to-all runs under the other's compute)
-OVERLAP = "none"      # the planner's default (--plan_overlap)
+# the planner's default (--plan_overlap): XLA:GPU issues the weights' collectives as
+# asynchronous start/done pairs with compute between them (bench/async_collectives.py), and the
+# published runs overlap them; the suite's schedules do not pair two microbatches' exchanges
+OVERLAP = "weights"
 
 
 EXCHANGES = ("all-to-all", "ragged-all-to-all")
@@ -594,7 +620,7 @@ A2A = "flat"
 # --plan_gmm: what the grouped matmuls' rows per expert cost (module docstring)
 GMMS = ("flat",           # every matmul at the efficiency, whatever its rows
         "rows")           # the routed experts' at efficiency x r / (r + GMM_HALF_ROWS)
-GMM = "flat"
+GMM = "rows"
 # The rows per expert at which a grouped matmul runs at half the dense matmuls' efficiency:
 # fitted to the posed rows of planning/published.py (`--fit_gmm`), its leave-one-out error in
 # docs/planner.md
@@ -613,7 +639,7 @@ def gmm_efficiency(rows: float, gmm: str = GMM) -> float:
 # --plan_ici: what a TPU slice's torus gives a group inside it (module docstring)
 ICIS = ("dimension",      # one torus dimension's links, whatever the group's size
         "torus")          # the links of every dimension the group spans (ici_dims)
-ICI = "dimension"
+ICI = "torus"
 TORUS_RING = 4            # chips along one dimension of the smallest slice a group fills
 
 
@@ -751,6 +777,8 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
         continue
       mesh = mesh_lib.abstract_mesh(shape)
       mems = {}                                # params + optimizer state per stored model
+      padding = {}                             # padded / routed expert rows, per (cf, options)
+      routed = {}                              # routed expert rows, per (M, options)
       layers = _layer_layout(name, cfg, shape)
       m_cfg = cfg.replace(layer_layout=layers)
       m_shapes = shapes if not layers else model.init_params_shapes(m_cfg)
@@ -798,8 +826,16 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
               loads = link_loads(cost.finish(raw, c_cfg, mesh, lay))   # cost.step_terms
               feats = step_features(name, c_cfg, mesh, raw, opts, o_mem["param_bytes"])
               temp = predict_temp(feats, cluster.temp_model)
-              # rows per local expert of one MoE layer's call (work_rows_d: R x D x 4)
-              rows = feats["work_rows_d"] / (4 * cfg.d_model) / local_e
+              # rows per local expert under balanced routing: the candidate's padded rows over
+              # their ratio to routed_cf's, a ratio of per-sequence slots that M leaves alone
+              padded = feats["work_rows_d"] / (4 * cfg.d_model) / local_e
+              if (cf, opts) not in padding:
+                if cf == routed_cf(shape, opts):
+                  routed[m, opts] = padded
+                elif (m, opts) not in routed:
+                  routed[m, opts] = _balanced_rows(name, c_cfg, mesh, opts, local_e)
+                padding[cf, opts] = padded / routed[m, opts] if routed[m, opts] > 0 else 1.0
+              rows = padded / padding[cf, opts]
               for inner in placements(shape, cluster.node_size):
                 c = Candidate(*key[:3], remat, cf, opts, inner,
                               param_opt=o_mem["param_bytes"] + o_mem["opt_bytes"], temp=temp,

@@ -123,7 +123,9 @@ def test_interleaved_candidates_store_the_chunks_and_shorten_the_bubble():
   (layer_stages = P, P x v groups) and are predicted with the bubble (P-1)/(vM+P-1): less
   compute time than gpipe's same layout."""
   cfg = get_config("tiny", dtype="bfloat16", n_layers=4)
-  cands = [c for c in plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("pp",))
+  # gmm flat: the schedules' exchanges carry their [EP, e] counts per call, which moves each
+  # one's rows per expert (--plan_gmm=rows) by a few in 10,000
+  cands = [c for c in plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("pp",), gmm="flat")
            if not c.error and dict(c.sizes)["stage"] == 2]
   key = lambda c: (c.sizes, c.microbatches, c.remat, c.capacity_factor, c.inner)
   gpipe = {key(c): c for c in cands if c.opts.schedule == "gpipe"}
@@ -264,8 +266,10 @@ def test_accumulation_is_enumerated_and_priced_as_the_cost_model():
   measure.cost.step_terms prices the step (M microbatches' exchanges, the counts pass, the
   once-per-step terms once); it holds one microbatch's activations plus a gradient carry."""
   cfg = get_config("mixtral-8x7b", **SMALL)
+  # gmm flat: under rows, M = 2 also halves each grouped matmul's rows (test_published.py)
   cands = [c for c in plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("ep",),
-                                                remats=("block",), capacity_factors=(0.0,))
+                                                remats=("block",), capacity_factors=(0.0,),
+                                                gmm="flat")
            if not c.error and dict(c.sizes) == {"data": 1, "fsdp": 1, "expert": 8}]
   by_m = {c.microbatches: c for c in cands}
   assert sorted(by_m) == [1, 2], sorted(by_m)            # 16 sequences over 8 batch shards
@@ -275,7 +279,7 @@ def test_accumulation_is_enumerated_and_priced_as_the_cost_model():
   ref = dataclasses.replace(two)
   plan.timing(ref, c_cfg, plan.link_loads(cost.step_terms(
       strategies.get("ep"), c_cfg, mesh_lib.abstract_mesh(dict(two.sizes)), two.opts)),
-              H100, plan.EFFICIENCY)
+              H100, plan.EFFICIENCY, gmm="flat")
   assert ref.comm_s == pytest.approx(two.comm_s, rel=1e-12) and two.comm_s > one.comm_s
   assert two.compute_s == pytest.approx(one.compute_s * 5 / 4)   # + pass 1's forwards
   assert two.temp < one.temp, (two.temp, one.temp)

@@ -201,6 +201,34 @@ def test_grouped_matmul_rows_per_expert(preds):
     assert by[k].candidate.compute_s == pytest.approx(flat.compute_s * (1 - r + r / g), rel=1e-9)
 
 
+def test_rows_per_expert_are_the_routed_rows_whatever_the_capacity_factor():
+  """The planner prices a grouped matmul by the rows balanced routing gives each local expert,
+  not by the candidate's padded buffer: ep on Mixtral-8x7B's 8 experts, one a device (EP 8),
+  a 4,096-token sequence a device: the group's 8 sequences route 2 copies a token over the 8
+  experts, 8,192 rows each, at capacity factor 0 (padded to the worst case), 1 and 1.25
+  alike."""
+  from modeling.config import get_config
+  cfg = get_config("mixtral-8x7b", dtype="bfloat16").replace(batch=8)
+  h100 = clusters.get("h100")
+  cands = [c for c in plan.enumerate_candidates(cfg, 8, h100, h100.hbm_bytes, names=("ep",),
+                                                 remats=("block",),
+                                                 capacity_factors=(0.0, 1.0, 1.25))
+           if not c.error and dict(c.sizes)["expert"] == 8]
+  assert {c.capacity_factor for c in cands} == {0.0, 1.0, 1.25}
+  assert [c.expert_rows for c in cands] == pytest.approx([8192.0] * len(cands), rel=1e-5)
+  # pp's microbatches split the batch: a call's rows are 1/M of the step's, at every factor
+  pp = [c for c in plan.enumerate_candidates(cfg.replace(batch=16), 8, h100, h100.hbm_bytes,
+                                               names=("pp",), remats=("block",),
+                                               capacity_factors=(0.0, 1.25),
+                                               only_mesh={"stage": 2, "expert": 4})
+        if not c.error]
+  assert {c.microbatches for c in pp} >= {1, 2, 4} and {c.capacity_factor for c in pp} == {
+      0.0, 1.25}
+  # 16 sequences over data 1: each of the 8 experts gets 16 x 4,096 x 2 / 8 rows a step
+  assert [c.expert_rows * c.microbatches for c in pp] == pytest.approx([16384.0] * len(pp),
+                                                                       rel=1e-5)
+
+
 def test_gmm_half_rows_is_the_fit(preds):
   """planning.plan.GMM_HALF_ROWS is the fit's minimum (`python -m planning.published
   --fit_gmm`: least mean |log(predicted / measured)| over the posed rows) against its grid
@@ -273,3 +301,17 @@ def test_torus_prices_a_slice_group_on_its_dimensions():
   flat = published.predict(dataclasses.replace(row, ici="dimension")).candidate
   torus = published.predict(row).candidate
   assert torus.serial_comm_s == pytest.approx(flat.serial_comm_s / 3)
+
+
+def test_the_planners_header_states_its_error():
+  """The error `run.py --plan`'s header states at its default terms is what
+  `python -m planning.published --overlap=weights` prints: every row at the planner's default
+  overlap, gmm and ici, each at its own all-to-all and dtype."""
+  from planning import cli
+  assert (plan.OVERLAP, plan.GMM, plan.ICI) == ("weights", "rows", "torus")
+  rows = [dataclasses.replace(r, overlap=plan.OVERLAP) for r in published.ROWS]
+  line = published.summary([published.predict(r) for r in rows])
+  n, median, worst = re.search(r"published: (\d+) rows, median error ([\d.]+), worst error "
+                               r"([\d.]+)", line).groups()
+  assert f"held to {n} published runs" in cli.HELD, (cli.HELD, line)
+  assert f"median error {median}, worst {worst}" in cli.HELD, (cli.HELD, line)
