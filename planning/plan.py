@@ -142,10 +142,9 @@ Per candidate, per device:
                at bf16's; a cluster without an FP8 peak, bf16's)
              (--plan_gmm=rows, the default: the routed experts' share of the FLOPs,
                `routed_share`, at efficiency x r / (r + GMM_HALF_ROWS), r the rows balanced
-               routing gives a local expert in one MoE layer's call on a device, the temp
-               model's R at `routed_cf` over the experts the device holds, whatever the
-               candidate's capacity factor; GMM_HALF_ROWS fitted to planning/published.py's
-               rows, `--fit_gmm`)
+               routing gives a local expert in one MoE layer's call on a device
+               (`balanced_rows`), whatever the candidate's capacity factor pads; GMM_HALF_ROWS
+               fitted to planning/published.py's rows, `--fit_gmm`)
              communication = per cost-model term (measure.cost.step_terms: kind, axes, bytes),
                its wire bytes over the bandwidth of the links its group spans: the node's when
                every axis of the group lies inside a node (a TPU slice's: one torus dimension's
@@ -484,25 +483,16 @@ def _routed_rows(name: str, cfg, shape: dict, t: float, terms, opts=None) -> flo
   return t * cfg.top_k
 
 
-def routed_cf(shape: dict, opts) -> float:
-  """The capacity factor at which the padded exchange carries the routed rows of balanced
-  routing: 1, but 1 / (t c) under pp's experts=fold, where a device routes S / (c t) positions
-  of a sequence and the capacity rule bounds the copies it sends a shard by the whole
-  sequence's slots (layout/dispatch.py: rows_bound), t c times its routed rows."""
-  if getattr(opts, "experts", None) != "fold":
-    return 1.0
-  return 1.0 / (shape.get("tensor", 1) * shape.get("context", 1))
-
-
-def _balanced_rows(name: str, cfg, mesh, opts, local_e: float) -> float:
-  """The rows per local expert of one MoE layer's call under balanced routing (--plan_gmm):
-  the expert rows (the temp model's work_rows_d, R x D x 4) of the candidate at routed_cf,
-  over the experts a device holds. Not the candidate's own padded rows: its capacity factor
-  pads the buffer (dropless to the worst case), not the rows each expert's matmul runs on."""
-  strat = strategies.get(name)
-  r_cfg = cfg.replace(capacity_factor=routed_cf(dict(mesh.shape), opts))
-  raw = strat.cost(cost.microbatch(r_cfg, strat.layout(r_cfg, mesh, opts)), mesh, opts)
-  return step_features(name, r_cfg, mesh, raw, opts)["work_rows_d"] / (4 * cfg.d_model) / local_e
+def balanced_rows(cfg, shape: dict, local_e: float, f_split: int) -> float:
+  """The rows per local expert of one MoE layer's call on a device under balanced routing
+  (--plan_gmm): a call's tokens (the batch over its M microbatches) route K copies each, spread
+  evenly over the devices that compute a layer's experts on distinct rows (every device of a
+  stage, over the shards of the experts' hidden width, which compute the same rows), then over
+  the local_e experts a device holds. Not the exchange's padded buffer: a capacity factor pads
+  it (dropless to the worst case, a split sequence to the whole sequence's slots), while each
+  expert's matmul runs on the rows routed to it."""
+  devices = math.prod(shape.values()) / shape.get("stage", 1) / f_split
+  return cfg.batch * cfg.seq_len / cfg.microbatches * cfg.top_k / devices / local_e
 
 
 def _dim_shards(spec, dim: int, mesh) -> int:
@@ -777,8 +767,6 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
         continue
       mesh = mesh_lib.abstract_mesh(shape)
       mems = {}                                # params + optimizer state per stored model
-      padding = {}                             # padded / routed expert rows, per (cf, options)
-      routed = {}                              # routed expert rows, per (M, options)
       layers = _layer_layout(name, cfg, shape)
       m_cfg = cfg.replace(layer_layout=layers)
       m_shapes = shapes if not layers else model.init_params_shapes(m_cfg)
@@ -814,11 +802,12 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
             if (o_cfg, opts) not in mems:          # opts may store the params (ep_x_tp's zero1)
               o_shapes = m_shapes if o_cfg is m_cfg else model.init_params_shapes(o_cfg)
               specs = strat.param_specs(o_cfg, mesh, opts)
-              # the routed experts a device holds
-              local_e = o_cfg.n_experts / _dim_shards(specs["layers"]["moe"]["wi_0"], 1, mesh)
+              # the routed experts a device holds, and the shards of their hidden width
+              wi = specs["layers"]["moe"]["wi_0"]
               mems[o_cfg, opts] = (cost.param_memory(o_shapes, specs, mesh, cfg.optimizer),
-                                   local_e)
-            o_mem, local_e = mems[o_cfg, opts]
+                                   o_cfg.n_experts / _dim_shards(wi, 1, mesh),
+                                   _dim_shards(wi, 3, mesh))
+            o_mem, local_e, f_split = mems[o_cfg, opts]
             lay = strat.layout(base, mesh, opts)
             raw = strat.cost(cost.microbatch(base, lay), mesh, opts)   # what cost.finish reads
             for remat in remats:
@@ -826,16 +815,7 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
               loads = link_loads(cost.finish(raw, c_cfg, mesh, lay))   # cost.step_terms
               feats = step_features(name, c_cfg, mesh, raw, opts, o_mem["param_bytes"])
               temp = predict_temp(feats, cluster.temp_model)
-              # rows per local expert under balanced routing: the candidate's padded rows over
-              # their ratio to routed_cf's, a ratio of per-sequence slots that M leaves alone
-              padded = feats["work_rows_d"] / (4 * cfg.d_model) / local_e
-              if (cf, opts) not in padding:
-                if cf == routed_cf(shape, opts):
-                  routed[m, opts] = padded
-                elif (m, opts) not in routed:
-                  routed[m, opts] = _balanced_rows(name, c_cfg, mesh, opts, local_e)
-                padding[cf, opts] = padded / routed[m, opts] if routed[m, opts] > 0 else 1.0
-              rows = padded / padding[cf, opts]
+              rows = balanced_rows(c_cfg, shape, local_e, f_split)
               for inner in placements(shape, cluster.node_size):
                 c = Candidate(*key[:3], remat, cf, opts, inner,
                               param_opt=o_mem["param_bytes"] + o_mem["opt_bytes"], temp=temp,

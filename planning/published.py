@@ -95,11 +95,13 @@ PER_MICROBATCH = (("aux_loss_kind", "sequence"),)
 
 def routed_cf(mesh: dict, options: dict) -> float:
   """The capacity factor at which the suite's padded exchange carries the routed rows of
-  balanced routing, the bytes a dropless exchange (Megatron's) moves (planning.plan.routed_cf).
-  The step's FLOPs do not read it."""
-  import types
-  from planning import plan
-  return plan.routed_cf(mesh, types.SimpleNamespace(experts=options.get("experts")))
+  balanced routing, the bytes a dropless exchange (Megatron's) moves: 1, but 1 / (t c) under
+  pp's experts=fold, where a device routes S / (c t) positions of a sequence and the capacity
+  rule bounds the copies it sends a shard by the whole sequence's slots (layout/dispatch.py:
+  rows_bound), t c times its routed rows. The step's FLOPs do not read it."""
+  if options.get("experts") != "fold":
+    return 1.0
+  return 1.0 / (mesh.get("tensor", 1) * mesh.get("context", 1))
 
 
 def _qwen3(row, layout, mesh, options, m, measured, remat="none", strategy="pp", seq=4096,

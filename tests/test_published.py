@@ -227,6 +227,17 @@ def test_rows_per_expert_are_the_routed_rows_whatever_the_capacity_factor():
   # 16 sequences over data 1: each of the 8 experts gets 16 x 4,096 x 2 / 8 rows a step
   assert [c.expert_rows * c.microbatches for c in pp] == pytest.approx([16384.0] * len(pp),
                                                                        rel=1e-5)
+  # a sequence split over the exchange's axis pads each device's buffer to the whole
+  # sequence's slots, not its rows: ep_as_cp (S over expert) and ep_x_tp's sequence
+  # parallelism (S over tensor, its rows gathered back) run 8,192 rows an expert, as ep does
+  split = {"ep_as_cp": {"fsdp": 8, "expert": 8},
+           "ep_x_tp": {"data": 8, "expert": 4, "tensor": 2}}
+  for name, mesh in split.items():
+    got = [c for c in plan.enumerate_candidates(cfg.replace(batch=64), 64, h100, h100.hbm_bytes,
+                                                names=(name,), remats=("block",),
+                                                only_mesh=mesh)
+           if not c.error and c.microbatches == 1]
+    assert got and [c.expert_rows for c in got] == pytest.approx([8192.0] * len(got)), name
 
 
 def test_gmm_half_rows_is_the_fit(preds):
