@@ -125,7 +125,7 @@ Per candidate, per device:
            steps compiled for 8 v5p chips (planning/tpu_v5p_cases.json) and 4 Mixtral-8x7B
            candidates on 64 (planning/tpu_v5p_scale.json, which also holds the held-out pick
            and two steps XLA:TPU refused, over its HBM, that no fit reads). 19 of the 22 within
-           10% of XLA:TPU's total; the planner's first pick on 64 v5p chips, held out, 1.037.
+           10% of XLA:TPU's total; ep_x_tp data:8,expert:8 zero1 on 64 v5p chips, held out, 1.037.
   step time = compute + the communication --plan_overlap leaves exposed (OVERLAPS: none adds
              every collective; weights, the default, hides weight traffic and point-to-point
              sends, schedule also 1f1b's all-to-alls; what is hidden hides up to the compute's
