@@ -1,8 +1,9 @@
 """Which collectives a target compiler issues asynchronously in a strategy's step, and how much
-compute it schedules under each: every strategy's first test row (bench/target_contracts.py's
-rows) compiled for 8 devices of `--target` on this host, its scheduled HLO read per collective
-kind: how many are start/done pairs, the compute ops (fusions, dots, convolutions, custom
-calls) the schedule places between a start and its done, and how many are synchronous.
+compute it schedules under each: every strategy's first test row and its TARGET_CASES
+(bench/target_contracts.py's rows: ep's ragged exchange) compiled for 8 devices of `--target`
+on this host, its scheduled HLO read per collective kind: how many are start/done pairs, the
+compute ops (fusions, dots, convolutions, custom calls) the schedule places between a start and
+its done, and how many are synchronous.
 
 What it says about --plan_overlap=weights (planning/plan.py): a start/done pair with compute
 between is a collective the compiler overlaps with that compute; a synchronous one waits.
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
   target_lib.configure(args.target)
   devices = target_lib.devices(args.target, target_contracts.DEVICES)
   print(f"{devices.compiler} ({args.target}, {devices.topology}): each strategy's first test "
-        f"row, {target_contracts.DEVICES} devices")
+        f"row and target rows, {target_contracts.DEVICES} devices")
   print("| row | collective | asynchronous | compute ops under each: min / median / max "
         "| synchronous |")
   print("|---|---|---|---|---|")
