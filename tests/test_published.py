@@ -326,3 +326,14 @@ def test_the_planners_header_states_its_error():
                                r"([\d.]+)", line).groups()
   assert f"held to {n} published runs" in cli.HELD, (cli.HELD, line)
   assert f"median error {median}, worst {worst}" in cli.HELD, (cli.HELD, line)
+
+
+def test_run_py_flag_defaults_are_the_planners():
+  """run.py's --plan_* defaults are planning.plan's constants (written twice, as run.py keeps
+  planning out of its start-up): the header states the held error only at cli.DEFAULTS, so a
+  default flipped in one place alone would print a plan the error does not describe."""
+  import run
+  from planning import cli
+  cli_defaults = tuple(run.F[name].default for name in
+                       ("plan_overlap", "plan_a2a", "plan_gmm", "plan_ici", "plan_efficiency"))
+  assert cli_defaults == cli.DEFAULTS
