@@ -37,8 +37,9 @@ runs):
   counted at every run of it (an upper bound), unless the op's ``metadata={op_name="..."}``
   holds a named scope ``<name>.taken_<k>_of_<n>`` (``TAKEN``): the program says there that each
   device takes that branch k times in every n runs of its conditional, and the op counts k/n
-  of its runs (a float; sums over a scope's ops are whole). The persistent compilation cache
-  keys a program without its metadata: two programs that differ only in scopes read as one.
+  of its runs (a float; sums over a scope's ops are whole); nested scopes multiply. The
+  persistent compilation cache keys a program without its metadata: two programs that differ
+  only in scopes read as one.
 * CPU emits no async ``-start``/``-done`` pairs; on other backends a pair is
   reported once, with the groups of the start and the result bytes of the
   done.
@@ -293,8 +294,7 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
         groups = started.pop(operand, ())
       else:
         groups = parse_replica_groups(line, n_dev)
-      taken = TAKEN.search(line)
-      share = int(taken.group(1)) / int(taken.group(2)) if taken else 1
+      share = math.prod(int(k) / int(n) for k, n in TAKEN.findall(line))  # nested: each's
       ops.append(CollectiveOp(kind, shape_bytes(m.group("shape")), groups,
                   counts[name] * share))
   return ops

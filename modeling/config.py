@@ -408,14 +408,6 @@ class Config:
     need(not self.layer_stages or len(self.layer_groups) % self.layer_stages == 0,
          f"layer_layout={self.layer_layout or self.n_moe_layers}: {len(self.layer_groups)} "
          f"groups are not a multiple of layer_stages={self.layer_stages}")
-    sizes = self.layer_groups
-    need(len(kinds) == 1 or not (self.layer_layout or self.layer_stages) or (
-        len(set(sizes)) == 1 and sizes[0] % len(kinds) == 0
-        and self.first_k_dense_replace % len(kinds) == 0),
-         f"attention_pattern's period {len(kinds)} with layer_layout="
-         f"{self.layer_layout or self.n_moe_layers}: pipeline stages hold whole periods, so every "
-         f"group must hold the same multiple of {len(kinds)} MoE layers (no padding) after a "
-         f"dense prefix of a multiple of {len(kinds)}")
     need(not self.n_dense_layers or self.dense_d_ff >= 1,
          "dense_d_ff must be >= 1 with dense layers (first_k_dense_replace, mlp_only_layers)")
     if self.mla:

@@ -726,15 +726,18 @@ def slot_mask(cfg: Config):
   return None if (slots >= 0).all() else slots >= 0
 
 
-def moe_stack(x, layers, positions, cfg: Config, lay: Parallelism, mask=None, dense=None):
+def moe_stack(x, layers, positions, cfg: Config, lay: Parallelism, mask=None, dense=None,
+              kinds=None):
   """x [B, S, D] through a stack of MoE layers (stacked params `layers`, one `block` scanned)
   -> (x, router stats {name: [rows, ...]}). mask [rows] bool (default: slot_mask(cfg), for the
   whole stack): a False row is a padding slot, its block computed and discarded (x passes
   through unchanged, its stats are zeros, its parameters get zero gradients). positions: [B, S]
-  or their Positions. The rows start on a period of cfg.layer_attentions (pp's stages and
-  chunks hold whole periods: config.validate, pp.check): row i has attention kind [i % period].
-  dense: the dense rows [n, ...] of a stack with dense layers inside, interleaved with the MoE
-  rows as the model's one repeated period orders them (a pp stage of whole periods, pp.check)."""
+  or their Positions. Row i has attention kind cfg.layer_attentions[(first_k_dense_replace + i)
+  % period], the stack's rows in depth order from its first MoE layer; kinds [rows] int32 (a
+  traced value: a pp stage's chunk that starts inside a period) gives each row's kind as an
+  index into cfg.layer_attentions instead (`switched_rows`). dense: the dense rows [n, ...] of
+  a stack with dense layers inside, interleaved with the MoE rows as the model's one repeated
+  period orders them (a pp stage of whole periods, pp.check)."""
   mask = slot_mask(cfg) if mask is None else mask
   pos = layer_positions(positions, lay)                  # once, outside the scan and its remat
   rows = jax.tree.leaves(layers)[0].shape[0]
@@ -742,9 +745,44 @@ def moe_stack(x, layers, positions, cfg: Config, lay: Parallelism, mask=None, de
     period = cfg.layer_segments[0][0]
     n = rows + jax.tree.leaves(dense)[0].shape[0]
     return run_layers(x, dense, layers, pos, cfg, lay, period * (n // len(period)), mask)
-  kinds = cfg.layer_attentions
+  if kinds is not None:
+    return switched_rows(x, layers, pos, cfg, lay, kinds, mask)
+  names, first = cfg.layer_attentions, cfg.first_k_dense_replace
   return run_layers(x, None, layers, pos, cfg, lay,
-                    tuple((kinds[i % len(kinds)], True) for i in range(rows)), mask)
+                    tuple((names[(first + i) % len(names)], True) for i in range(rows)), mask)
+
+
+def switched_rows(x, layers, pos: Positions, cfg: Config, lay: Parallelism, kinds, mask=None):
+  """x [B, S, D] through MoE rows whose attention kinds are data: kinds [rows] int32, an index
+  into cfg.layer_attentions per row (a pp stage's chunk that starts inside a period, so that
+  stages running one program hold rows of different kinds) -> (x, stats {name: [rows, ...]}).
+  One scan over the rows; its step is a lax.switch over the period's kinds, one `block` under
+  remat in each branch, of which a device runs the one its row names. Each branch is scoped
+  `attention_<kind>.taken_<c>_of_<n>` (measure/hlo.py: TAKEN), c of the model's n MoE layers
+  being of that kind: the branches' collectives are alike (a kind changes the mask, not what
+  is exchanged: pp.check refuses the ring, whose exchange a window shortens), so the program's
+  collectives count once per row. mask [rows] bool as in moe_stack, or None."""
+  names = cfg.layer_attentions
+  moe_kinds = [k for k, moe in cfg.layer_kinds if moe]
+  bodies = [_layer_body(k, pos, cfg, lay) for k in names]
+
+  def scoped(body, name):
+    share = f"attention_{name}.taken_{moe_kinds.count(name)}_of_{len(moe_kinds)}"
+
+    def branch(x, lp):
+      with jax.named_scope(share):
+        return body(x, lp)
+    return branch
+  branches = [scoped(b, k) for b, k in zip(bodies, names)]
+
+  def step(x, xs):
+    lp, kind, real = xs
+    y, st = jax.lax.switch(kind, branches, x, lp)
+    if real is None:
+      return y, st
+    return jnp.where(real, y, x), jax.tree.map(lambda v: jnp.where(real, v, 0).astype(v.dtype), st)
+  real = None if mask is None else jnp.asarray(mask)
+  return jax.lax.scan(step, x, (layers, jnp.asarray(kinds, jnp.int32), real))
 
 
 def run_layers(x, dense, moe, pos: Positions, cfg: Config, lay: Parallelism, kinds, mask=None):

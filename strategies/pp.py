@@ -11,8 +11,10 @@ over tensor, as ep_x_tp's).
 P x max(c) rows (modeling/config.py layer_slots; a padding row is inert), so "L/P" below reads
 "max(c)"; without it, a P that does not divide L gets balanced_layout(L, P) (`stored_config`).
 The interleaved schedules store P x v groups round-robin (stage s holds groups s, s+P, ..).
-Layers of different attention kinds (attention_pattern: gpt-oss, Llama 4) run where every
-chunk holds whole periods of them (check). Dense layers inside the stack (mlp_only_layers:
+Layers of different attention kinds (attention_pattern: gpt-oss, Llama 4) run on any layout:
+where a chunk starts inside a period (gpt-oss-120b's 9 layers a stage on 4 stages), each row's
+kind is data and its block a lax.switch over the kinds (slot_kinds, model.switched_rows; not
+with the ring, check). Dense layers inside the stack (mlp_only_layers:
 Maverick) are stage rows as the MoE layers are, their stack's L over stage, where the model is
 one repeated period with no prefix and each stage holds whole periods (`_check_dense_inside`).
 
@@ -411,6 +413,12 @@ BAD_INPUT = [
              "pp option kv_exchange=ring runs under gpipe and interleaved: 1f1b's phases are "
              "conditionals that one stage takes, and the ring's collective-permute is one op over "
              "every device"),
+    # gpt-oss's (sliding, full) on stages of 3 layers: stage 1's rows start on a full layer
+    BadInput(dict(n_layers=6, attention_pattern="sliding,full", sliding_window=8),
+             "stage:2,context:2,expert:2", Options(kv_exchange="ring"),
+             "pp: attention_pattern=sliding,full on chunks of 3 layers, which start inside a "
+             "period: kv_exchange=ring runs where every chunk holds whole periods (a window "
+             "shortens its exchange)"),
     BadInput(dict(), "stage:2,expert:4", Options(sequence_parallel=True),
              "pp option sequence_parallel=true needs a tensor axis of size > 1 (without one "
              "nothing is split)"),
@@ -437,13 +445,14 @@ def contract_tags(opts, cfg=None):
 def check(cfg, mesh, opts):
   if cfg.dense_inside:
     _check_dense_inside(cfg, mesh)
-  period = len(cfg.layer_attentions)              # layers of different attention kinds
-  per_chunk = cfg.n_layer_slots // mesh_lib.axis_size(mesh, STAGE) // chunks(cfg)
-  if period > 1 and not cfg.dense_inside and (per_chunk % period
-                                              or cfg.first_k_dense_replace % period):
-    raise ConfigError(f"pp: attention_pattern={cfg.attention_pattern}: each stage's chunk of "
-                      f"{per_chunk} MoE layers (and the dense prefix of "
-                      f"{cfg.first_k_dense_replace}) must hold whole periods of {period} layers")
+  # layers of different attention kinds on chunks that start inside a period: each row's kind
+  # is data (slot_kinds), and a window changes what the ring exchanges
+  if (opts.kv_exchange == "ring" and mesh_lib.axis_size(mesh, CONTEXT) > 1
+          and slot_kinds(cfg, mesh_lib.axis_size(mesh, STAGE), chunks(cfg)) is not None):
+    raise ConfigError(f"pp: attention_pattern={cfg.attention_pattern} on chunks of "
+                      f"{cfg.n_layer_slots // mesh_lib.axis_size(mesh, STAGE) // chunks(cfg)} "
+                      "layers, which start inside a period: kv_exchange=ring runs where every "
+                      "chunk holds whole periods (a window shortens its exchange)")
   check_layout(cfg, mesh, opts)               # the schedule's options and the layer layout
   fold = opts.experts == "fold"
   if fold and mesh_lib.axis_size(mesh, TENSOR) == 1:
@@ -741,15 +750,15 @@ def _stages(p, tokens, pos, *, cfg, n_stage, ep_size, opts, unroll=False):
   lay = _stage_layout(cfg, ep_size, opts)
   x0 = jax.lax.map(lambda tp: model.dense_prefix(p["embed"][tp[0]], p, tp[1], cfg, lay),
                    (_split(tokens, m), pos))
-  mask = _stage_mask(cfg, n_stage)
+  mask, kinds = _stage_mask(cfg, n_stage), _stage_kinds(cfg, n_stage)
   rows = cfg.n_layer_slots // n_stage                               # this stage's stored rows
   per = rows // v                                                   # a chunk's rows
 
   def run_chunk(x, pos_m, r):                                       # chunk r of this stage
     if v == 1:
       return model.moe_stack(x, p["layers"], pos_m, cfg, lay, mask,
-                             p["dense_layers"] if cfg.dense_inside else None)
-    return _chunk(p["layers"], x, pos_m, r, per=per, mask=mask, cfg=cfg, lay=lay)
+                             p["dense_layers"] if cfg.dense_inside else None, kinds)
+    return _chunk(p["layers"], x, pos_m, r, per=per, mask=mask, kinds=kinds, cfg=cfg, lay=lay)
 
   # ring: with v chunks the last stage's output feeds the first stage's next chunk
   pairs = [(i, (i + 1) % n_stage) for i in range(n_stage)] if v > 1 else \
@@ -786,7 +795,7 @@ def _stages(p, tokens, pos, *, cfg, n_stage, ep_size, opts, unroll=False):
   return outs, stats
 
 
-def _chunk(layers, x, pos_m, r, *, per, mask, cfg, lay):
+def _chunk(layers, x, pos_m, r, *, per, mask, kinds, cfg, lay):
   """Chunk r (rows r*per .. of this stage's stack `layers`) on x [b/M, S, D] -> (y, stats), with
   a vjp that keeps the chunk's activations but not its weights: the weight slices that its
   residuals hold are dropped and re-cut from the stack (loop-invariant, kept once) in the
@@ -796,12 +805,13 @@ def _chunk(layers, x, pos_m, r, *, per, mask, cfg, lay):
   meta = {}                                   # the vjp's structure, from the forward's trace
 
   @jax.custom_vjp
-  def f(layers, x, pos_m, r, mk):
-    return model.moe_stack(x, jax.tree.map(lambda a: cut(a, r), layers), pos_m, cfg, lay, mk)
+  def f(layers, x, pos_m, r, mk, kd):
+    return model.moe_stack(x, jax.tree.map(lambda a: cut(a, r), layers), pos_m, cfg, lay, mk,
+                           kinds=kd)
 
-  def f_fwd(layers, x, pos_m, r, mk):
+  def f_fwd(layers, x, pos_m, r, mk, kd):
     lp = jax.tree.map(lambda a: cut(a, r), layers)
-    out, vj = jax.vjp(lambda lp, x: model.moe_stack(x, lp, pos_m, cfg, lay, mk), lp, x)
+    out, vj = jax.vjp(lambda lp, x: model.moe_stack(x, lp, pos_m, cfg, lay, mk, kinds=kd), lp, x)
     kept, meta["tree"], meta["weight"] = _drop_weights(vj, lp)
     return out, (layers, r, kept)
 
@@ -811,10 +821,11 @@ def _chunk(layers, x, pos_m, r, *, per, mask, cfg, lay):
     d_lp, dx = _with_weights(kept, meta["tree"], meta["weight"], lp)(ct)
     put = lambda a, d: jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(a), d.astype(a.dtype),
                                                            r * per, 0)
-    return jax.tree.map(put, layers, d_lp), dx, None, None, None
+    return jax.tree.map(put, layers, d_lp), dx, None, None, None, None
 
   f.defvjp(f_fwd, f_bwd)
-  return f(layers, x, pos_m, r, None if mask is None else cut(mask, r))
+  return f(layers, x, pos_m, r, None if mask is None else cut(mask, r),
+           None if kinds is None else cut(kinds, r))
 
 
 # ----------------------------------------------------------------------------- 1f1b: a table run
@@ -904,7 +915,7 @@ class _Run:
       self.counts = jax.lax.stop_gradient(
           _stages(pc, tokens, self.pos, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
                   opts=opts, unroll=v == 1)[1]["counts"])
-    self.mask = _stage_mask(cfg, n_stage)
+    self.mask, self.kinds = _stage_mask(cfg, n_stage), _stage_kinds(cfg, n_stage)
     self.rows = cfg.n_layer_slots // n_stage        # the stage's stored rows, self.per a chunk's
     self.per = self.rows // v
     self.pe = {k: pc[k] for k in ("embed", "dense_layers")              # stage 0's phases'
@@ -945,8 +956,9 @@ class _Run:
                                                       self.lay),
                      lambda pe, x: x, pe, x)
     mk = None if self.mask is None else self.cut(self.mask, r)
+    kd = None if self.kinds is None else self.cut(self.kinds, r)
     y, st = model.moe_stack(x, lp["layers"], pos_m, cfg, self.lay, mk,
-                            lp.get("dense_layers"))                 # st: {name: [rows/v, ...]}
+                            lp.get("dense_layers"), kd)             # st: {name: [rows/v, ...]}
     cnt = None if self.counts is None else self.cut(self.counts, r)
     aux, z = routing.aux_losses(st if cnt is None else {**st, "counts": cnt}, self.n_tokens, cfg)
     part = (cfg.aux_loss_coef * jnp.sum(aux) + cfg.z_loss_coef * jnp.sum(z)) * _first_tensor_rank()
@@ -1062,6 +1074,28 @@ def _stage_mask(cfg, n_stage):
   (--layer_layout), or None when the stack has no padding."""
   mask = model.slot_mask(cfg)
   return None if mask is None else jnp.asarray(mask.reshape(n_stage, -1))[
+      jax.lax.axis_index(STAGE)]
+
+
+def slot_kinds(cfg, n_stage: int, v: int):
+  """[n_layer_slots] int32: each stored row's attention kind, an index into
+  cfg.layer_attentions (its layer's depth past the dense prefix, mod the period; 0 for a
+  padding row), or None where every chunk of v on the n_stage stages starts on a period (then
+  moe_stack's static kinds, row i's (first_k_dense_replace + i) % period, are each row's)."""
+  period = len(cfg.layer_attentions)
+  if period == 1 or cfg.dense_inside:
+    return None
+  slots = np.asarray(cfg.layer_slots)
+  kinds = np.where(slots >= 0, (cfg.first_k_dense_replace + slots) % period, 0).astype(np.int32)
+  per = len(slots) // n_stage // v
+  static = (cfg.first_k_dense_replace + np.arange(len(slots)) % per) % period
+  return None if (kinds == static)[slots >= 0].all() else kinds
+
+
+def _stage_kinds(cfg, n_stage):
+  """[slots per stage] int32, this device's rows' attention kinds (slot_kinds), or None."""
+  kinds = slot_kinds(cfg, n_stage, chunks(cfg))
+  return None if kinds is None else jnp.asarray(kinds.reshape(n_stage, -1))[
       jax.lax.axis_index(STAGE)]
 
 
