@@ -152,6 +152,10 @@ flags.DEFINE_string("plan_gmm", "rows", "--plan: what the routed experts' groupe
                     "flat (at --plan_efficiency, whatever their rows) | rows (at efficiency x "
                     "r / (r + planning.plan.GMM_HALF_ROWS), r the rows per local expert of one "
                     "layer's call)")
+flags.DEFINE_float("plan_imbalance", 0.0, "--plan: the busiest device's routed work over "
+                   "balanced routing's, minus 1 (0.1: 10% more), at most the capacity factor; "
+                   "it scales the routed experts' matmuls (the published runs measured real "
+                   "routing 8-20% slower than forced-balanced; docs/planner.md)")
 flags.DEFINE_string("target", None, "with --compile_only: compile for --devices devices of this "
                     "hardware, on this host, with its own compiler (runtime/target.py): "
                     + ", ".join(target_lib.PROFILES) + " (TPU: pip install -r "

@@ -124,4 +124,5 @@ if A.bytes:
     got = ", ".join(f"{k} over {','.join(sorted(a))} {v['measured'] / G:.2f}G"
                     for (k, a), v in r.bytes_by_axes.items() if v["measured"] > 1e6)
     worst = max((abs(v["ratio"] - 1) for v in r.bytes_by_axes.values()), default=float("nan"))
-    print(f"| {text} | {c.step_s:.3f} | {c.dominant} | {got} | {worst:.3f} |")
+    print(f"| {text} | {c.step_s:.3f} | {c.dominant}{' (hidden)' if c.dominant_hidden else ''} "
+          f"| {got} | {worst:.3f} |")

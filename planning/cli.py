@@ -31,7 +31,15 @@ ICI_WORDS = {"dimension": "a collective in a slice on one torus dimension's link
 # to that command's summary by tests/test_published.py
 HELD = ("step time held to 13 published runs at these defaults: median error 0.093, worst 0.423 "
         "(python -m planning.published --overlap=weights)")
-DEFAULTS = (plan.OVERLAP, plan.A2A, plan.GMM, plan.ICI, plan.EFFICIENCY)
+DEFAULTS = (plan.OVERLAP, plan.A2A, plan.GMM, plan.ICI, plan.EFFICIENCY, plan.IMBALANCE)
+
+
+def imbalance_words(imbalance: float) -> str:
+  """The header's words for --plan_imbalance."""
+  if not imbalance:
+    return "balanced routing (--plan_imbalance=0)"
+  return (f"the busiest device's routed work {1 + imbalance:.2f}x balanced routing's, at most the "
+          f"capacity factor (--plan_imbalance={imbalance:g})")
 GMM_WORDS = {"flat": "grouped matmuls at that efficiency (--plan_gmm=flat)",
              "rows": f"grouped matmuls at r / (r + {plan.GMM_HALF_ROWS:g}) of it, r rows per "
                      "local expert (--plan_gmm=rows)"}
@@ -42,7 +50,7 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
          report_dir: str | None, setup_devices, find: tuple | None = None,
          batch_source: str = "", overlap: str = plan.OVERLAP,
          a2a: str = plan.A2A, gmm: str = plan.GMM,
-         ici: str = plan.ICI) -> list[plan.Candidate]:
+         ici: str = plan.ICI, imbalance: float = plan.IMBALANCE) -> list[plan.Candidate]:
   """limits: what the flags hold fixed (Constraints() = the whole grid). setup_devices(n):
   run.py's, called before anything could start JAX's backend when compile_k > 0: the
   runtime.target.Target the compiles use (n simulated devices of this host, or a --target's).
@@ -56,7 +64,7 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
   print(f"planning {model_name} on {n} x {cluster.name} ...", file=sys.stderr, flush=True)
   cands = plan.enumerate_candidates(cfg, n, cluster, hbm, efficiency=efficiency,
                                     overlap=overlap, a2a=a2a, gmm=gmm, ici=ici,
-                                    progress=plan.progress_line,
+                                    imbalance=imbalance, progress=plan.progress_line,
                                     **limits.kwargs())
   ranked = plan.rank(cands)
   dt = time.perf_counter() - t0
@@ -73,7 +81,8 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
         f"{cluster.peak_flops / 1e12:.1f} TFLOP/s, {OVERLAP_WORDS[overlap]}; {a2a} "
         f"all-to-all across nodes (--plan_a2a); {GMM_WORDS[gmm]}; "
         f"{ICI_WORDS[ici] + '; ' if cluster.torus_dims else ''}"
-        f"{HELD + '; ' if (overlap, a2a, gmm, ici, efficiency) == DEFAULTS else ''}"
+        f"{imbalance_words(imbalance)}; "
+        f"{HELD + '; ' if (overlap, a2a, gmm, ici, efficiency, imbalance) == DEFAULTS else ''}"
         f"{len(cands)} enumerated "
         f"(strategy x mesh x M x remat x capacity factor x axes inside a node of "
         f"{cluster.node_size}{fixed}). G = GiB.")
@@ -87,7 +96,8 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
   else:
     print(f"verdict: {best.layout()}: {best.step_s:.3f} s/step predicted, "
           f"{best.tokens_per_s:,.0f} tokens/s per device, MFU {best.mfu:.1%}, "
-          f"{best.memory / 2**30:.1f} GiB per device; dominant: {best.dominant}")
+          f"{best.memory / 2**30:.1f} GiB per device; dominant: {best.dominant}"
+          f"{' (hidden)' if best.dominant_hidden else ''}")
   if find is not None:
     print(render.found(cands, ranked, *find))
   if report_dir:
@@ -147,6 +157,8 @@ def check_flags(F):
     raise UsageError(f"--plan_top={F.plan_top} must be >= 1")
   if not (math.isfinite(F.plan_efficiency) and 0 < F.plan_efficiency <= 1):
     raise UsageError(f"--plan_efficiency={F.plan_efficiency} must be in (0, 1]")
+  if not (math.isfinite(F.plan_imbalance) and F.plan_imbalance >= 0):
+    raise UsageError(f"--plan_imbalance={F.plan_imbalance} must be >= 0")
   for flag, choices in (("plan_overlap", plan.OVERLAPS), ("plan_a2a", plan.A2AS),
                         ("plan_ici", plan.ICIS), ("plan_gmm", plan.GMMS)):
     if getattr(F, flag) not in choices:
@@ -204,4 +216,5 @@ def run(F, argv_names: list[str], find) -> None:
        limits, F.plan_compile, F.plan_top, F.plan_efficiency, F.report_dir,
        lambda n: command.setup_devices(n, None, F.compilation_cache, F.target), find,
        batch_source=source, overlap=F.plan_overlap, a2a=F.plan_a2a, gmm=F.plan_gmm,
+       imbalance=F.plan_imbalance,
        ici=F.plan_ici)

@@ -144,7 +144,9 @@ Per candidate, per device:
                `routed_share`, at efficiency x r / (r + GMM_HALF_ROWS), r the rows balanced
                routing gives a local expert in one MoE layer's call on a device
                (`balanced_rows`), whatever the candidate's capacity factor pads; GMM_HALF_ROWS
-               fitted to planning/published.py's rows, `--fit_gmm`)
+               fitted to planning/published.py's rows, `--fit_gmm`); x routed_load, the busiest
+               device's routed rows over the balanced mean (--plan_imbalance, default 0, capped
+               at a capacity factor)
              communication = per cost-model term (measure.cost.step_terms: kind, axes, bytes),
                its wire bytes over the bandwidth of the links its group spans: the node's when
                every axis of the group lies inside a node (a TPU slice's: one torus dimension's
@@ -215,8 +217,9 @@ class Candidate:
   compute_s: float = 0.0
   comm_s: float = 0.0          # exposed: what --plan_overlap leaves beside the compute
   serial_comm_s: float = 0.0   # every collective's time, none hidden (--plan_overlap=none)
-  dominant: str = ""           # the collective (kind over axes) taking the most time
-  dominant_s: float = 0.0
+  dominant: str = ""           # the collective (kind over axes) that lengthens the step most
+  dominant_s: float = 0.0      # ... its time (`timing`)
+  dominant_hidden: bool = False  # ... every collective runs under the compute: the largest
   tokens_per_s: float = 0.0    # per device
   mfu: float = 0.0
   fits: bool = False
@@ -617,6 +620,20 @@ GMM = "rows"
 GMM_HALF_ROWS = 1024.0
 
 
+# --plan_imbalance: how much more routed work the busiest device does than balanced routing gives
+# it (module docstring); 0: balanced, as the forced-balanced published runs route
+IMBALANCE = 0.0
+
+
+def routed_load(imbalance: float, capacity_factor: float, capped: bool = True) -> float:
+  """The busiest device's routed rows over balanced routing's: 1 + imbalance, capped at a
+  capacity factor (the rows past an expert's capacity are dropped; 0: dropless, no cap).
+  capped=False: the capacity factor sizes an exchange that drops nothing (a published dropless
+  run's, planning/published.py: routed_cf), no cap."""
+  load = 1.0 + imbalance
+  return min(load, max(1.0, capacity_factor)) if capped and capacity_factor else load
+
+
 def gmm_efficiency(rows: float, gmm: str = GMM) -> float:
   """The grouped matmul's efficiency relative to a dense matmul's at `rows` rows per local
   expert (one MoE layer's call on a device): 1 under flat; r / (r + GMM_HALF_ROWS) under rows,
@@ -671,14 +688,23 @@ def hidden(cls: str, overlap: str, paired: bool) -> bool:
           or cls == "paired" and paired and overlap == "schedule")
 
 
+# what a collective must add to the step, as a fraction of it, to be named dominant over the
+# largest hidden one (render: "(hidden)")
+DOMINANT_EXPOSED = 0.01
+
+
 def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
            overlap: str = OVERLAP, fp8: bool = False, a2a: str = A2A,
-           gmm: str = GMM, expert_rows: float = 0.0, ici: str = ICI) -> None:
+           gmm: str = GMM, expert_rows: float = 0.0, ici: str = ICI,
+           imbalance: float = IMBALANCE, capped: bool = True) -> None:
   """Fill c's compute, communication (exposed: what overlap leaves on the critical path),
   dominant collective, tokens/s and MFU (module docstring). loads: link_loads of the step's
   cost terms. fp8: the matmuls run in FP8 (a published run's; the suite trains in bf16);
   a2a: A2AS, how a cross-node all-to-all moves its rows; gmm: GMMS, with expert_rows the rows
-  per local expert of one MoE layer's call on a device; ici: ICIS, a TPU slice's links."""
+  per local expert of one MoE layer's call on a device; ici: ICIS, a TPU slice's links;
+  imbalance: the busiest device's routed work over the balanced mean, minus 1 (routed_load:
+  its grouped matmuls' FLOPs, at the balanced rows' efficiency; the exchanges' bytes are the
+  cost model's buffers), capped at c's capacity factor unless capped=False."""
   model_flops = flops_per_step(cfg)
   n = math.prod(s for _, s in c.sizes)
   # forward + backward = 3 forwards; remat block recomputes one, and gradient accumulation's
@@ -707,9 +733,10 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
   a, r = attention_share(cfg), routed_share(cfg)
   c.expert_rows = expert_rows
   mm_peak = cluster.fp8_flops if fp8 and cluster.fp8_flops else cluster.peak_flops
+  load = routed_load(imbalance, c.capacity_factor, capped)
   c.compute_s = work * (a / cluster.peak_flops + (1 - a - r) / mm_peak
-                        + r / (mm_peak * gmm_efficiency(expert_rows, gmm))) / efficiency
-  per_key: dict = {}
+                        + r * load / (mm_peak * gmm_efficiency(expert_rows, gmm))) / efficiency
+  per_key: dict = {False: {}, True: {}}      # hidden? -> {collective: its time}
   paired = _pipelined(c.strategy) and _one_f(c.opts)
   under = exposed = 0.0
   for key, axes, wire, cls in loads:   # the node's links where every axis lies inside it
@@ -719,16 +746,30 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
       t = a2a_seconds(wire, math.prod(shape[a] for a in axes), cfg.top_k, cluster, a2a)
     else:
       t = wire / cluster.inter_bw
-    per_key[key] = per_key.get(key, 0.0) + t
-    if hidden(cls, overlap, paired):
+    under_compute = hidden(cls, overlap, paired)
+    per_key[under_compute][key] = per_key[under_compute].get(key, 0.0) + t
+    if under_compute:
       under += t
     else:
       exposed += t
   # what runs under compute is hidden up to the compute's length; the rest is exposed
   c.serial_comm_s = under + exposed
   c.comm_s = exposed + max(0.0, under - c.compute_s)
-  if per_key:
-    c.dominant, c.dominant_s = max(per_key.items(), key=lambda kv: kv[1])
+  # the dominant collective: the one that adds the most time to the step (the first of a tie),
+  # a hidden one adding its share of what overflows the compute; where none adds
+  # DOMINANT_EXPOSED of the step, the largest by its own time, marked hidden
+  overflow = max(0.0, under - c.compute_s) / under if under else 0.0
+  adds: dict = {}
+  for hid, loads_of in per_key.items():
+    for key, t in loads_of.items():
+      adds[key] = adds.get(key, 0.0) + t * (overflow if hid else 1.0)
+  if adds:
+    key, t = max(adds.items(), key=lambda kv: kv[1])
+    c.dominant_hidden = t < DOMINANT_EXPOSED * c.step_s
+    if c.dominant_hidden:
+      whole = {k: per_key[False].get(k, 0.0) + per_key[True].get(k, 0.0) for k in adds}
+      key = max(whole.items(), key=lambda kv: kv[1])[0]
+    c.dominant, c.dominant_s = key, per_key[False].get(key, 0.0) + per_key[True].get(key, 0.0)
   c.tokens_per_s = cfg.batch * cfg.seq_len / c.step_s / n
   c.mfu = model_flops / (c.step_s * n * cluster.peak_flops)
 
@@ -739,11 +780,14 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                          accum_max_microbatches=ACCUM_MAX_MICROBATCHES,
                          efficiency: float = EFFICIENCY, overlap: str = OVERLAP,
                          fp8: bool = False, a2a: str = A2A, gmm: str = GMM, ici: str = ICI,
+                         imbalance: float = IMBALANCE, capped: bool = True,
                          progress=None,
                          microbatches: int | None = None, only_mesh: dict | None = None,
                          options: dict | None = None) -> list[Candidate]:
   """Every candidate of the grid (module docstring), predicted; refused ones carry `error`
-  (check()'s one line) and no prediction. overlap, fp8, a2a, gmm, ici: `timing`'s. progress:
+  (check()'s one line) and no prediction. overlap, fp8, a2a, gmm, ici, imbalance, capped:
+  `timing`'s.
+  progress:
   called as progress(done, name, kept) now and then. The user's constraints
   (planning/constraints.py):
   microbatches, one M in place of the divisors; only_mesh, {axis: size} in place of every
@@ -821,7 +865,7 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                               param_opt=o_mem["param_bytes"] + o_mem["opt_bytes"], temp=temp,
                               layer_layout=o_layers, layer_stages=o_cfg.layer_stages)
                 timing(c, c_cfg, loads, cluster, efficiency, overlap, fp8, a2a, gmm, rows,
-                       ici)
+                       ici, imbalance, capped)
                 c.fits = c.memory <= hbm_bytes
                 out.append(c)
       if progress is not None and time.perf_counter() - last > 2:

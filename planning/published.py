@@ -41,6 +41,11 @@ every row prices its grouped matmuls by their rows per expert (`gmm="rows"`,
 planning.plan.GMMS), at the one quantity fitted to these rows, planning.plan.GMM_HALF_ROWS:
 
   python -m planning.published --fit_gmm    # the grid, the fit, each row's leave-one-out error
+
+Routing: NVIDIA's tables force balanced routing unless a row is marked dropless (`Row.balanced`:
+rows 1 and 2a-2e); the other rows route for real. `--imbalance=X` prices those at the busiest
+device's routed work 1 + X times the balanced mean (planning.plan.routed_load, the planner's
+--plan_imbalance), the forced-balanced rows at 1; the default, 0, prices every row balanced.
 """
 from __future__ import annotations
 
@@ -85,6 +90,11 @@ class Row:
                               # DeepSeek's node-forwarding exchange
   gmm: str = "rows"           # planning.plan.GMMS: the grouped matmuls' cost of few rows
   ici: str = "torus"          # planning.plan.ICIS: a TPU slice's links (no effect off a torus)
+  balanced: bool = False      # the publisher forced balanced routing (NVIDIA's tables, unless
+                              # marked dropless); a real-routing row takes --imbalance
+  imbalance: float = 0.0      # planning.plan.IMBALANCE where the routing is real
+  capacity: bool = False      # capacity_factor is the run's capacity (MaxText's 1.25), which
+                              # caps the busiest device's rows; else it sizes a dropless exchange
 
 
 # Megatron computes the load-balancing loss over each micro-batch's tokens: no counts pass over
@@ -106,9 +116,10 @@ def routed_cf(mesh: dict, options: dict) -> float:
 
 def _qwen3(row, layout, mesh, options, m, measured, remat="none", strategy="pp", seq=4096,
            batch=2048, measure="step_s", waits="", overlap="schedule", a2a="flat", config=()):
+  # NVIDIA's tables force balanced routing unless a row says dropless (real-world notes)
   return Row(row, "qwen3-235b-a22b", "h100", 256, "bf16", layout, strategy, mesh, options, m,
              remat, routed_cf(mesh, options), seq, batch, measure, measured, MEGATRON_QWEN3,
-             waits, PER_MICROBATCH + config, overlap, a2a)
+             waits, PER_MICROBATCH + config, overlap, a2a, balanced="dropless" not in layout)
 
 
 FOLD_1F1B = {"experts": "fold", "schedule": "1f1b"}
@@ -117,7 +128,7 @@ BRIDGE_OPTIONS = dict(FOLD_1F1B, virtual_stages=4)
 ROWS = [
     Row("1", "deepseek-v3", "h100", 1024, "fp8", "TP2 PP8 VP4 EP64, MBS 1, forced-balanced",
         "pp", BRIDGE_MESH, BRIDGE_OPTIONS, 128, "none", routed_cf(BRIDGE_MESH, BRIDGE_OPTIONS),
-        4096, 8192, "tokens_per_s", 1297.0, MEGATRON_BRIDGE),
+        4096, 8192, "tokens_per_s", 1297.0, MEGATRON_BRIDGE, balanced=True),
     _qwen3("2a", "TP2 EP32 PP8 VPP4 DP16, DeepEP, 1F1B a2a overlap",
            {"stage": 8, "expert": 16, "tensor": 2}, dict(FOLD_1F1B, virtual_stages=4), 128, 17.6,
            a2a="hierarchical"),
@@ -155,7 +166,8 @@ ROWS = [
         "none", 1.0, 4096, 256, "tflops", 468.0, MEGATRON_MOE),
     Row("5", "mixtral-8x7b", "tpu-v6e", 256, "bf16", "FSDP 256, capacity 1.25", "fsdp",
         {"fsdp": 256}, {}, 1, "block", 1.25, 4096, 3072, "step_s", 13.48,
-        TPU_RECIPES + ", Trillium Mixtral-8x7B (13.48 s, 3,645 tokens/s per chip)"),
+        TPU_RECIPES + ", Trillium Mixtral-8x7B (13.48 s, 3,645 tokens/s per chip)",
+        capacity=True),
     Row("6", "deepseek-v3", "tpu-v7", 256, "bf16", "FSDP over 256 devices (128 chips), no EP",
         "fsdp", {"fsdp": 256}, {}, 1, "block", 0.0, 4096, 2048, "step_s", 27.02,
         TPU_RECIPES + ", Ironwood DeepSeek-V3 (27.02 s, 2,426 tokens/s per chip)"),
@@ -211,7 +223,8 @@ def predict(row: Row) -> Prediction:
                                     microbatches=row.microbatches, only_mesh=mesh,
                                     options={row.strategy: [opts]}, overlap=row.overlap,
                                     fp8=row.dtype == "fp8", a2a=row.a2a, gmm=row.gmm,
-                                    ici=row.ici)
+                                    ici=row.ici, imbalance=0.0 if row.balanced else row.imbalance,
+                                    capped=row.capacity)
   ok = [c for c in cands if not c.error]
   if not ok:
     return Prediction(row, error=cands[0].error if cands else "no candidate")
@@ -297,7 +310,8 @@ def line(p: Prediction) -> str:
           f"measured {r.measured:,.2f}, ratio {p.ratio:.3f}; step {c.step_s:.2f} s = compute "
           f"{c.compute_s:.2f}{' (FP8 matmuls)' if r.dtype == 'fp8' else ''} + exposed comm "
           f"{c.comm_s:.2f} of {c.serial_comm_s:.2f} (overlap {r.overlap}, {r.a2a} all-to-all; "
-          f"dominant {c.dominant} {c.dominant_s:.2f} s){flops}\n    source: {r.source}")
+          f"dominant {c.dominant} {c.dominant_s:.2f} s{', hidden' if c.dominant_hidden else ''})"
+          f"{flops}\n    source: {r.source}")
 
 
 def main() -> None:
@@ -313,10 +327,14 @@ def main() -> None:
   ap.add_argument("--ici", choices=("row",) + plan.ICIS, default="row",
                   help="what a TPU slice's torus gives a group (default: each row's)")
   ap.add_argument("--no_fp8", action="store_true", help="FP8 rows at bf16's peak")
+  ap.add_argument("--imbalance", type=float, default=plan.IMBALANCE,
+                  help="the busiest device's routed work over balanced routing's, minus 1, on "
+                  "every row whose routing is real (not forced-balanced)")
   ap.add_argument("--fit_gmm", action="store_true",
                   help="fit planning.plan.GMM_HALF_ROWS to the rows, with leave-one-out errors")
   a = ap.parse_args()
   given = {k: getattr(a, k) for k in ("overlap", "a2a", "gmm", "ici") if getattr(a, k) != "row"}
+  given["imbalance"] = a.imbalance
   rows = [dataclasses.replace(r, **given,
                               dtype="bf16" if a.no_fp8 and r.dtype == "fp8" else r.dtype)
           for r in ROWS]

@@ -26,9 +26,17 @@ def table(ranked: list[plan.Candidate], top: int, hbm: float) -> str:
   rows = [[str(i + 1), c.layout(),
            f"{fmt_bytes(c.memory)} ({fmt_bytes(c.param_opt)} + {fmt_bytes(c.temp)})",
            f"{c.step_s:.3f}", f"{c.tokens_per_s:,.0f}", f"{c.mfu:.1%}",
-           f"{c.dominant} {c.dominant_s:.3f}s" if c.dominant else "none",
+           dominant(c, 3),
            verdict(c, best, hbm)] for i, c in enumerate(ranked[:top])]
   return markdown_table(head, rows)
+
+
+def dominant(c: plan.Candidate, digits: int) -> str:
+  """The candidate's dominant collective and its time, "(hidden)" where it runs under compute."""
+  if not c.dominant:
+    return "none"
+  return (f"{c.dominant} {c.dominant_s:.{digits}f}s"
+          + (" (hidden)" if c.dominant_hidden else ""))
 
 
 def refused(cands: list[plan.Candidate], most: int = 6) -> str:

@@ -125,6 +125,7 @@ BAD_FLAGS = [
     (["--plan", "--mesh=data:4"], "--mesh=data:4 has 4 devices, not --devices=8"),
     (["--plan", "--plan_compile=-1"], "--plan_compile=-1 must be >= 0"),
     (["--plan", "--plan_efficiency=2"], "--plan_efficiency=2.0 must be in (0, 1]"),
+    (["--plan", "--plan_imbalance=-0.1"], "--plan_imbalance=-0.1 must be >= 0"),
     (["--plan", "--plan_overlap=all"], "--plan_overlap=all: choose from none | weights | schedule"),
     (["--plan", "--plan_a2a=deepep"], "--plan_a2a=deepep: choose from flat | hierarchical"),
     (["--plan", "--plan_gmm=tiles"], "--plan_gmm=tiles: choose from flat | rows"),

@@ -335,5 +335,59 @@ def test_run_py_flag_defaults_are_the_planners():
   import run
   from planning import cli
   cli_defaults = tuple(run.F[name].default for name in
-                       ("plan_overlap", "plan_a2a", "plan_gmm", "plan_ici", "plan_efficiency"))
+                       ("plan_overlap", "plan_a2a", "plan_gmm", "plan_ici", "plan_efficiency",
+                        "plan_imbalance"))
   assert cli_defaults == cli.DEFAULTS
+
+
+def test_the_dominant_collective_is_the_one_the_step_waits_for():
+  """The dominant collective is the one that adds the most to the step, not the largest by its
+  own time: row 2b's gradient all-reduce over data (4.40 s) runs under the compute, its
+  all-to-all (2.36 s) does not. Where overlap hides every collective (row 5's FSDP), the largest
+  is named and marked hidden; at --plan_overlap=none the largest is the one the step waits for."""
+  def cand(row, **change):
+    return published.predict(dataclasses.replace(
+        next(r for r in published.ROWS if r.row == row), **change)).candidate
+  c = cand("2b")
+  assert (c.dominant, c.dominant_hidden) == ("all-to-all over expert,tensor", False)
+  serial = cand("2b", overlap="none")
+  assert (serial.dominant, serial.dominant_hidden) == ("all-reduce over data", False)
+  assert serial.dominant_s > c.dominant_s
+  fsdp = cand("5")
+  assert (fsdp.dominant, fsdp.dominant_hidden) == ("reduce-scatter over fsdp", True)
+  assert fsdp.comm_s < plan.DOMINANT_EXPOSED * fsdp.step_s
+
+
+def test_routing_imbalance_prices_the_busiest_devices_routed_work():
+  """--imbalance / --plan_imbalance: the routed experts' matmuls at 1 + X of balanced routing's
+  on rows whose routing is real, capped at a real capacity factor; forced-balanced rows (NVIDIA's
+  tables) unchanged. Only the routed share moves: the step's other compute stays."""
+  assert plan.routed_load(0.1, 0.0) == pytest.approx(1.1)          # dropless: no cap
+  assert plan.routed_load(0.5, 1.25) == 1.25                        # a capacity drops the rest
+  assert plan.routed_load(0.1, 1.25) == pytest.approx(1.1)
+  assert plan.routed_load(0.5, 1.0, capped=False) == 1.5            # a dropless run's sizing
+
+  def compute(row, x):
+    r = next(r for r in published.ROWS if r.row == row)
+    return published.predict(dataclasses.replace(r, imbalance=x)).candidate.compute_s
+  assert compute("2a", 0.2) == compute("2a", 0.0)                   # forced-balanced
+  base, more, most = compute("3a", 0.0), compute("3a", 0.1), compute("3a", 0.2)
+  assert base < more < most and most - more == pytest.approx(more - base)   # linear in X
+  assert compute("5", 0.5) == pytest.approx(compute("5", 0.25))     # capped at capacity 1.25
+  assert compute("5", 0.1) > compute("5", 0.0)
+  assert compute("4", 0.1) > compute("4", 0.0)                      # cf 1 sizes, not caps
+
+
+def test_plan_imbalance_moves_the_planners_step_and_leaves_its_bytes():
+  """The planner at --plan_imbalance: a dropless candidate's compute grows by the routed share x
+  X, its collectives do not."""
+  from modeling.config import get_config
+  from planning import clusters
+  cfg = get_config("mixtral-8x7b", dtype="bfloat16").replace(batch=64).validate()
+  h100 = clusters.get("h100")
+  pick = lambda x: next(c for c in plan.enumerate_candidates(
+      cfg, 64, h100, h100.hbm_bytes, names=("ep",), remats=("block",), capacity_factors=(0.0,),
+      only_mesh={"data": 1, "fsdp": 8, "expert": 8}, imbalance=x) if not c.error)
+  flat, skewed = pick(0.0), pick(0.2)
+  assert skewed.serial_comm_s == flat.serial_comm_s
+  assert skewed.compute_s > flat.compute_s
