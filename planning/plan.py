@@ -131,7 +131,8 @@ Per candidate, per device:
              sends, schedule also 1f1b's all-to-alls; what is hidden hides up to the compute's
              length):
              compute = FLOPs per device / (efficiency x peak), FLOPs = 6 x active params x
-               tokens + the attention core (causal: half of S x S), x 4/3 with remat block (the
+               tokens + the attention core (causal: half of S x S; a sliding window's or local
+               chunk's keys where a layer has one, `keys_per_query`), x 4/3 with remat block (the
                recomputed forward), + 1/3 for gradient accumulation's pass 1 under the
                batch-wise aux loss; pp: x (M + P - 1) / M (the bubble; interleaved's
                (vM + P - 1) / vM; 1f1b's lockstep ticks (P F + (2M + P - 2) B + its counts
@@ -309,12 +310,26 @@ def placements(sizes: dict, node: int) -> list[tuple]:
 def _forward_flops_per_token(cfg) -> tuple[float, float]:
   """(matmuls against weights, the attention core) of one token's forward: 2 x the active
   matmul params (every weight but the embedding lookup, top_k of the routed experts), and q.k
-  and p.v over S/2 keys on average (causal), per layer."""
+  and p.v over each layer's keys per query on average (`keys_per_query`)."""
   _, active = model.param_counts(cfg)
   active -= cfg.d_model                                 # the embedding row: a lookup
   qk = cfg.qk_head_dim if cfg.mla else cfg.head_dim
   v = cfg.v_head_dim if cfg.mla else cfg.head_dim
-  return 2 * active, 2 * cfg.n_layers * cfg.n_heads * (qk + v) * cfg.seq_len / 2
+  keys = sum(keys_per_query(cfg, kind) for kind, _ in cfg.layer_kinds)
+  return 2 * active, 2 * cfg.n_heads * (qk + v) * keys
+
+
+def keys_per_query(cfg, kind: str) -> float:
+  """The keys a query of a layer of attention kind `kind` attends to, averaged over the S
+  positions, the diagonal counted half (as causal's S/2 counts it): causal, S/2; a sliding
+  window W < S (gpt-oss: keys p - W + 1 .. p), W - W (W - 1) / 2S - 1/2 (positions before W
+  see fewer); a local chunk C < S dividing S (Llama 4: keys of p's own chunk, causal), C/2."""
+  s, w, c = cfg.seq_len, cfg.window_of(kind), cfg.local_chunk_of(kind)
+  if w and w < s:
+    return w - w * (w - 1) / (2 * s) - 0.5
+  if c and c < s:
+    return c / 2
+  return s / 2
 
 
 def flops_per_step(cfg) -> float:

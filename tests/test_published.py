@@ -391,3 +391,34 @@ def test_plan_imbalance_moves_the_planners_step_and_leaves_its_bytes():
   flat, skewed = pick(0.0), pick(0.2)
   assert skewed.serial_comm_s == flat.serial_comm_s
   assert skewed.compute_s > flat.compute_s
+
+
+@pytest.mark.parametrize("over,kind", [({}, "full"), ({"sliding_window": 128}, "sliding"),
+                                       ({"local_chunk": 1024}, "local"),
+                                       ({"sliding_window": 8192}, "sliding")])
+def test_attention_flops_count_the_keys_each_layer_sees(over, kind):
+  """The planner's attention core counts a query's keys under its layer's mask (the diagonal
+  half, as causal's S/2): modeling.attention's first_key over every position of 4,096, for
+  gpt-oss's window, Llama 4's local chunk, and a window no shorter than S (causal)."""
+  import numpy as np
+  from modeling import attention
+  from modeling.config import get_config
+  cfg = get_config("tiny").replace(seq_len=4096, **over)
+  p = np.arange(cfg.seq_len)
+  mask = attention.Mask(window=cfg.window_of(kind), local_chunk=cfg.local_chunk_of(kind))
+  seen = np.maximum(mask.first_key(p), 0)
+  assert plan.keys_per_query(cfg, kind) == pytest.approx(np.mean(p - seen + 1) - 0.5)
+
+
+def test_gpt_oss_windowed_layers_cost_their_window():
+  """gpt-oss-120b at 8,192 positions: its 18 sliding layers (window 128) cost the attention core
+  128 keys a query, not 4,096: the step's FLOPs are those of the full layers alone, plus 128."""
+  from modeling.config import get_config
+  cfg = get_config("gpt-oss-120b").replace(seq_len=8192)
+  full = cfg.replace(attention_pattern="full")
+  mm, attn = plan._forward_flops_per_token(cfg)
+  mm_full, attn_full = plan._forward_flops_per_token(full)
+  assert mm == mm_full
+  per_key = attn_full / (cfg.n_layers * 4096)
+  assert attn == pytest.approx(per_key * 18 * (4096 + plan.keys_per_query(cfg, "sliding")))
+  assert plan.keys_per_query(cfg, "sliding") == pytest.approx(128 - 128 * 127 / 16384 - 0.5)
