@@ -84,7 +84,7 @@ _CALLEE = re.compile(
   r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)"
   r"=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
-TAKEN = re.compile(r"\.taken_(\d+)_of_(\d+)/")   # a named scope: a branch's share of runs
+TAKEN = re.compile(r"([\w-]+)\.taken_(\d+)_of_(\d+)/")   # a named scope: a branch's share
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _COND = re.compile(r"\bcondition=%?([\w.\-]+)")
 _S32_CONST = re.compile(r"= s32\[\](?:\{[^}]*\})? constant\((\d+)\)")   # XLA:TPU adds a layout
@@ -294,7 +294,9 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
         groups = started.pop(operand, ())
       else:
         groups = parse_replica_groups(line, n_dev)
-      share = math.prod(int(k) / int(n) for k, n in TAKEN.findall(line))  # nested: each's
+      # nested scopes multiply; one scope named twice in an op's path (remat's recompute
+      # repeats its forward's scopes inside the backward's) counts once
+      share = math.prod(int(k) / int(n) for _, k, n in set(TAKEN.findall(line)))
       ops.append(CollectiveOp(kind, shape_bytes(m.group("shape")), groups,
                   counts[name] * share))
   return ops

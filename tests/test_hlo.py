@@ -109,6 +109,23 @@ def test_a_conditional_branch_counts_at_every_run_or_its_taken_share(mesh, scope
   assert hlo.collective_stats(_shard_map_hlo(mesh, body))["all-reduce"]["count"] == count
 
 
+@pytest.mark.parametrize("scopes,ticks,count", [
+    (("phase.taken_1_of_2", "attention_full.taken_1_of_3"), 6, 1),     # nested: 1/2 x 1/3
+    (("attention_full.taken_1_of_3", "attention_full.taken_1_of_3"), 3, 1)])  # named twice
+def test_nested_taken_scopes_multiply_and_one_named_twice_counts_once(mesh, scopes, ticks,
+                                                                       count):
+  """pp's 1f1b phase around a layer's attention kind (model.switched_rows): their shares
+  multiply. remat's recompute repeats a forward's scopes inside the backward's, so a scope
+  named twice in an op's path is one share."""
+  def body(x):
+    def tick(c, t):
+      run = lambda c: jax.lax.pcast(jax.lax.psum(c, "expert"), ("expert",), to="varying")
+      with jax.named_scope(scopes[0]), jax.named_scope(scopes[1]):
+        return jax.lax.cond(t == 1, run, lambda c: c, c), None
+    return jax.lax.scan(tick, x, jnp.arange(ticks))[0]
+  assert hlo.collective_stats(_shard_map_hlo(mesh, body))["all-reduce"]["count"] == count
+
+
 # ---------------------------------------------------------------------------
 # Hand-written lines: replica-group formats as printed by XLA (jax 0.10.2).
 
