@@ -735,7 +735,9 @@ def moe_stack(x, layers, positions, cfg: Config, lay: Parallelism, mask=None, de
   or their Positions. Row i has attention kind cfg.layer_attentions[(first_k_dense_replace + i)
   % period], the stack's rows in depth order from its first MoE layer; kinds [rows] int32 (a
   traced value: a pp stage's chunk that starts inside a period) gives each row's kind as an
-  index into cfg.layer_attentions instead (`switched_rows`). dense: the dense rows [n, ...] of
+  index into cfg.layer_attentions instead. Either runs as `switched_rows` (one scan, each row's
+  kind data) where kinds is given or padding rows lie among rows of different kinds (the runs
+  of one period that run_layers scans carry no mask). dense: the dense rows [n, ...] of
   a stack with dense layers inside, interleaved with the MoE rows as the model's one repeated
   period orders them (a pp stage of whole periods, pp.check)."""
   mask = slot_mask(cfg) if mask is None else mask
@@ -745,11 +747,14 @@ def moe_stack(x, layers, positions, cfg: Config, lay: Parallelism, mask=None, de
     period = cfg.layer_segments[0][0]
     n = rows + jax.tree.leaves(dense)[0].shape[0]
     return run_layers(x, dense, layers, pos, cfg, lay, period * (n // len(period)), mask)
+  names, first = cfg.layer_attentions, cfg.first_k_dense_replace
+  static = [(first + i) % len(names) for i in range(rows)]
+  if kinds is None and mask is not None and len(set(static)) > 1:
+    kinds = np.asarray(static, np.int32)     # padding rows among layers of different kinds
   if kinds is not None:
     return switched_rows(x, layers, pos, cfg, lay, kinds, mask)
-  names, first = cfg.layer_attentions, cfg.first_k_dense_replace
   return run_layers(x, None, layers, pos, cfg, lay,
-                    tuple((names[(first + i) % len(names)], True) for i in range(rows)), mask)
+                    tuple((names[k], True) for k in static), mask)
 
 
 def switched_rows(x, layers, pos: Positions, cfg: Config, lay: Parallelism, kinds, mask=None):

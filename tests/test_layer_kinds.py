@@ -37,6 +37,10 @@ TRAIN = {
     "gpt_oss_pp": ["--compare=pp,pp:schedule=1f1b,pp:schedule=interleaved:virtual_stages=3",
                    "--model=gpt-oss-test", "--layers=6", "--batch=16", "--microbatches=4",
                    "--seed=1", "--remat=block"],
+    # 7 layers on 2 stages, balanced 4,3: stage 1's rows start on a period, then a padding row
+    # (padding among layers of different kinds runs as switched rows)
+    "gpt_oss_pp_uneven": ["--compare=pp", "--model=gpt-oss-test", "--layers=7", "--batch=16",
+                          "--microbatches=4", "--seed=1"],
     # Maverick's dense layers on the stages with the MoE layers, one period (dense, MoE) each
     "maverick_pp": ["--compare=pp", "--model=llama4-maverick-test", "--batch=16",
                     "--microbatches=4"],
