@@ -413,12 +413,18 @@ BAD_INPUT = [
              "pp option kv_exchange=ring runs under gpipe and interleaved: 1f1b's phases are "
              "conditionals that one stage takes, and the ring's collective-permute is one op over "
              "every device"),
-    # gpt-oss's (sliding, full) on stages of 3 layers: stage 1's rows start on a full layer
+    # gpt-oss's (sliding, full) on stages of 3 layers: stage 1's rows start on a full layer;
+    # on 4,3 (the second stage's rows end in a padding row)
     BadInput(dict(n_layers=6, attention_pattern="sliding,full", sliding_window=8),
              "stage:2,context:2,expert:2", Options(kv_exchange="ring"),
-             "pp: attention_pattern=sliding,full on chunks of 3 layers, which start inside a "
-             "period: kv_exchange=ring runs where every chunk holds whole periods (a window "
-             "shortens its exchange)"),
+             "pp: attention_pattern=sliding,full on chunks of 3 layers that start inside a "
+             "period or hold padding: kv_exchange=ring runs where every chunk holds whole "
+             "periods"),
+    BadInput(dict(n_layers=7, layer_layout="4,3", attention_pattern="sliding,full",
+                  sliding_window=8), "stage:2,context:2,expert:2", Options(kv_exchange="ring"),
+             "pp: attention_pattern=sliding,full on chunks of 4 layers that start inside a "
+             "period or hold padding: kv_exchange=ring runs where every chunk holds whole "
+             "periods"),
     BadInput(dict(), "stage:2,expert:4", Options(sequence_parallel=True),
              "pp option sequence_parallel=true needs a tensor axis of size > 1 (without one "
              "nothing is split)"),
@@ -445,14 +451,17 @@ def contract_tags(opts, cfg=None):
 def check(cfg, mesh, opts):
   if cfg.dense_inside:
     _check_dense_inside(cfg, mesh)
-  # layers of different attention kinds on chunks that start inside a period: each row's kind
-  # is data (slot_kinds), and a window changes what the ring exchanges
+  # layers of different attention kinds switched per row (model.switched_rows: chunks that
+  # start inside a period, or padding rows among them): the stages run different branches, and
+  # the ring's collective-permute is one op over every device (a window shortens it, too)
   if (opts.kv_exchange == "ring" and mesh_lib.axis_size(mesh, CONTEXT) > 1
-          and slot_kinds(cfg, mesh_lib.axis_size(mesh, STAGE), chunks(cfg)) is not None):
+          and len(cfg.layer_attentions) > 1 and not cfg.dense_inside
+          and (slot_kinds(cfg, mesh_lib.axis_size(mesh, STAGE), chunks(cfg)) is not None
+               or model.slot_mask(cfg) is not None)):
     raise ConfigError(f"pp: attention_pattern={cfg.attention_pattern} on chunks of "
                       f"{cfg.n_layer_slots // mesh_lib.axis_size(mesh, STAGE) // chunks(cfg)} "
-                      "layers, which start inside a period: kv_exchange=ring runs where every "
-                      "chunk holds whole periods (a window shortens its exchange)")
+                      "layers that start inside a period or hold padding: kv_exchange=ring runs "
+                      "where every chunk holds whole periods")
   check_layout(cfg, mesh, opts)               # the schedule's options and the layer layout
   fold = opts.experts == "fold"
   if fold and mesh_lib.axis_size(mesh, TENSOR) == 1:
