@@ -52,7 +52,7 @@ TRAIN = {
 @pytest.fixture(scope="module")
 def trained():
   return run_py_in_one_process({k: [*v, "--full_parity", "--steps=2", "--devices=8"]
-                                for k, v in TRAIN.items()}, timeout=1200)
+                                for k, v in TRAIN.items()}, timeout=1800)
 
 
 @pytest.mark.parametrize("case", TRAIN)
