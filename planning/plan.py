@@ -751,7 +751,8 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
   load = routed_load(imbalance, c.capacity_factor, capped)
   c.compute_s = work * (a / cluster.peak_flops + (1 - a - r) / mm_peak
                         + r * load / (mm_peak * gmm_efficiency(expert_rows, gmm))) / efficiency
-  per_key: dict = {False: {}, True: {}}      # hidden? -> {collective: its time}
+  own: dict = {}                # collective -> its time; under: of it, what runs under compute
+  under_of: dict = {}
   paired = _pipelined(c.strategy) and _one_f(c.opts)
   under = exposed = 0.0
   for key, axes, wire, cls in loads:   # the node's links where every axis lies inside it
@@ -761,9 +762,9 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
       t = a2a_seconds(wire, math.prod(shape[a] for a in axes), cfg.top_k, cluster, a2a)
     else:
       t = wire / cluster.inter_bw
-    under_compute = hidden(cls, overlap, paired)
-    per_key[under_compute][key] = per_key[under_compute].get(key, 0.0) + t
-    if under_compute:
+    own[key] = own.get(key, 0.0) + t
+    if hidden(cls, overlap, paired):
+      under_of[key] = under_of.get(key, 0.0) + t
       under += t
     else:
       exposed += t
@@ -774,17 +775,13 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
   # a hidden one adding its share of what overflows the compute; where none adds
   # DOMINANT_EXPOSED of the step, the largest by its own time, marked hidden
   overflow = max(0.0, under - c.compute_s) / under if under else 0.0
-  adds: dict = {}
-  for hid, loads_of in per_key.items():
-    for key, t in loads_of.items():
-      adds[key] = adds.get(key, 0.0) + t * (overflow if hid else 1.0)
-  if adds:
-    key, t = max(adds.items(), key=lambda kv: kv[1])
-    c.dominant_hidden = t < DOMINANT_EXPOSED * c.step_s
+  adds = {k: t - under_of.get(k, 0.0) * (1 - overflow) for k, t in own.items()}
+  if own:
+    key = max(adds, key=adds.get)
+    c.dominant_hidden = adds[key] < DOMINANT_EXPOSED * c.step_s
     if c.dominant_hidden:
-      whole = {k: per_key[False].get(k, 0.0) + per_key[True].get(k, 0.0) for k in adds}
-      key = max(whole.items(), key=lambda kv: kv[1])[0]
-    c.dominant, c.dominant_s = key, per_key[False].get(key, 0.0) + per_key[True].get(key, 0.0)
+      key = max(own, key=own.get)
+    c.dominant, c.dominant_s = key, own[key]
   c.tokens_per_s = cfg.batch * cfg.seq_len / c.step_s / n
   c.mfu = model_flops / (c.step_s * n * cluster.peak_flops)
 
@@ -801,9 +798,7 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                          options: dict | None = None) -> list[Candidate]:
   """Every candidate of the grid (module docstring), predicted; refused ones carry `error`
   (check()'s one line) and no prediction. overlap, fp8, a2a, gmm, ici, imbalance, capped:
-  `timing`'s.
-  progress:
-  called as progress(done, name, kept) now and then. The user's constraints
+  `timing`'s. progress: called as progress(done, name, kept) now and then. The user's constraints
   (planning/constraints.py):
   microbatches, one M in place of the divisors; only_mesh, {axis: size} in place of every
   split of n (a strategy without one of its axes is skipped); options, {strategy: [Options]}
