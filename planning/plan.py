@@ -17,7 +17,9 @@ of B/M sequences, pass 1's forwards; its temp one microbatch's step plus the gra
 is calibrated for). pp on a stage count that does not divide the MoE layers runs the balanced
 uneven layout (`_layer_layout`, modeling.config.balanced_layout: DeepSeek-V3's 58 on 16 stages
 as 4 x 10 + 3 x 6): its padded stack's rows count for memory, exchanges and the stage's
-compute (x rows / L_moe: every stage runs the largest group each tick). pp's tensor axis (TP
+compute (every stage runs a chunk each tick, as long as the slowest chunk: `slowest_chunk`, the
+largest group's rows, and where attention kinds fall unevenly on the chunks, the chunk with the
+most keys per query). pp's tensor axis (TP
 inside the stages) is enumerated up to the cluster's node size and at most NODE_TP = 8 (the
 strategy's PLAN_INSIDE_NODE: its two all-reduces per layer each way stay on the fast links,
 as Megatron keeps TP), with the experts split over tensor; `--opt=experts=fold` plans the folded
@@ -137,8 +139,9 @@ Per candidate, per device:
                batch-wise aux loss; pp: x (M + P - 1) / M (the bubble; interleaved's
                (vM + P - 1) / vM; 1f1b's lockstep ticks (P F + (2M + P - 2) B + its counts
                pre-pass's (M + P - 1) F) / (M (F + B)), B = 2F, 3F with remat block;
-               interleaved 1F1B: its table's ticks, each of one chunk, `one_f_ticks`) and its
-               dense prefix run on every stage
+               interleaved 1F1B: its table's ticks, each of one chunk, `one_f_ticks`), x the
+               slowest chunk's layer work over the mean (`slowest_chunk`), and its dense
+               prefix run on every stage
              (a published FP8 run: the matmuls at the cluster's FP8 peak, the attention core
                at bf16's; a cluster without an FP8 peak, bf16's)
              (--plan_gmm=rows, the default: the routed experts' share of the FLOPs,
@@ -536,6 +539,33 @@ def _runs(name: str, cfg, shape: dict, opts=None) -> float:
   return (steps + pre) / (shape["stage"] * _chunks(cfg))
 
 
+@functools.lru_cache(maxsize=1024)
+def slowest_chunk(cfg, p: int) -> float:
+  """pp on p stages: the work of the slowest chunk of stored rows over the mean MoE layer's
+  work per chunk (what a tick lasts, over what it would last were the layers spread evenly).
+  A chunk (one of a stage's v) holds n_layer_slots / (p v) rows; padding rows compute as a
+  layer does, so an uneven layout's largest group sets the tick; where rows of different
+  attention kinds fall unevenly on the chunks (pp.slot_kinds: gpt-oss's sliding and full
+  layers on 9 layers a stage), the chunk with the most keys per query sets it. A row costs a
+  layer's matmuls (the model's mean) plus its kind's attention core (keys_per_query)."""
+  slots = np.asarray(cfg.layer_slots)
+  real = slots >= 0
+  n_chunks = p * _chunks(cfg)
+  period = len(cfg.layer_attentions)
+  if period == 1 or cfg.dense_inside:
+    return len(slots) / real.sum()
+  kinds = strategies.get("pp").slot_kinds(cfg, p, _chunks(cfg))
+  if kinds is None:                     # every chunk starts on a period: the static kinds
+    per = len(slots) // n_chunks
+    kinds = (cfg.first_k_dense_replace + np.arange(len(slots)) % per) % period
+  mm, _ = _forward_flops_per_token(cfg)
+  qk = cfg.qk_head_dim if cfg.mla else cfg.head_dim
+  v = cfg.v_head_dim if cfg.mla else cfg.head_dim
+  attn = [2 * cfg.n_heads * (qk + v) * keys_per_query(cfg, k) for k in cfg.layer_attentions]
+  row = mm / cfg.n_layers + np.asarray(attn)[kinds]
+  return float(row.reshape(n_chunks, -1).sum(1).max() * n_chunks / row[real].sum())
+
+
 def _one_f(opts) -> bool:
   """pp's 1f1b schedule."""
   return opts is not None and opts.schedule == "1f1b"
@@ -740,8 +770,8 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
     else:
       vm = _chunks(cfg) * m                                      # ticks of 1/v (interleaved)
       pipe = (vm + p - 1) / vm
-    # an uneven layout's stages run the largest group's rows each tick (padding included)
-    pipe *= cfg.n_layer_slots / cfg.n_moe_layers
+    # every stage runs a chunk each tick, and the tick lasts as long as the slowest chunk
+    pipe *= slowest_chunk(cfg, p)
     work *= (1 - _dense_flops_share(cfg)) * pipe + _dense_flops_share(cfg) * p
   # the matmuls at the FP8 peak where the run is FP8, the attention core (softmax(q k^T) v) at
   # bf16's; the routed experts' grouped matmuls at gmm_efficiency of the others'

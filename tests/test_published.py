@@ -422,3 +422,27 @@ def test_gpt_oss_windowed_layers_cost_their_window():
   per_key = attn_full / (cfg.n_layers * 4096)
   assert attn == pytest.approx(per_key * 18 * (4096 + plan.keys_per_query(cfg, "sliding")))
   assert plan.keys_per_query(cfg, "sliding") == pytest.approx(128 - 128 * 127 / 16384 - 0.5)
+
+
+def test_pp_ticks_last_as_long_as_the_slowest_chunk():
+  """gpt-oss-120b (sliding, full) on pp: 4 stages of 9 layers hold 5 full layers on stages 1
+  and 3 (a chunk starting on a full layer), 4.5 on average, so a tick lasts the 5; 2 and 3
+  stages start every chunk on a period (1.0); an uneven layout's padded rows count as layers
+  (5,5,5,5,4,4,4,4: 8 chunks of 5 rows for 36 layers), as for a model of one kind, where the
+  ratio is the rows over the layers (DeepSeek-V3's 58 on 16 stages: 64 / 58)."""
+  from modeling.config import get_config
+  cfg = get_config("gpt-oss-120b").replace(seq_len=4096)
+  mm, _ = plan._forward_flops_per_token(cfg)
+  core = lambda kind: 2 * cfg.n_heads * 2 * cfg.head_dim * plan.keys_per_query(cfg, kind)
+  layer, full, sliding = mm / cfg.n_layers, core("full"), core("sliding")
+  mean = 36 * layer + 18 * (full + sliding)
+  assert plan.slowest_chunk(cfg, 4) == pytest.approx(4 * (9 * layer + 5 * full + 4 * sliding)
+                                                     / mean)
+  assert plan.slowest_chunk(cfg, 2) == plan.slowest_chunk(cfg, 3) == 1.0
+  uneven = cfg.replace(layer_layout="5,5,5,5,4,4,4,4")
+  # chunk 1 holds layers 5..9 (full, sliding, full, sliding, full); a 4-layer chunk's padding
+  # row runs kind 0, sliding
+  assert plan.slowest_chunk(uneven, 8) == pytest.approx(8 * (5 * layer + 3 * full + 2 * sliding)
+                                                        / mean)
+  v3 = get_config("deepseek-v3").replace(layer_layout="4,4,4,4,4,4,4,4,4,4,3,3,3,3,3,3")
+  assert plan.slowest_chunk(v3, 16) == pytest.approx(64 / 58)
