@@ -60,8 +60,15 @@ def global_norm(tree) -> jax.Array:
 
 def microbatches(batch: dict, m: int) -> dict:
   """[B, S] -> [M, B/M, S]: microbatch i = rows i, i+M, i+2M, ... Each device keeps its own
-  rows (B/M stays split over the batch axes when B % (M x their size) == 0): no data moves."""
-  return jax.tree.map(lambda a: einops.rearrange(a, "(b m) s -> m b s", m=m), batch)
+  rows (B/M stays split over the batch axes when B % (M x their size) == 0): no data moves.
+  Each microbatch keeps the batch's sharding: the reshape alone may move a batch axis of size
+  1 onto M (ep on data:2,fsdp:4 leaves expert there), and rope's positions would then differ
+  from the activations' layout."""
+  def split(a):                                                          # [B, S] -> [M, B/M, S]
+    spec = jax.typeof(a).sharding.spec
+    out = einops.rearrange(a, "(b m) s -> m b s", m=m)
+    return jax.reshard(out, jax.sharding.PartitionSpec(None, *spec)) if len(spec) else out
+  return jax.tree.map(split, batch)
 
 
 def accumulated_grads(params, batch, cfg, lay: model.Parallelism):

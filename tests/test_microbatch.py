@@ -45,6 +45,19 @@ def test_cost_model_counts_every_microbatch(name, model_name, over, mesh, opts):
   parity.assert_cost_model(name, get_config(model_name, **over), mesh, _opts(name, opts))
 
 
+def test_each_microbatch_keeps_the_batch_sharding():
+  """ep on data:2,fsdp:4 keeps an expert axis of size 1 in its batch spec; the [B] -> [M, B/M]
+  reshape alone moves it onto M, and rope then met positions over (data, fsdp) beside
+  activations over (data, fsdp, expert): a ShardingTypeError, not a step."""
+  mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 4, "expert": 1})
+  spec = jax.sharding.PartitionSpec(("data", "fsdp", "expert"), None)
+  batch = {"tokens": jax.device_put(jnp.zeros((16, 8), jnp.int32),
+                                    jax.sharding.NamedSharding(mesh, spec))}
+  with jax.set_mesh(mesh):
+    mbs = jax.jit(lambda b: train.microbatches(b, 2))(batch)
+  assert jax.typeof(mbs["tokens"]).sharding.spec == jax.sharding.PartitionSpec(None, *spec)
+
+
 def test_local_aux_loss_differs():
   """Why pass 1 exists: summing each microbatch's own aux loss (f from its own counts) is not
   the step's aux loss; the global-f sum is (to float32 rounding)."""
