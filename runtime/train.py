@@ -67,7 +67,7 @@ def microbatches(batch: dict, m: int) -> dict:
   def split(a):                                                          # [B, S] -> [M, B/M, S]
     spec = jax.typeof(a).sharding.spec
     out = einops.rearrange(a, "(b m) s -> m b s", m=m)
-    return jax.reshard(out, jax.sharding.PartitionSpec(None, *spec)) if len(spec) else out
+    return jax.reshard(out, jax.sharding.PartitionSpec(None, *spec)) if any(spec) else out
   return jax.tree.map(split, batch)
 
 
