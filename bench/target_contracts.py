@@ -58,15 +58,20 @@ def compile_row(name: str, case, devices):
   return job, cfg, mesh, opts, time.perf_counter() - t0
 
 
-def check_row(name: str, case, devices) -> dict:
-  """One row compiled for `devices`, its collectives held to the cost model."""
+def check_row(name: str, case, devices, compiler: str) -> dict:
+  """One row compiled for `devices` by `compiler` (runtime.target.Target's), its collectives
+  held to the cost model."""
   from measure import compilers, cost, hlo
+  from planning import clusters, plan
   import strategies
   from tests import parity
   strat = strategies.get(name)
   job, cfg, mesh, opts, seconds = compile_row(name, case, devices)
-  measured = hlo.bytes_by_axes(hlo.collective_stats_by_axes(job.hlo, mesh))
-  predicted = cost.by_axes(cost.step_terms(strat, cfg, mesh, opts))
+  stats = hlo.collective_stats_by_axes(job.hlo, mesh)
+  measured = hlo.bytes_by_axes(stats)
+  terms = cost.step_terms(strat, cfg, mesh, opts)
+  predicted = cost.by_axes(terms)
+  calls = plan.term_calls(terms, cfg, name, dict(mesh.shape), opts, clusters.MERGES[compiler])
   declared = parity.declared(name, opts, mesh, cfg.optimizer, cfg)
   off, merges, gathers = compilers.agreement(predicted, measured, mesh)
   said = lambda keys: sorted("/".join(sorted(a)) for _, a in keys)
@@ -80,6 +85,9 @@ def check_row(name: str, case, devices) -> dict:
       "merged": [["/".join(a), "/".join(b), x] for a, b, x in merges],
       "gathered_as_all_reduce": [["/".join(a), x] for a, x in gathers],
       "off": {f"{k[0]} {'/'.join(sorted(k[1]))}": list(v) for k, v in off.items()},
+      # the collectives issued per step: the planner's count (merged as this compiler
+      # merges, planning.clusters.MERGES) and the program's
+      "calls": [sum(calls.values()), sum(v["count"] for v in stats.values())],
   }
 
 
@@ -104,7 +112,7 @@ def main(argv=None) -> int:
   print("|---|---|---|---|---|---|---|")
   out, bad = [], 0
   for name, case, kind in rows(args.strategy, args.rows):
-    r = dict(check_row(name, case, devices.devices), kind=kind)
+    r = dict(check_row(name, case, devices.devices, devices.compiler), kind=kind)
     out.append(r)
     bad += bool(r["off"]) or not r["model_is_contract"]
     merged = ", ".join([f"{a} + {b}: {x:.0f}" for a, b, x in r["merged"]]

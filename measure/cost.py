@@ -45,6 +45,8 @@ class Term:
   group: int       # devices in one group: the product of those axes' sizes
   remat: tuple = ()  # the --remat policies whose backward issues it again (`step_terms`)
   params: str = ""   # a weight term's parameter group (weight_terms: "dense_layers", ...)
+  calls: float = 0.0  # the collectives it counts over the step, where its site states them (0:
+                      # one a layer run, planning.plan.calls_of)
 
   @property
   def wire_bytes(self) -> float:
@@ -53,15 +55,16 @@ class Term:
 
 
 def term(mesh, kind: str, phase: str, what: str, nbytes: float, axes, remat=(),
-         params: str = "") -> list[Term]:
+         params: str = "", calls: float = 0.0) -> list[Term]:
   """[Term] over mesh `axes` (a name or a tuple), or [] when they hold one device (nothing
   moves, and XLA emits nothing). remat: RECOMPUTED / BLOCK_ONLY for a forward collective inside
-  the layer that --remat's recompute issues again."""
+  the layer that --remat's recompute issues again; calls: the collectives nbytes adds up, where
+  the caller counts them (Term.calls)."""
   axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.shape[a] > 1)
   if not axes or not nbytes:
     return []
   return [Term(kind, phase, what, nbytes, axes, axis_size(mesh, *axes), remat,
-               params)]
+               params, calls)]
 
 
 # --remat recomputes each layer's forward inside the backward, collectives included, except what
@@ -138,8 +141,8 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
   layers that run in scans of one step (no loop: `unlooped_share`), and the dropped counts'
   constant all-reduce (HOISTED): once per step."""
   m = cfg.microbatches
-  times = lambda ts, k, note: [dataclasses.replace(t, bytes=t.bytes * k, what=t.what + note)
-                               for t in ts]
+  times = lambda ts, k, note: [dataclasses.replace(t, bytes=t.bytes * k, calls=t.calls * k,
+                                                  what=t.what + note) for t in ts]
   step = [t for t in per_mb if t.phase != "opt"]
   opt = [t for t in per_mb if t.phase == "opt"]
   once = []
@@ -153,14 +156,15 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
     # a stacked leaf's gathers in runs of one scan step: their share of its bytes, once; the
     # rest per microbatch
     share = [unlooped_share(cfg, t.params) if is_weight_gather(t) else 0.0 for t in step]
-    part = lambda t, k: dataclasses.replace(t, bytes=t.bytes * k)
+    part = lambda t, k: dataclasses.replace(t, bytes=t.bytes * k, calls=t.calls * k)
     once += [part(t, k) for t, k in zip(step, share) if k]
     step = [part(t, 1 - k) if k else t for t, k in zip(step, share) if k < 1]
   once_ids = {id(t) for t in once}    # `once` takes every term its predicates name: equal ones too
   step = [t for t in step if id(t) not in once_ids]
   pass1 = []
   if counts_pass(cfg):
-    stats = lambda ts, which: [dataclasses.replace(t, bytes=stats_bytes(cfg, which))
+    stats = lambda ts, which: [dataclasses.replace(t, bytes=stats_bytes(cfg, which),
+                                                   calls=stats_calls(cfg, which))
                                if t.what == STATS else t for t in ts]
     pass1 = stats([t for t in step if t.phase == "fwd" and t.what not in (DROPPED, HOISTED)
                    and not (is_weight_gather(t) and weight_role(t) in HEAD_ROLES)], COUNTS)
@@ -328,7 +332,9 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None,
       is not split over, all-reduced at the stored size. grads[role] overrides `grad_axes` for a
       role; a tuple of axis tuples is reduced one group after the other (XLA splits the sum of
       a norm scale that meets a batch- and sequence-sharded activation: sequence axes first).
-  once: the gathers run once per step outside the layers (pp), so --remat never re-issues them.
+  once: the gathers run once per step outside the layers (pp, zero1), so --remat never
+  re-issues them, and a gathered leaf's collectives are one a step; else a stacked leaf's are
+  one a layer (its rows).
   Plus the gradient norm: one scalar all-reduced over every mesh axis (runtime.train.global_norm).
   The router bias gets no gradient (stop_gradient), hence no traffic."""
   from modeling import model
@@ -337,7 +343,10 @@ def weight_terms(cfg, mesh, specs, grad_axes, gathered=None, grads=None,
   flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   out = []
   for (path, leaf), spec in zip(leaves, flat_specs):
-    place = functools.partial(term, params=path[0].key)   # its group: "dense_layers", "layers", ..
+    stack = path[0].key                                    # "dense_layers", "layers", ..
+    calls = (1 if (once and leaf.role in gathered) or stack not in ("dense_layers", "layers")
+             else leaf.shape[0])
+    place = functools.partial(term, params=stack, calls=calls)
     if leaf.role == "bias":
       continue
     w_size, g_size = weight_bytes(cfg, leaf.role)
@@ -453,12 +462,15 @@ def kv_exchange_terms(cfg, mesh, cp_axis: str, kv: float, calls: int,
   if ring:
     block = kv / cp
     d_block = block * F32 / act_bytes(cfg)
+    # a block is two sends, K's and V's (MLA: the latent's and the RoPE key's)
     return (term(mesh, "collective-permute", "fwd", f"{what} blocks around the ring",
-                 calls * (cp - 1) * block, cp_axis, RECOMPUTED)
+                 calls * (cp - 1) * block, cp_axis, RECOMPUTED, calls=2 * calls * (cp - 1))
             + term(mesh, "collective-permute", "bwd", f"{what} blocks + float32 d({what})",
-                   calls * ((cp - 1) * block + cp * d_block), cp_axis))
-  return (term(mesh, "all-gather", "fwd", what, calls * kv, cp_axis, RECOMPUTED)
-          + term(mesh, "reduce-scatter", "bwd", f"d({what})", calls * kv / cp, cp_axis))
+                   calls * ((cp - 1) * block + cp * d_block), cp_axis,
+                   calls=2 * calls * (2 * cp - 1)))
+  return (term(mesh, "all-gather", "fwd", what, calls * kv, cp_axis, RECOMPUTED, calls=calls)
+          + term(mesh, "reduce-scatter", "bwd", f"d({what})", calls * kv / cp, cp_axis,
+                 calls=calls))
 
 
 def capacity_gather_terms(cfg, mesh, axis: str, tokens: int) -> list[Term]:
@@ -469,7 +481,7 @@ def capacity_gather_terms(cfg, mesh, axis: str, tokens: int) -> list[Term]:
   if cfg.capacity_factor <= 0:
     return []
   return term(mesh, "all-gather", "fwd", "expert ids per layer + positions (capacity)",
-              (cfg.n_moe_layers * cfg.top_k + 1) * tokens * 4, axis)
+              (cfg.n_moe_layers * cfg.top_k + 1) * tokens * 4, axis, calls=cfg.n_moe_layers + 1)
 
 
 def sequence_parallel_terms(cfg, mesh, axis: str, tokens: int, mlp_layers: int,
@@ -484,14 +496,17 @@ def sequence_parallel_terms(cfg, mesh, axis: str, tokens: int, mlp_layers: int,
   attn = cfg.n_layers if attn_layers is None else attn_layers
   act = nbytes((tokens, cfg.d_model), act_bytes(cfg))              # one gathered [T, D]
   gathered = attn * act * attn_gather_values(cfg) // cfg.d_model + mlp_layers * act
+  both = attn + mlp_layers                                          # the blocks' calls
   return (term(mesh, "all-gather", "fwd", "attention's h or MLA latents, the MLP's h", gathered,
-               axis, RECOMPUTED)
-          + term(mesh, "reduce-scatter", "fwd", "attn wo", attn * act / n, axis, BLOCK_ONLY)
-          + term(mesh, "reduce-scatter", "fwd", "the MLPs' outputs", mlp_layers * act / n, axis)
+               axis, RECOMPUTED, calls=both)
+          + term(mesh, "reduce-scatter", "fwd", "attn wo", attn * act / n, axis, BLOCK_ONLY,
+                 calls=attn)
+          + term(mesh, "reduce-scatter", "fwd", "the MLPs' outputs", mlp_layers * act / n, axis,
+                 calls=mlp_layers)
           + term(mesh, "all-gather", "bwd", "cotangents of the reduce-scatters",
-                 (attn + mlp_layers) * act, axis)
+                 both * act, axis, calls=both)
           + term(mesh, "reduce-scatter", "bwd", "cotangents of the gathered h / latents",
-                 gathered / n, axis))
+                 gathered / n, axis, calls=both))
 
 
 def tensor_terms(cfg, mesh, tensor_axis: str, b_loc: int) -> list[Term]:
@@ -501,14 +516,15 @@ def tensor_terms(cfg, mesh, tensor_axis: str, b_loc: int) -> list[Term]:
   MLP read typed reduced (MLA: attention's latents instead of h)."""
   x = b_loc * cfg.seq_len * cfg.d_model * act_bytes(cfg)           # one [b, S, D] activation
   sh = 1 if cfg.n_shared_experts else 0
+  mlps = cfg.n_moe_layers * (1 + sh) + cfg.n_dense_layers
   return (term(mesh, "all-reduce", "fwd", "attention wo output", cfg.n_layers * x, tensor_axis,
-               BLOCK_ONLY)
-          + term(mesh, "all-reduce", "fwd", "MoE / shared / dense FFN wo outputs",
-                 (cfg.n_moe_layers * (1 + sh) + cfg.n_dense_layers) * x, tensor_axis)
+               BLOCK_ONLY, calls=cfg.n_layers)
+          + term(mesh, "all-reduce", "fwd", "MoE / shared / dense FFN wo outputs", mlps * x,
+                 tensor_axis, calls=mlps)
           + term(mesh, "all-reduce", "bwd", "d(normed h) of the MLP blocks and of "
                  "attention's h or MLA latents",
                  cfg.n_layers * x * (attn_gather_values(cfg) + cfg.d_model) // cfg.d_model,
-                 tensor_axis))
+                 tensor_axis, calls=2 * cfg.n_layers))
 
 
 def _tuple(axes) -> tuple[str, ...]:
@@ -540,6 +556,13 @@ def stats_bytes(cfg, which: str = STEP) -> int:
           COUNTS: layers * cfg.n_experts}[which] * F32
 
 
+def stats_calls(cfg, which: str = STEP) -> int:
+  """The all-reduces of one forward's STATS (stats_bytes): per MoE layer one for each of its
+  statistics (counts, z, and the loss's prob sums or sum; ACCUMULATED: P and z; COUNTS: the
+  counts)."""
+  return cfg.n_moe_layers * {STEP: 3, ACCUMULATED: 2, COUNTS: 1}[which]
+
+
 def stats_terms(cfg, mesh, token_axes, seq_axes=(), drops: bool | None = None) -> list[Term]:
   """Router statistics and the dropped counts, all-reduced over the token axes (global
   statistics: the aux loss is layout-independent; the CE sum is step_terms', `with_ce`); with
@@ -548,7 +571,8 @@ def stats_terms(cfg, mesh, token_axes, seq_axes=(), drops: bool | None = None) -
   capacity rule, capacity_factor > 0): each MoE layer's dropped count; else each is the
   constant 0, and XLA hoists its all-reduce out of the layer scan: one (HOISTED)."""
   drops = cfg.capacity_factor > 0 if drops is None else drops
-  out = (term(mesh, "all-reduce", "fwd", STATS, stats_bytes(cfg), token_axes)
+  out = (term(mesh, "all-reduce", "fwd", STATS, stats_bytes(cfg), token_axes,
+              calls=stats_calls(cfg))
          + term(mesh, "all-reduce", "fwd", DROPPED if drops else HOISTED,
                 (cfg.n_moe_layers if drops else 1) * F32, token_axes))
   if cfg.aux_loss_kind == "sequence" and seq_axes:

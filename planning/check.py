@@ -11,7 +11,7 @@ import dataclasses
 import time
 
 from modeling.config import ConfigError
-from planning import plan
+from planning import clusters, plan
 
 
 @dataclasses.dataclass
@@ -22,6 +22,8 @@ class Checked:
   bytes_by_axes: dict               # measure.cost.versus(..., by="axes")
   compile_s: float
   rewrites: str = ""                # a --target's compiler: its rewrites (measure/compilers.py)
+  calls_by_axes: dict = dataclasses.field(default_factory=dict)   # (kind, axes) -> (the
+  # collectives plan.term_calls counts, merged where a --target's compiler merges, compiled)
   refused_over: float = 0.0         # XLA:TPU refused it: the HBM it has (compiled_temp: needs)
 
   @property
@@ -101,4 +103,8 @@ def compile_candidate(c: plan.Candidate, cfg, dump_dir: str | None = None,
   table = cost.versus(terms, got, by="axes")
   rewrites = "" if on_cpu else compilers.said(
       compilers.agreement(cost.by_axes(terms), hlo.bytes_by_axes(got), mesh))
-  return Checked(c, c.param_opt + temp, temp, table, job.compile_s, rewrites)
+  merges = clusters.MERGES[devices.compiler]
+  calls = plan.term_calls(terms, c_cfg, c.strategy, dict(c.sizes), opts, merges)
+  counted = {k: (calls.get(k, 0.0), got.get(k, {}).get("count", 0.0))
+             for k in set(calls) | set(got)}
+  return Checked(c, c.param_opt + temp, temp, table, job.compile_s, rewrites, calls_by_axes=counted)

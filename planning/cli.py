@@ -29,9 +29,17 @@ ICI_WORDS = {"dimension": "a collective in a slice on one torus dimension's link
 # The step time's error at the planner's default terms against planning/published.py's runs
 # (each at its own all-to-all and dtype): `python -m planning.published --overlap=weights`, held
 # to that command's summary by tests/test_published.py
-HELD = ("step time held to 13 published runs at these defaults: median error 0.093, worst 0.423 "
+HELD = ("step time held to 13 published runs at these defaults: median error 0.105, worst 0.427 "
         "(python -m planning.published --overlap=weights)")
 DEFAULTS = (plan.OVERLAP, plan.A2A, plan.GMM, plan.ICI, plan.EFFICIENCY, plan.IMBALANCE)
+
+
+def latency_words(cluster) -> str:
+  """The header's words for each collective's fixed time (planning.plan.latency_s)."""
+  if cluster.protocols == clusters.NCCL:
+    return "each collective's latency as NCCL's tuning model gives it (planning/clusters.py)"
+  return (f"each collective's latency at {cluster.protocols[0].near * 1e6:g} us an ICI hop "
+          "(planning/clusters.py)")
 
 
 def imbalance_words(imbalance: float) -> str:
@@ -81,7 +89,7 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
         f"{cluster.peak_flops / 1e12:.1f} TFLOP/s, {OVERLAP_WORDS[overlap]}; {a2a} "
         f"all-to-all across nodes (--plan_a2a); {GMM_WORDS[gmm]}; "
         f"{ICI_WORDS[ici] + '; ' if cluster.torus_dims else ''}"
-        f"{imbalance_words(imbalance)}; "
+        f"{latency_words(cluster)}; {imbalance_words(imbalance)}; "
         f"{HELD + '; ' if (overlap, a2a, gmm, ici, efficiency, imbalance) == DEFAULTS else ''}"
         f"{len(cands)} enumerated "
         f"(strategy x mesh x M x remat x capacity factor x axes inside a node of "

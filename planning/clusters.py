@@ -6,7 +6,9 @@ What the planner assumes beyond these figures (its own assumptions, not sourced)
   - a group whose devices all sit in one node runs at the NVLink per-direction bandwidth;
     a group that crosses a node boundary runs at the InfiniBand bandwidth per GPU (one 400 Gb/s
     NIC per GPU; no hierarchical algorithm, no NVLink share of a cross-node all-to-all);
-  - no per-collective latency; what runs under compute is --plan_overlap's (planning/plan.py).
+  - a collective's fixed time (alpha) from the link classes' per-step latencies below and its
+    algorithm's steps (planning.plan.latency_s); what runs under compute is --plan_overlap's
+    (planning/plan.py).
 TPU (tpu-v5p): the two link classes are a slice's ICI and the data-center network between
 slices; the "node" is the largest single slice. A slice's ICI is a 3D torus: a chip has six
 links, and a collective runs at what the links of the torus dimensions its group spans carry.
@@ -21,6 +23,39 @@ import dataclasses
 
 GB = 1e9
 TFLOPS = 1e12
+US = 1e-6
+
+# The collectives each compiler merges, those a layer run issues over one group into one
+# (planning.plan.link_loads): XLA:GPU merges the weights' all-gathers and reduce-scatters too,
+# XLA:TPU only the all-reduces, XLA:CPU none (each strategy's first test row compiled for 8
+# devices: docs/planner.md)
+MERGES = {"XLA:GPU": ("all-reduce", "all-gather", "reduce-scatter"), "XLA:TPU": ("all-reduce",),
+          "XLA:CPU": ()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+  """How a collective library moves a call: its fixed times and the bandwidth it moves at."""
+  name: str
+  call: float            # s a call
+  near: float            # s a step inside a node (a TPU slice)
+  far: float             # s a step across nodes (slices)
+  share: float = 1.0     # the share of the links' bandwidth its data moves at
+  tree: bool = False     # all-reduce only: a tree, 2 (steps inside a node + log2(nodes) across)
+
+
+# GPUs: NCCL's own tuning model (NVIDIA/nccl src/graph/tuning.cc), which picks for each call the
+# algorithm and protocol of least time: the ring with the Simple protocol (baseLat 8.4 us, hwLat
+# 3.4 us a step over NVLink, 14 us over the network; the whole bandwidth), the ring with LL
+# (6.6 us; 0.6 and 2.7 us; a quarter of the bandwidth) and, for an all-reduce, the tree with LL
+# (6.8 us; 0.6 and 5.0 us; 1/3.8 of it).
+NCCL = (Protocol("ring/Simple", 8.4 * US, 3.4 * US, 14 * US),
+        Protocol("ring/LL", 6.6 * US, 0.6 * US, 2.7 * US, 1 / 4),
+        Protocol("tree/LL", 6.8 * US, 0.6 * US, 5.0 * US, 1 / 3.8, tree=True))
+# TPU slices: no launch of its own (the collective is an op of the compiled program), 1 us per
+# ICI hop (ASTRA-sim's TPU validation: "link latency is 1 us, as per the TPU research team");
+# between slices no TPU figure is published: NCCL's network step stands in.
+ICI = (Protocol("ICI", 0.0, 1 * US, 14 * US),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +77,10 @@ class Cluster:
   # a TPU slice's ICI: the torus' dimensions (0: not a torus) and the devices JAX sees per chip
   torus_dims: int = 0
   chip_devices: int = 1
+  # the collective library's protocols (Protocol), their fixed times (planning.plan.latency_s)
+  protocols: tuple = NCCL
+  # the collectives its compiler merges (MERGES)
+  merges: tuple = MERGES["XLA:GPU"]
 
 
 PROFILES = {
@@ -71,7 +110,8 @@ PROFILES = {
                        "Cloud TPU v5p: 459 TFLOP/s bf16, 95 GB HBM, ICI 1,200 GB/s bidir per chip "
                        "(3D torus; one dimension's 2 links, 200 GB/s per direction, assumed); "
                        "DCN 50 Gb/s per chip; slices up to 6,144 chips", temp_model="XLA:TPU",
-                       torus_dims=3),
+                       torus_dims=3, protocols=ICI,
+                       merges=MERGES["XLA:TPU"]),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): the H100's 989.4 TFLOP/s bf16 dense
     # (1,979 with sparsity), 141 GB HBM3e, NVLink 900 GB/s bidirectional; HGX H200: 8 GPUs per
     # node, 400 Gb/s InfiniBand NIC per GPU.
@@ -93,7 +133,8 @@ PROFILES = {
                        "Cloud TPU v6e: 918 TFLOP/s bf16, 32 GB HBM, ICI 800 GB/s bidir per chip "
                        "(2D torus; one dimension's 2 links, 200 GB/s per direction, assumed); "
                        "DCN 100 Gb/s per chip; slices up to 256 chips", temp_model="XLA:TPU",
-                       torus_dims=2),
+                       torus_dims=2, protocols=ICI,
+                       merges=MERGES["XLA:TPU"]),
     # Cloud TPU7x, Ironwood (cloud.google.com/tpu/docs/tpu7x): per chip 2,307 TFLOP/s bf16
     # (4,614 FP8), 192 GiB HBM, ICI 1,200 GB/s bidirectional over a 3D torus, DCN 100 Gb/s,
     # two TensorCores that JAX sees as two devices; 9,216 chips per pod. A device here is half
@@ -105,7 +146,8 @@ PROFILES = {
                       "shared by the chip's 2 devices, 100 GB/s per device and direction, "
                       "assumed); DCN 100 Gb/s per chip; pods of 9,216 chips",
                       temp_model="XLA:TPU", fp8_flops=2307 * TFLOPS, torus_dims=3,
-                      chip_devices=2),
+                      chip_devices=2, protocols=ICI,
+                      merges=MERGES["XLA:TPU"]),
 }
 
 

@@ -156,7 +156,10 @@ Per candidate, per device:
                every axis of the group lies inside a node (a TPU slice's: one torus dimension's
                links, or at --plan_ici=torus, the default, those of every dimension the group spans,
                `ici_dims`), else the inter-node one; an all-to-all across nodes as --plan_a2a
-               says (A2AS, `a2a_seconds`).
+               says (A2AS, `a2a_seconds`); + each collective's fixed time (`latency_s`: the
+               least over the cluster's protocols, NCCL's ring and tree or a TPU slice's ICI
+               hops, planning/clusters.py) x the collectives it issues (`calls_of`, merged as
+               the cluster's compiler merges them: `link_loads`).
   MFU = model FLOPs (6 x active params x tokens + attention, no recompute) / (step time x peak).
 """
 from __future__ import annotations
@@ -165,6 +168,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import re
 import sys
 import time
 
@@ -221,6 +225,7 @@ class Candidate:
   compute_s: float = 0.0
   comm_s: float = 0.0          # exposed: what --plan_overlap leaves beside the compute
   serial_comm_s: float = 0.0   # every collective's time, none hidden (--plan_overlap=none)
+  latency_s: float = 0.0       # ... of it, the collectives' fixed times (`latency_s`)
   dominant: str = ""           # the collective (kind over axes) that lengthens the step most
   dominant_s: float = 0.0      # ... its time (`timing`)
   dominant_hidden: bool = False  # ... every collective runs under the compute: the largest
@@ -335,6 +340,7 @@ def keys_per_query(cfg, kind: str) -> float:
   return s / 2
 
 
+@functools.lru_cache(maxsize=256)
 def flops_per_step(cfg) -> float:
   """Model FLOPs of one train step (forward + backward = 3 x forward, no recompute)."""
   return 3 * sum(_forward_flops_per_token(cfg)) * cfg.batch * cfg.seq_len
@@ -624,6 +630,8 @@ OVERLAP = "weights"
 
 
 EXCHANGES = ("all-to-all", "ragged-all-to-all")
+# the collectives XLA's combiners merge (link_loads)
+COMBINED = ("all-reduce", "all-gather", "reduce-scatter")
 
 
 def overlap_class(t) -> str:
@@ -637,16 +645,29 @@ def overlap_class(t) -> str:
   return "paired" if t.kind in EXCHANGES else ""
 
 
-def link_loads(terms) -> tuple:
+def link_loads(terms, calls=None, merges: tuple = COMBINED) -> tuple:
   """A step's cost terms summed per collective and overlap class: (("kind over axes", axes,
-  wire bytes a device sends, overlap_class), ...), in the order the terms first name them; what
-  `timing` prices on each placement."""
+  wire bytes a device sends, overlap_class, collectives issued), ...), in the order the terms
+  first name them; what `timing` prices on each placement. calls: a term -> the collectives it
+  counts (calls_of); None: none counted (no latency). merges: the kinds the compiler merges
+  (clusters.Cluster.merges)."""
   loads: dict = {}
   for x in terms:
     key = (x.kind, x.axes, overlap_class(x))
-    loads[key] = loads.get(key, 0.0) + x.wire_bytes
-  return tuple((f"{kind} over {','.join(axes)}", axes, b, cls)
-               for (kind, axes, cls), b in loads.items())
+    b, n = loads.get(key, (0.0, {}))
+    if calls:
+      # XLA's combiners merge the independent all-reduces, all-gathers and reduce-scatters one
+      # layer run issues over one group (its weights', its router statistics', the step's
+      # sums) into one: a phase's calls are its most frequent such term's issues; activations'
+      # collectives, exchanges and sends wait on each other's results and stay apart
+      merge = x.kind in merges and (x.params or x.what.startswith(cost.STATS)
+                                    or cost.per_step(x))
+      site = (x.phase, x.what if not merge else "")
+      n[site] = max(n.get(site, 0.0), calls(x, merge)) if merge else n.get(site, 0.0) + calls(x)
+    loads[key] = (b + x.wire_bytes, n)
+  return tuple((f"{kind} over {','.join(axes)}", axes, b, cls, sum(n.values()))
+               for (kind, axes, cls), (b, n) in loads.items())
+
 
 
 # --plan_a2a: how an all-to-all whose group crosses nodes moves its rows (module docstring)
@@ -706,6 +727,55 @@ def ici_dims(group: int, cluster, ici: str = ICI) -> int:
   span = math.ceil(math.log(chips, TORUS_RING) - 1e-9) if chips > 1 else 1
   return max(1, min(cluster.torus_dims, span))
 
+
+def latency_s(key: str, group: int, in_node: int, cluster, ici: str = ICI,
+              per_call: float = 0.0) -> float:
+  """One collective's fixed time (alpha) over `group` devices of which `in_node` share a node (a
+  TPU slice), per_call the seconds its bytes take at the links' bandwidth: the least over the
+  cluster's protocols (clusters.Protocol) of its fixed time plus what its share of the bandwidth
+  adds to per_call, as NCCL picks one. A ring all-gather or reduce-scatter over n devices on
+  `nodes` nodes runs n - 1 steps, nodes - 1 of them between nodes (NCCL's ring); an all-reduce
+  twice that, or a tree's 2 (in_node - 1 + log2(nodes)). On a TPU slice the ring runs along each
+  torus dimension the group spans (ici_dims): d (r - 1) steps of r chips a dimension, then
+  nodes - 1 between slices. An all-to-all posts its sends at once and a collective-permute is
+  one send: one step, across nodes where the group crosses them (inside a torus, its diameter,
+  d r / 2 hops)."""
+  at = (key, group, in_node, id(cluster), ici)
+  if at not in _LATENCIES:
+    _LATENCIES[at] = (cluster, _protocol_latencies(key.split(" over ")[0], group, in_node,
+                                                   cluster, ici))
+  return min(fixed + extra * per_call for fixed, extra in _LATENCIES[at][1])
+
+
+_LATENCIES: dict = {}      # latency_s's cache, by the cluster's id (kept alive beside it)
+
+
+def _protocol_latencies(kind: str, group: int, in_node: int, cluster, ici: str) -> tuple:
+  """latency_s's ((fixed time, 1 / bandwidth share - 1) of each protocol that runs `kind`)."""
+  nodes = max(1, group // max(1, in_node))
+  if cluster.torus_dims:
+    chips = max(1, in_node // cluster.chip_devices)
+    d = ici_dims(in_node, cluster, ici)
+    r = chips ** (1 / d)
+    ring, across = d * (r - 1), d * r / 2
+  else:
+    ring, across = group - nodes, 1
+  out = []
+  for p in cluster.protocols:
+    if kind in ("all-gather", "reduce-scatter", "all-reduce"):
+      k = 2 if kind == "all-reduce" else 1
+      if p.tree and kind != "all-reduce":
+        continue
+      steps = (2 * ((in_node - 1) * p.near + math.log2(nodes) * p.far) if p.tree else
+               k * (ring * p.near + (nodes - 1) * p.far))
+    elif p.tree:
+      continue
+    elif kind in EXCHANGES or kind == "collective-permute":
+      steps = p.far if nodes > 1 else across * p.near
+    else:
+      steps = 0.0
+    out.append((p.call + steps, 1 / p.share - 1))
+  return tuple(out)
 
 def a2a_seconds(wire: float, group: int, top_k: int, cluster, a2a: str) -> float:
   """An all-to-all over `group` devices that crosses nodes, of `wire` bytes a device sends (its
@@ -784,14 +854,20 @@ def timing(c: Candidate, cfg, loads, cluster, efficiency: float,
   own: dict = {}                # collective -> its time; under: of it, what runs under compute
   under_of: dict = {}
   paired = _pipelined(c.strategy) and _one_f(c.opts)
-  under = exposed = 0.0
-  for key, axes, wire, cls in loads:   # the node's links where every axis lies inside it
+  under = exposed = c.latency_s = 0.0
+  for key, axes, wire, cls, *calls in loads:  # the node's links where every axis lies inside
+    group = math.prod(shape[a] for a in axes)
     if all(a in c.inner for a in axes):
-      t = wire / (cluster.intra_bw * ici_dims(math.prod(shape[a] for a in axes), cluster, ici))
+      t = wire / (cluster.intra_bw * ici_dims(group, cluster, ici))
     elif cls == "paired":                # the tokens' exchange (overlap_class)
-      t = a2a_seconds(wire, math.prod(shape[a] for a in axes), cfg.top_k, cluster, a2a)
+      t = a2a_seconds(wire, group, cfg.top_k, cluster, a2a)
     else:
       t = wire / cluster.inter_bw
+    if calls and calls[0]:               # each collective's fixed time (alpha)
+      in_node = math.prod(shape[a] for a in axes if a in c.inner)
+      alpha = calls[0] * latency_s(key, group, in_node, cluster, ici, t / calls[0])
+      c.latency_s += alpha
+      t += alpha
     own[key] = own.get(key, 0.0) + t
     if hidden(cls, overlap, paired):
       under_of[key] = under_of.get(key, 0.0) + t
@@ -823,12 +899,13 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
                          efficiency: float = EFFICIENCY, overlap: str = OVERLAP,
                          fp8: bool = False, a2a: str = A2A, gmm: str = GMM, ici: str = ICI,
                          imbalance: float = IMBALANCE, capped: bool = True,
-                         progress=None,
+                         latency: bool = True, progress=None,
                          microbatches: int | None = None, only_mesh: dict | None = None,
                          options: dict | None = None) -> list[Candidate]:
   """Every candidate of the grid (module docstring), predicted; refused ones carry `error`
   (check()'s one line) and no prediction. overlap, fp8, a2a, gmm, ici, imbalance, capped:
-  `timing`'s. progress: called as progress(done, name, kept) now and then. The user's constraints
+  `timing`'s; latency: each collective's fixed time (`latency_s`), else its bytes alone.
+  progress: called as progress(done, name, kept) now and then. The user's constraints
   (planning/constraints.py):
   microbatches, one M in place of the divisors; only_mesh, {axis: size} in place of every
   split of n (a strategy without one of its axes is skipped); options, {strategy: [Options]}
@@ -896,7 +973,9 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
             raw = strat.cost(cost.microbatch(base, lay), mesh, opts)   # what cost.finish reads
             for remat in remats:
               c_cfg = base.replace(remat=remat)
-              loads = link_loads(cost.finish(raw, c_cfg, mesh, lay))   # cost.step_terms
+              terms = cost.finish(raw, c_cfg, mesh, lay)               # cost.step_terms
+              loads = (step_loads(terms, c_cfg, name, shape, opts, cluster.merges) if latency
+                       else link_loads(terms))
               feats = step_features(name, c_cfg, mesh, raw, opts, o_mem["param_bytes"])
               temp = predict_temp(feats, cluster.temp_model)
               rows = balanced_rows(c_cfg, shape, local_e, f_split)
@@ -975,3 +1054,63 @@ def candidate_features(c: Candidate, cfg) -> dict:
 def progress_line(done: int, name: str, kept: int) -> None:
   print(f"  ... {done} candidates so far ({kept} admitted), at {name}", file=sys.stderr,
         flush=True)
+
+
+
+_MICROBATCHES = re.compile(r", x(\d+) microbatches")
+
+
+@functools.lru_cache(maxsize=4096)
+def _issued(what: str, phase: str, params: str) -> tuple[int, bool]:
+  """(gradient accumulation's M where a term `what` is one microbatch's, else 1; whether it is
+  issued once per step or microbatch: measure.cost.per_step)."""
+  m = _MICROBATCHES.search(what)
+  return (int(m.group(1)) if m else 1,
+          cost.per_step(cost.Term("", phase, what, 0.0, (), 1, params=params)))
+
+
+def layer_counts(cfg) -> dict:
+  """calls_of's layers: a term's layer runs per pass by its parameter group ("" for the rest)."""
+  return {"dense_layers": cfg.n_dense_layers, "layers": cfg.n_moe_layers, "": cfg.n_layers}
+
+
+def calls_of(t, layers: dict, runs: float = 1.0, merged: bool = False) -> float:
+  """How many collectives cost term t counts over the step: t.calls where its site counts
+  them (the token exchange's, the K/V exchange's, pp's stage sends, a weight's), else one per
+  layer run (`layer_counts`, x runs a layer: `_runs`; the MoE layers for an exchange; once per
+  step for a per-step term: measure.cost.per_step), x gradient accumulation's M where the term
+  is one microbatch's. merged: the times it is issued, the collectives of one issue merged
+  into one (the router statistics' three), at most one per layer run."""
+  if t.calls and not merged:
+    return t.calls
+  k, once = _issued(t.what, t.phase, t.params)
+  if once:
+    return k
+  group = "layers" if t.kind in EXCHANGES else t.params if t.params in layers else ""
+  issues = k * layers[group] * runs
+  return min(t.calls, issues) if t.calls else issues
+
+
+def step_loads(terms, cfg, name: str, shape: dict, opts=None, merges: tuple = COMBINED) -> tuple:
+  """link_loads of a candidate's step terms, each load with its collectives (calls_of)."""
+  layers, runs = layer_counts(cfg), _runs(name, cfg, shape, opts)
+  return link_loads(terms, lambda t, merged=False: calls_of(t, layers, runs, merged), merges)
+
+
+def term_calls(terms, cfg, name: str, shape: dict, opts=None, merges: tuple = ()) -> dict:
+  """{(kind, frozenset(axes)): collectives per step}, the key of
+  measure.hlo.collective_stats_by_axes: each term's calls_of, the kinds `merges` names merged
+  as link_loads counts them (() for XLA:CPU, which merges none; clusters.Cluster.merges)."""
+  out: dict = {}
+  if merges:
+    for t in terms:
+      out.setdefault((t.kind, frozenset(t.axes)), 0.0)
+    for key, axes, _, _, n in step_loads(terms, cfg, name, shape, opts, merges):
+      kind = key.split(" over ")[0]
+      out[(kind, frozenset(axes))] += n
+    return out
+  layers, runs = layer_counts(cfg), _runs(name, cfg, shape, opts)
+  for t in terms:
+    key = (t.kind, frozenset(t.axes))
+    out[key] = out.get(key, 0.0) + calls_of(t, layers, runs)
+  return out

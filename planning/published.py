@@ -5,7 +5,7 @@ layout, and the error printed beside it.
 
   python -m planning.published          # one line per row, then the summary line:
   published: N rows, median error X, worst error Y, Spearman R
-  python -m planning.published --overlap=none --a2a=flat --no_fp8   # the terms off
+  python -m planning.published --overlap=none --a2a=flat --no_fp8 --no_latency  # terms off
 
 error = |predicted / measured - 1| over the quantity the publisher measured (step time, tokens/s
 per device, or TFLOP/s per device counted with the suite's FLOPs, planning.plan.flops_per_step;
@@ -95,6 +95,7 @@ class Row:
   imbalance: float = 0.0      # planning.plan.IMBALANCE where the routing is real
   capacity: bool = False      # capacity_factor is the run's capacity (MaxText's 1.25), which
                               # caps the busiest device's rows; else it sizes a dropless exchange
+  latency: bool = True        # each collective's fixed time (planning.plan.latency_s)
 
 
 # Megatron computes the load-balancing loss over each micro-batch's tokens: no counts pass over
@@ -224,7 +225,7 @@ def predict(row: Row) -> Prediction:
                                     options={row.strategy: [opts]}, overlap=row.overlap,
                                     fp8=row.dtype == "fp8", a2a=row.a2a, gmm=row.gmm,
                                     ici=row.ici, imbalance=0.0 if row.balanced else row.imbalance,
-                                    capped=row.capacity)
+                                    capped=row.capacity, latency=row.latency)
   ok = [c for c in cands if not c.error]
   if not ok:
     return Prediction(row, error=cands[0].error if cands else "no candidate")
@@ -309,7 +310,8 @@ def line(p: Prediction) -> str:
   return (f"{head}\n    as {c.layout()}: predicted {p.predicted:,.2f} {UNITS[r.measure]}, "
           f"measured {r.measured:,.2f}, ratio {p.ratio:.3f}; step {c.step_s:.2f} s = compute "
           f"{c.compute_s:.2f}{' (FP8 matmuls)' if r.dtype == 'fp8' else ''} + exposed comm "
-          f"{c.comm_s:.2f} of {c.serial_comm_s:.2f} (overlap {r.overlap}, {r.a2a} all-to-all; "
+          f"{c.comm_s:.2f} of {c.serial_comm_s:.2f}, latency {c.latency_s:.2f} of it "
+          f"(overlap {r.overlap}, {r.a2a} all-to-all; "
           f"dominant {c.dominant} {c.dominant_s:.2f} s{', hidden' if c.dominant_hidden else ''})"
           f"{flops}\n    source: {r.source}")
 
@@ -327,6 +329,8 @@ def main() -> None:
   ap.add_argument("--ici", choices=("row",) + plan.ICIS, default="row",
                   help="what a TPU slice's torus gives a group (default: each row's)")
   ap.add_argument("--no_fp8", action="store_true", help="FP8 rows at bf16's peak")
+  ap.add_argument("--no_latency", action="store_true",
+                  help="no collective's fixed time, its bytes alone (planning.plan.latency_s)")
   ap.add_argument("--imbalance", type=float, default=plan.IMBALANCE,
                   help="the busiest device's routed work over balanced routing's, minus 1, on "
                   "every row whose routing is real (not forced-balanced)")
@@ -335,6 +339,7 @@ def main() -> None:
   a = ap.parse_args()
   given = {k: getattr(a, k) for k in ("overlap", "a2a", "gmm", "ici") if getattr(a, k) != "row"}
   given["imbalance"] = a.imbalance
+  given["latency"] = not a.no_latency
   rows = [dataclasses.replace(r, **given,
                               dtype="bf16" if a.no_fp8 and r.dtype == "fp8" else r.dtype)
           for r in ROWS]

@@ -392,17 +392,21 @@ def exchange_terms(cfg, mesh, exchange_name, b_loc, t_loc, axes=(EXPERT,), calls
   if exchange_name == "a2a":
     buf = e * c * cfg.d_model * act                              # [EP, C, D]
     return (term("all-to-all", "fwd", "dispatch buffers, counts [EP, e] (int32)",
-                 calls * (buf + cfg.n_experts * 4), axes, cost_lib.RECOMPUTED)
-            + term("all-to-all", "fwd", "combine buffers", calls * buf, axes, combine_remat)
-            + term("all-to-all", "bwd", "their transposes", calls * 2 * buf, axes))
+                 calls * (buf + cfg.n_experts * 4), axes, cost_lib.RECOMPUTED, calls=2 * calls)
+            + term("all-to-all", "fwd", "combine buffers", calls * buf, axes, combine_remat,
+                   calls=calls)
+            + term("all-to-all", "bwd", "their transposes", calls * 2 * buf, axes,
+                   calls=2 * calls))
   if exchange_name == "ragged":                    # output buffers: [EP*C, D] and [T*K, D]
     send, back = e * c * cfg.d_model * act, t_loc * cfg.top_k * cfg.d_model * act
     return (term("all-gather", "fwd", "counts [EP, EP, e] (int32)", calls * e * cfg.n_experts * 4,
-                 axes, cost_lib.RECOMPUTED)
+                 axes, cost_lib.RECOMPUTED, calls=calls)
             + term("ragged-all-to-all", "fwd", "dispatch rows", calls * send, axes,
-                   cost_lib.RECOMPUTED)
-            + term("ragged-all-to-all", "fwd", "combine rows", calls * back, axes, combine_remat)
-            + term("ragged-all-to-all", "bwd", "their transposes", calls * (send + back), axes)
+                   cost_lib.RECOMPUTED, calls=calls)
+            + term("ragged-all-to-all", "fwd", "combine rows", calls * back, axes, combine_remat,
+                   calls=calls)
+            + term("ragged-all-to-all", "bwd", "their transposes", calls * (send + back), axes,
+                   calls=2 * calls)
             + term("all-to-all", "bwd", "the transposes' sizes and offsets [EP] (int32)",
-                   calls * 4 * e * 4, axes))
+                   calls * 4 * e * 4, axes, calls=calls))
   return []

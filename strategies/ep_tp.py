@@ -363,9 +363,10 @@ def cost(cfg, mesh, opts):
   terms = (weights + cost_lib.stats_terms(cfg, mesh, TOKENS, (EXPERT,), drops=drops)
            + cost_lib.sequence_parallel_terms(cfg, mesh, EXPERT, t, mlp)
            + term("all-gather", "fwd", "routing ids + weights (ring's MoE layers)",
-                  0 if folded else n_moe * ids + route, EXPERT, cost_lib.RECOMPUTED)
+                  0 if folded else n_moe * ids + route, EXPERT, cost_lib.RECOMPUTED,
+                  calls=(ids // rk + 1) * n_moe)
            + term("reduce-scatter", "bwd", "cotangents of the routing weights",
-                  route / mesh_lib.axis_size(mesh, EXPERT), EXPERT))
+                  route / mesh_lib.axis_size(mesh, EXPERT), EXPERT, calls=n_moe))
   if folded:
     # ep's exchange of the T/EP local tokens: [EP, C, D] out and back, the counts [EP, e]
     terms += (ep.exchange_terms(cfg, mesh, "a2a", b, t // mesh_lib.axis_size(mesh, EXPERT))

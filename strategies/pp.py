@@ -1162,6 +1162,7 @@ def cost(cfg, mesh, opts):
   # autodiff's time loop (gpipe, interleaved) XLA hoists its all-reduce out: one per step
   hoist = cfg.capacity_factor == 0 and opts.schedule != "1f1b"
   stats = (cost_lib.stats_values(cfg) + (not hoist)) * cost_lib.F32
+  stat_ops = cost_lib.stats_calls(cfg) // cfg.n_moe_layers + (not hoist)   # all-reduces a run
   pre = counts_pre_pass(cfg, opts)
   counts = cfg.n_layer_slots // p * cfg.n_experts * cost_lib.F32     # the step's [rows, E]
   if tp and opts.schedule == "1f1b":
@@ -1169,6 +1170,7 @@ def cost(cfg, mesh, opts):
     # the pre-pass giving the counts, each run's counts are summed only for the metric, and
     # XLA moves that sum out of the loop, folded into tensor rank 0's (below)
     stats = (cost_lib.stats_values(cfg) - pre * cfg.n_experts) * cost_lib.F32
+    stat_ops = cost_lib.stats_calls(cfg) // cfg.n_moe_layers - pre
     stats_once = term("all-reduce", "fwd", "dropped count per phase", steps * cost_lib.F32,
                       stat_axes)
   else:
@@ -1186,15 +1188,16 @@ def cost(cfg, mesh, opts):
   out = (cost_lib.weight_terms(cfg, mesh, specs, AXES, gathered, once=True)
          + cost_lib.muon_terms(cfg, mesh, specs, SPREAD + (TENSOR,))
          + term("collective-permute", "fwd", "activations to the next stage", sends[0] * send,
-                STAGE)
+                STAGE, calls=sends[0])
          + term("collective-permute", "bwd", "cotangents to the previous stage", sends[1] * send,
-                STAGE)
+                STAGE, calls=sends[1])
          + ep.exchange_terms(cfg, mesh, "a2a", mb, mb * s_ep, ep_axes, calls=runs)
-         + term("all-reduce", "fwd", "router stats per microbatch", runs * stats, stat_axes)
+         + term("all-reduce", "fwd", "router stats per microbatch", runs * stats, stat_axes,
+                calls=runs * stat_ops)
          + stats_once
          + _tensor_terms(cfg, mesh, act, steps, pre_steps, opts)
          + term("all-reduce", "fwd", "aux / z / dropped sums", 3 * cost_lib.F32,
-                STAGE if fold else (STAGE, TENSOR))
+                STAGE if fold else (STAGE, TENSOR), calls=3)
          + _context_terms(cfg, mesh, mb, steps, pre_steps, opts)
          + _split_sequence_terms(cfg, mesh, mb, runs, steps, pre_steps, opts)
          + term("all-reduce", "fwd", "CE sum", cost_lib.F32, AXES))
@@ -1207,7 +1210,7 @@ def cost(cfg, mesh, opts):
   if pre:                                      # the GPipe forward time loop, once more
     out += (term("collective-permute", "fwd", "counts pre-pass: activations (v = 1, unrolled: "
                  "its last tick's send, read by no stage, compiled away)",
-                 (ticks - (v == 1)) * send, STAGE)
+                 (ticks - (v == 1)) * send, STAGE, calls=ticks - (v == 1))
             + term("all-to-all", "fwd", "counts pre-pass: buffers and counts",
                    pre_steps * local_layers * (2 * buf + cfg.n_experts * 4), ep_axes)
             + term("all-reduce", "fwd", "counts pre-pass: the step's counts [L/P, E]",

@@ -109,6 +109,36 @@ def test_overlap_hides_each_class_up_to_the_compute(overlap, one_f, exposed):
   assert c.step_s == pytest.approx(c.compute_s + c.comm_s)
 
 
+def test_latency_is_the_least_protocols_fixed_time():
+  """planning.plan.latency_s, NCCL's model (clusters.NCCL): a small all-reduce over two nodes
+  of 8 takes the tree with LL, 6.8 + 2 (7 x 0.6 + log2(2) x 5.0) = 25.2 us; a call of 1 ms of
+  bytes the ring with Simple (LL's quarter bandwidth would add 3 ms), 8.4 + 2 (14 x 3.4 +
+  1 x 14) = 131.6 us. Inside a node, an all-gather's 7 LL steps; an all-to-all across nodes
+  one network step (LL). On a v5p slice, 64 chips span 3 torus dimensions of 4: an all-gather
+  runs 3 x 3 hops, a send the torus' diameter, 6 hops, 1 us each."""
+  h100, v5p, us = clusters.get("h100"), clusters.get("tpu-v5p"), 1e-6
+  assert plan.latency_s("all-reduce over data", 16, 8, h100) == pytest.approx(25.2 * us)
+  assert plan.latency_s("all-reduce over data", 16, 8, h100, per_call=1e-3) == pytest.approx(
+      131.6 * us)
+  assert plan.latency_s("all-gather over fsdp", 8, 8, h100) == pytest.approx(10.8 * us)
+  assert plan.latency_s("all-to-all over expert", 64, 8, h100) == pytest.approx(9.3 * us)
+  assert plan.latency_s("all-gather over fsdp", 64, 64, v5p) == pytest.approx(9 * us)
+  assert plan.latency_s("collective-permute over stage", 64, 64, v5p) == pytest.approx(6 * us)
+
+
+def test_each_collective_adds_its_latency_to_the_step():
+  """timing: a load issued n times adds n x latency_s to its time, hidden or exposed as its
+  bytes are (an exposed all-reduce of no bytes, 1,000 calls inside a node of 8: 1,000 x the
+  ring LL's 6.6 + 2 x 7 x 0.6 us)."""
+  from modeling.config import get_config
+  cfg = get_config("tiny")
+  c = plan.Candidate("tp", (("data", 1), ("tensor", 8)), 1, "none", 1.0, None,
+                     inner=("tensor",))
+  plan.timing(c, cfg, (("all-reduce over tensor", ("tensor",), 0.0, "", 1000.0),),
+              clusters.get("h100"), plan.EFFICIENCY)
+  assert c.latency_s == c.comm_s == pytest.approx(1000 * (6.6 + 14 * 0.6) * 1e-6)
+
+
 def test_overlap_classes_of_real_terms():
   """Weight gathers and gradient reductions (a term with a parameter group), the optimizer's,
   and point-to-point sends are "weights"; all-to-alls "paired"; tensor parallelism's
@@ -142,14 +172,14 @@ def test_the_publishers_orders_and_errors(preds):
   """What the time model gets right, held: the all-to-all overlap makes Qwen3-235B's 2a
   faster than the same layout without it (2c), as measured (17.6 s, 19.7 s); DeepSeek-V3's
   layout on 2,048 H800 within 25% of its ~1,540 tokens/s/GPU (the issue's target); and the
-  summary no worse than docs/planner.md prints (median error 0.091, worst 0.411, Spearman
+  summary no worse than docs/planner.md prints (median error 0.084, worst 0.413, Spearman
   0.97), and so the issue's targets: median at most 0.25, no row off by 2x, Spearman at least
   0.9 over the five Qwen3-235B layouts."""
   by = {p.row.row: p for p in preds}
   assert by["2a"].predicted < by["2c"].predicted
   assert abs(by["8"].ratio - 1) <= 0.25, by["8"].ratio
   errors = sorted(abs(p.ratio - 1) for p in preds if not p.error)
-  assert statistics.median(errors) <= 0.092 and errors[-1] <= 0.412, errors
+  assert statistics.median(errors) <= 0.085 and errors[-1] <= 0.414, errors
   assert float(published.summary(preds).split("Spearman ")[1]) >= 0.97
 
 
@@ -298,7 +328,7 @@ def test_ici_dims():
 def test_torus_prices_a_slice_group_on_its_dimensions():
   """timing: a load inside a TPU slice runs at the profile's one-dimension bandwidth times the
   dimensions its group spans (--plan_ici=torus); row 6's FSDP over 256 v7 devices (128 chips,
-  three dimensions) on a third of its serial communication."""
+  three dimensions) moves its bytes in a third of the time (its latency aside)."""
   from modeling.config import get_config
   cfg, v7 = get_config("tiny"), clusters.get("tpu-v7")
   loads = (("all-reduce over fsdp", ("fsdp",), 3 * v7.intra_bw, ""),)
@@ -311,7 +341,8 @@ def test_torus_prices_a_slice_group_on_its_dimensions():
   row = next(r for r in published.ROWS if r.row == "6")
   flat = published.predict(dataclasses.replace(row, ici="dimension")).candidate
   torus = published.predict(row).candidate
-  assert torus.serial_comm_s == pytest.approx(flat.serial_comm_s / 3)
+  assert torus.serial_comm_s - torus.latency_s == pytest.approx(
+      (flat.serial_comm_s - flat.latency_s) / 3)
 
 
 def test_the_planners_header_states_its_error():
@@ -344,7 +375,9 @@ def test_the_dominant_collective_is_the_one_the_step_waits_for():
   """The dominant collective is the one that adds the most to the step, not the largest by its
   own time: row 2b's gradient all-reduce over data (4.40 s) runs under the compute, its
   all-to-all (2.36 s) does not. Where overlap hides every collective (row 5's FSDP), the largest
-  is named and marked hidden; at --plan_overlap=none the largest is the one the step waits for."""
+  is named and marked hidden (its weights' all-gathers, forward and remat's, carry the bytes of
+  their gradients' reduce-scatter, and XLA:TPU issues twice as many of them: 0.48 s against
+  0.47); at --plan_overlap=none the largest is the one the step waits for."""
   def cand(row, **change):
     return published.predict(dataclasses.replace(
         next(r for r in published.ROWS if r.row == row), **change)).candidate
@@ -354,7 +387,7 @@ def test_the_dominant_collective_is_the_one_the_step_waits_for():
   assert (serial.dominant, serial.dominant_hidden) == ("all-reduce over data", False)
   assert serial.dominant_s > c.dominant_s
   fsdp = cand("5")
-  assert (fsdp.dominant, fsdp.dominant_hidden) == ("reduce-scatter over fsdp", True)
+  assert (fsdp.dominant, fsdp.dominant_hidden) == ("all-gather over fsdp", True)
   assert fsdp.comm_s < plan.DOMINANT_EXPOSED * fsdp.step_s
 
 

@@ -66,6 +66,17 @@ def test_contract_on_target(compiled, target, name):
   assert row["model_is_contract"] and not row["off"], row
 
 
+@pytest.mark.parametrize("target,name", _on("tpu-v5p", *[(n,) for n in NAMES + TARGET_ROWS])
+                         + _on("h100", *[(n,) for n in GPU_NAMES]))
+def test_collectives_issued_as_the_planner_counts(compiled, target, name):
+  """The collectives a step issues, as the planner counts them for its latency term
+  (planning.plan.term_calls, merged as planning.clusters.MERGES says this compiler merges),
+  within 2x of the target program's: XLA:TPU keeps the weights' all-gathers apart and issues
+  fsdp's reduce-scatters as all-reduces (1.7x on fsdp's row), XLA:GPU merges them."""
+  model, compiled_calls = compiled(target)[name]["calls"]
+  assert 0.5 <= model / compiled_calls <= 2, (model, compiled_calls)
+
+
 # The normal form is needed, and what it forgives is named: on the 2x2x2 v5p slice fsdp's
 # reduce-scatters over all 8 chips become all-reduces (XLA:GPU keeps them), and cp's sums over
 # context and then data (the norm scales' gradients and the CE sum: 1,284 bytes) become one
