@@ -777,6 +777,7 @@ def _protocol_latencies(kind: str, group: int, in_node: int, cluster, ici: str) 
     out.append((p.call + steps, 1 / p.share - 1))
   return tuple(out)
 
+
 def a2a_seconds(wire: float, group: int, top_k: int, cluster, a2a: str) -> float:
   """An all-to-all over `group` devices that crosses nodes, of `wire` bytes a device sends (its
   copies to every other member). flat: all of it at the inter-node bandwidth. hierarchical:
@@ -1054,7 +1055,6 @@ def candidate_features(c: Candidate, cfg) -> dict:
 def progress_line(done: int, name: str, kept: int) -> None:
   print(f"  ... {done} candidates so far ({kept} admitted), at {name}", file=sys.stderr,
         flush=True)
-
 
 
 _MICROBATCHES = re.compile(r", x(\d+) microbatches")
