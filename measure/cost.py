@@ -556,11 +556,14 @@ def stats_bytes(cfg, which: str = STEP) -> int:
           COUNTS: layers * cfg.n_experts}[which] * F32
 
 
+# The all-reduces of one MoE layer's STATS: one for each of its statistics (counts, z, and the
+# loss's prob sums or sum; ACCUMULATED: P and z; COUNTS: the counts)
+STATS_OPS = {STEP: 3, ACCUMULATED: 2, COUNTS: 1}
+
+
 def stats_calls(cfg, which: str = STEP) -> int:
-  """The all-reduces of one forward's STATS (stats_bytes): per MoE layer one for each of its
-  statistics (counts, z, and the loss's prob sums or sum; ACCUMULATED: P and z; COUNTS: the
-  counts)."""
-  return cfg.n_moe_layers * {STEP: 3, ACCUMULATED: 2, COUNTS: 1}[which]
+  """The all-reduces of one forward's STATS (stats_bytes): STATS_OPS per MoE layer."""
+  return cfg.n_moe_layers * STATS_OPS[which]
 
 
 def stats_terms(cfg, mesh, token_axes, seq_axes=(), drops: bool | None = None) -> list[Term]:

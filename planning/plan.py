@@ -321,10 +321,15 @@ def _forward_flops_per_token(cfg) -> tuple[float, float]:
   and p.v over each layer's keys per query on average (`keys_per_query`)."""
   _, active = model.param_counts(cfg)
   active -= cfg.d_model                                 # the embedding row: a lookup
+  return 2 * active, sum(attention_core_flops(cfg, kind) for kind, _ in cfg.layer_kinds)
+
+
+def attention_core_flops(cfg, kind: str) -> float:
+  """One token's q.k and p.v FLOPs in a layer of attention kind `kind`, over its keys per query
+  (`keys_per_query`)."""
   qk = cfg.qk_head_dim if cfg.mla else cfg.head_dim
   v = cfg.v_head_dim if cfg.mla else cfg.head_dim
-  keys = sum(keys_per_query(cfg, kind) for kind, _ in cfg.layer_kinds)
-  return 2 * active, 2 * cfg.n_heads * (qk + v) * keys
+  return 2 * cfg.n_heads * (qk + v) * keys_per_query(cfg, kind)
 
 
 def keys_per_query(cfg, kind: str) -> float:
@@ -565,9 +570,7 @@ def slowest_chunk(cfg, p: int) -> float:
     per = len(slots) // n_chunks
     kinds = (cfg.first_k_dense_replace + np.arange(len(slots)) % per) % period
   mm, _ = _forward_flops_per_token(cfg)
-  qk = cfg.qk_head_dim if cfg.mla else cfg.head_dim
-  v = cfg.v_head_dim if cfg.mla else cfg.head_dim
-  attn = [2 * cfg.n_heads * (qk + v) * keys_per_query(cfg, k) for k in cfg.layer_attentions]
+  attn = [attention_core_flops(cfg, k) for k in cfg.layer_attentions]
   row = mm / cfg.n_layers + np.asarray(attn)[kinds]
   return float(row.reshape(n_chunks, -1).sum(1).max() * n_chunks / row[real].sum())
 
@@ -661,13 +664,12 @@ def link_loads(terms, calls=None, merges: tuple = COMBINED) -> tuple:
       # sums) into one: a phase's calls are its most frequent such term's issues; activations'
       # collectives, exchanges and sends wait on each other's results and stay apart
       merge = x.kind in merges and (x.params or x.what.startswith(cost.STATS)
-                                    or cost.per_step(x))
+                                    or _issued(x.what, x.phase, x.params)[1])
       site = (x.phase, x.what if not merge else "")
       n[site] = max(n.get(site, 0.0), calls(x, merge)) if merge else n.get(site, 0.0) + calls(x)
     loads[key] = (b + x.wire_bytes, n)
   return tuple((f"{kind} over {','.join(axes)}", axes, b, cls, sum(n.values()))
                for (kind, axes, cls), (b, n) in loads.items())
-
 
 
 # --plan_a2a: how an all-to-all whose group crosses nodes moves its rows (module docstring)
@@ -762,7 +764,7 @@ def _protocol_latencies(kind: str, group: int, in_node: int, cluster, ici: str) 
     ring, across = group - nodes, 1
   out = []
   for p in cluster.protocols:
-    if kind in ("all-gather", "reduce-scatter", "all-reduce"):
+    if kind in COMBINED:                 # the ring collectives
       k = 2 if kind == "all-reduce" else 1
       if p.tree and kind != "all-reduce":
         continue

@@ -1162,7 +1162,7 @@ def cost(cfg, mesh, opts):
   # autodiff's time loop (gpipe, interleaved) XLA hoists its all-reduce out: one per step
   hoist = cfg.capacity_factor == 0 and opts.schedule != "1f1b"
   stats = (cost_lib.stats_values(cfg) + (not hoist)) * cost_lib.F32
-  stat_ops = cost_lib.stats_calls(cfg) // cfg.n_moe_layers + (not hoist)   # all-reduces a run
+  stat_ops = cost_lib.STATS_OPS[cost_lib.STEP] + (not hoist)          # all-reduces a run
   pre = counts_pre_pass(cfg, opts)
   counts = cfg.n_layer_slots // p * cfg.n_experts * cost_lib.F32     # the step's [rows, E]
   if tp and opts.schedule == "1f1b":
@@ -1170,7 +1170,7 @@ def cost(cfg, mesh, opts):
     # the pre-pass giving the counts, each run's counts are summed only for the metric, and
     # XLA moves that sum out of the loop, folded into tensor rank 0's (below)
     stats = (cost_lib.stats_values(cfg) - pre * cfg.n_experts) * cost_lib.F32
-    stat_ops = cost_lib.stats_calls(cfg) // cfg.n_moe_layers - pre
+    stat_ops = cost_lib.STATS_OPS[cost_lib.STEP] - pre
     stats_once = term("all-reduce", "fwd", "dropped count per phase", steps * cost_lib.F32,
                       stat_axes)
   else:
