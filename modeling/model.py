@@ -838,23 +838,29 @@ def run_layers(x, dense, moe, pos: Positions, cfg: Config, lay: Parallelism, kin
              jax.tree.map(lambda *a: jnp.concatenate(a), *stats))          # [n_moe, ...]
 
 
-def _layer_body(kind: str, pos: Positions, cfg: Config, lay: Parallelism):
-  """One layer of attention kind `kind` under remat: (x, its params) -> (x, its stats)."""
-  return remat(functools.partial(lambda x, lp, kind: block(x, lp, pos, cfg, lay, kind),
-                                 kind=kind), cfg)
+def _layer_body(kind: str, pos: Positions, cfg: Config, lay: Parallelism, row=None):
+  """One layer of attention kind `kind` under remat: (x, its params) -> (x, its stats). row: the
+  params come as a period's rows [n, ...] and the layer's is row `row`, taken inside the remat:
+  taken outside it, XLA:CPU and XLA:GPU hold the step's float32 gradient of the stack twice
+  (`tests/test_layer_kinds.py: test_period_scan_holds_its_gradient_once`)."""
+  def one(x, lp):
+    if row is not None:
+      lp = jax.tree.map(lambda a: a[row], lp)
+    return block(x, lp, pos, cfg, lay, kind)
+  return remat(one, cfg)
 
 
 def _period_body(period, pos: Positions, cfg: Config, lay: Parallelism):
   """One scan step over a period's layers: (x, {False: dense rows [n, ...], True: MoE rows [n,
   ...]}) -> (x, the MoE layers' stats {name: [n_moe in the period, ...]}), each layer under its
   own remat."""
-  bodies = [_layer_body(kind, pos, cfg, lay) for kind, _ in period]
+  rows = [sum(1 for _, m in period[:i] if m == is_moe) for i, (_, is_moe) in enumerate(period)]
+  bodies = [_layer_body(kind, pos, cfg, lay, row) for (kind, _), row in zip(period, rows)]
 
   def step(x, xs):
-    stats, seen = [], {False: 0, True: 0}
+    stats = []
     for body, (_, is_moe) in zip(bodies, period):
-      x, st = body(x, jax.tree.map(lambda a: a[seen[is_moe]], xs[is_moe]))
-      seen[is_moe] += 1
+      x, st = body(x, xs[is_moe])
       if is_moe:
         stats.append(st)
     return x, (None if not stats else jax.tree.map(lambda *a: jnp.stack(a), *stats))
