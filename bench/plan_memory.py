@@ -51,7 +51,7 @@ import dataclasses  # noqa: E402
 
 from modeling.config import PRESETS, ConfigError, get_config  # noqa: E402
 from measure import peak  # noqa: E402
-from planning import check, clusters, plan  # noqa: E402
+from planning import check, clusters, plan, render  # noqa: E402
 from runtime import target  # noqa: E402
 
 G = 2**30
@@ -124,5 +124,5 @@ if A.bytes:
     got = ", ".join(f"{k} over {','.join(sorted(a))} {v['measured'] / G:.2f}G"
                     for (k, a), v in r.bytes_by_axes.items() if v["measured"] > 1e6)
     worst = max((abs(v["ratio"] - 1) for v in r.bytes_by_axes.values()), default=float("nan"))
-    print(f"| {text} | {c.step_s:.3f} | {c.dominant}{' (hidden)' if c.dominant_hidden else ''} "
+    print(f"| {text} | {c.step_s:.3f} | {render.dominant(c)} "
           f"| {got} | {worst:.3f} |")

@@ -104,8 +104,8 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
   else:
     print(f"verdict: {best.layout()}: {best.step_s:.3f} s/step predicted, "
           f"{best.tokens_per_s:,.0f} tokens/s per device, MFU {best.mfu:.1%}, "
-          f"{best.memory / 2**30:.1f} GiB per device; dominant: {best.dominant}"
-          f"{' (hidden)' if best.dominant_hidden else ''}")
+          f"{best.memory / 2**30:.1f} GiB per device; dominant: "
+          f"{render.dominant(best)}")
   if find is not None:
     print(render.found(cands, ranked, *find))
   if report_dir:

@@ -31,11 +31,12 @@ def table(ranked: list[plan.Candidate], top: int, hbm: float) -> str:
   return markdown_table(head, rows)
 
 
-def dominant(c: plan.Candidate, digits: int) -> str:
-  """The candidate's dominant collective and its time, "(hidden)" where it runs under compute."""
+def dominant(c: plan.Candidate, digits: int | None = None) -> str:
+  """The candidate's dominant collective and its time to `digits` (None: no time), "(hidden)"
+  where it runs under compute."""
   if not c.dominant:
     return "none"
-  return (f"{c.dominant} {c.dominant_s:.{digits}f}s"
+  return (c.dominant + ("" if digits is None else f" {c.dominant_s:.{digits}f}s")
           + (" (hidden)" if c.dominant_hidden else ""))
 
 
