@@ -69,8 +69,8 @@ BF16_GRAD_RTOL = 5e-2            # relative L2 norm per gradient leaf and per up
 
 def parity_config(cfg):
   """The config --full_parity runs every row at (the reference's too). float32: as given.
-  bfloat16: experts chosen by position, the SwiGLU unclamped (rule (1)). The Adam eps is the caller's (run.py:
-  parity_eps unless --adam_eps)."""
+  bfloat16: experts chosen by position, the SwiGLU unclamped (rule (1)). The Adam eps is the
+  caller's (run.py: parity_eps unless --adam_eps)."""
   return cfg if not cfg.mixed else cfg.replace(expert_choice="position", swiglu_limit=0.0)
 
 
