@@ -541,11 +541,12 @@ def gqa(p, x, pos: Positions, cfg: Config, lay: Parallelism, kind: str = "full")
   q = jnp.einsum("bsd,dkgh->bskgh", x, wq)                                     # [B, S, KV, G, Dh]
   k = jnp.einsum("bsd,dkh->bskh", x, wk)                                       # [B, S, KV, Dh]
   v = jnp.einsum("bsd,dkh->bskh", x, wv)                                       # [B, S, KV, Dh]
-  if cfg.qkv_bias:                                          # biases split like their weights
-    bias = lambda n, role: use(lay, role, p[n], x.dtype).astype(x.dtype)
-    q = q + _split_heads(bias("bq", "attn_q_bias"), "(k g) h -> k g h", 1, kv)  # [KV, G, Dh]
-    k = k + bias("bk", "attn_kv_bias")                                         # [KV, Dh]
-    v = v + bias("bv", "attn_kv_bias")
+  if cfg.qkv_bias:           # biases split like their weights, added in float32 (moe.add_bias)
+    bias = lambda n, role: use(lay, role, p[n], x.dtype)
+    q = moe_lib.add_bias(q, _split_heads(bias("bq", "attn_q_bias"), "(k g) h -> k g h", 1,
+                                         kv))                                  # + [KV, G, Dh]
+    k = moe_lib.add_bias(k, bias("bk", "attn_kv_bias"))                        # + [KV, Dh]
+    v = moe_lib.add_bias(v, bias("bv", "attn_kv_bias"))
   if cfg.qk_norm:                                           # RMSNorm of each head, before RoPE
     q = rms_norm(q, lay.use("head_norm", p["q_norm"]), cfg.norm_eps)
     k = rms_norm(k, lay.use("head_norm", p["k_norm"]), cfg.norm_eps)

@@ -100,7 +100,8 @@ F8, F2E4 = "fsdp:8,expert:1", "fsdp:2,expert:4"
 TEST_CASES = [Case("tiny", F2E4), Case("deepseek-test", F8),
               Case("deepseek-test", F2E4, dict(optimizer="muon")),
               Case("tiny", F2E4, opts=Options(mode="ep"))]
-COST_CASES = TEST_CASES
+# gpt-oss in bf16: every bias's gradient summed across devices in float32 (its q/k/v biases too)
+COST_CASES = [*TEST_CASES, Case("gpt-oss-test", F2E4, dict(dtype="bfloat16", remat="block"))]
 # bf16 mixed precision (tests/test_precision.py): the row holding its richest composition
 BF16_CASE = Case("tiny", "fsdp:2,expert:4")
 # the options the planner varies (planning/plan.py: every combination)
