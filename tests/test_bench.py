@@ -121,3 +121,10 @@ def test_buffers_bench_sets_cpu_beside_tpu():
   assert re.search(r"XLA:TPU: temp \d+\.\d\d GiB, peak span", out), out
   rows = [l for l in out.splitlines() if l.startswith("| ") and "GiB |" not in l]
   assert len(rows) == 6 and rows[-1].startswith("| the rest |"), out
+
+
+def test_period_scan_bench():
+  """The toy stack's three rows on XLA:CPU, each with its temp over the params."""
+  out = _run("period_scan.py", "--layers=8", "--period=2")
+  for row in ("one kind", "outside", "inside"):
+    assert re.search(rf"^\| {row} \| [\d.]+ MiB \| [\d.]+ \|$", out, re.M), out
