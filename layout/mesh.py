@@ -74,16 +74,23 @@ def make_mesh(shape: dict[str, int], devices=None) -> jax.sharding.Mesh:
 
 def platform(mesh) -> str:
   """The platform a mesh compiles for: its devices' ('cpu', 'gpu', 'tpu'; a --target's
-  compile-only devices are the target's), or the default backend's for an abstract mesh."""
+  compile-only devices are the target's), an abstract mesh's that names one (the planner's, for
+  its cluster: `abstract_mesh`), else the default backend's."""
   if isinstance(mesh, jax.sharding.Mesh):
     return mesh.devices.flat[0].platform
-  return jax.default_backend()
+  device = getattr(mesh, "abstract_device", None)
+  return device.platform if device is not None else jax.default_backend()
 
 
-def abstract_mesh(shape: dict[str, int]) -> jax.sharding.AbstractMesh:
-  """A mesh of these sizes without devices: enough for a strategy's check()."""
+def abstract_mesh(shape: dict[str, int], platform: str | None = None) -> jax.sharding.AbstractMesh:
+  """A mesh of these sizes without devices: enough for a strategy's check(). platform: the
+  devices' kind it stands for ('gpu', 'tpu'; None: this host's backend), which `platform`
+  reads back."""
+  device = (None if platform is None else
+            jax.sharding.AbstractDevice(device_kind=platform, num_cores=None, platform=platform))
   return jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape),
-                                   axis_types=(AxisType.Explicit,) * len(shape))
+                                   axis_types=(AxisType.Explicit,) * len(shape),
+                                   abstract_device=device)
 
 
 def require_divisible(dim_name: str, dim: int, mesh, axes) -> None:

@@ -47,24 +47,32 @@ class Term:
   params: str = ""   # a weight term's parameter group (weight_terms: "dense_layers", ...)
   calls: float = 0.0  # the collectives it counts over the step, where its site states them (0:
                       # one a layer run, planning.plan.calls_of)
+  moved: float = 0.0  # where the data sets what moves (a ragged exchange: the routed rows, not
+                      # its static buffer), the bytes balanced routing moves; 0: `bytes`
 
   @property
   def wire_bytes(self) -> float:
     """What a device sends for this term: hlo.wire_factor of its group size."""
     return self.bytes * hlo.wire_factor(self.kind, self.group)
 
+  @property
+  def sent_bytes(self) -> float:
+    """What a device sends when the routing is balanced: wire_bytes, of `moved` where set (the
+    planner's time; the compiled program's bytes are the buffer's, wire_bytes)."""
+    return (self.moved or self.bytes) * hlo.wire_factor(self.kind, self.group)
+
 
 def term(mesh, kind: str, phase: str, what: str, nbytes: float, axes, remat=(),
-         params: str = "", calls: float = 0.0) -> list[Term]:
+         params: str = "", calls: float = 0.0, moved: float = 0.0) -> list[Term]:
   """[Term] over mesh `axes` (a name or a tuple), or [] when they hold one device (nothing
   moves, and XLA emits nothing). remat: RECOMPUTED / BLOCK_ONLY for a forward collective inside
   the layer that --remat's recompute issues again; calls: the collectives nbytes adds up, where
-  the caller counts them (Term.calls)."""
+  the caller counts them (Term.calls); moved: Term.moved."""
   axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.shape[a] > 1)
   if not axes or not nbytes:
     return []
   return [Term(kind, phase, what, nbytes, axes, axis_size(mesh, *axes), remat,
-               params, calls)]
+               params, calls, moved)]
 
 
 # --remat recomputes each layer's forward inside the backward, collectives included, except what
@@ -142,7 +150,8 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
   constant all-reduce (HOISTED): once per step."""
   m = cfg.microbatches
   times = lambda ts, k, note: [dataclasses.replace(t, bytes=t.bytes * k, calls=t.calls * k,
-                                                  what=t.what + note) for t in ts]
+                                                  moved=t.moved * k, what=t.what + note)
+                               for t in ts]
   step = [t for t in per_mb if t.phase != "opt"]
   opt = [t for t in per_mb if t.phase == "opt"]
   once = []
@@ -156,7 +165,8 @@ def accumulated(per_mb, cfg, mesh, lay) -> list[Term]:
     # a stacked leaf's gathers in runs of one scan step: their share of its bytes, once; the
     # rest per microbatch
     share = [unlooped_share(cfg, t.params) if is_weight_gather(t) else 0.0 for t in step]
-    part = lambda t, k: dataclasses.replace(t, bytes=t.bytes * k, calls=t.calls * k)
+    part = lambda t, k: dataclasses.replace(t, bytes=t.bytes * k, calls=t.calls * k,
+                                            moved=t.moved * k)
     once += [part(t, k) for t, k in zip(step, share) if k]
     step = [part(t, 1 - k) if k else t for t, k in zip(step, share) if k < 1]
   once_ids = {id(t) for t in once}    # `once` takes every term its predicates name: equal ones too

@@ -82,6 +82,13 @@ class Cluster:
   # the collectives its compiler merges (MERGES)
   merges: tuple = MERGES["XLA:GPU"]
 
+  @property
+  def platform(self) -> str:
+    """The devices' platform, as jax names it ('tpu', 'gpu'): the planner's abstract meshes
+    stand for it, so that a strategy's check() admits what the cluster's compiler compiles
+    (ep's exchange=ragged, which XLA:CPU cannot)."""
+    return "tpu" if self.name.startswith("tpu") else "gpu"
+
 
 PROFILES = {
     # NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100, H100 SXM column):

@@ -7,8 +7,10 @@ policy, capacity factor, which axes lie inside a node). OPTION_GRID names the op
 the K/V exchange of cp and ep_as_cp, ep_tp's routed exchange, shard_exp_on_fsdp's mode, pp's
 schedule (gpipe, 1f1b, and OPTION_EXTRA's interleaved and interleaved 1F1B with 2 chunks per
 stage, their stack stored round-robin: pp.stored_config); the rest stay at their defaults
-(ep's exchange=ragged needs a GPU's ragged_all_to_all, exchange=none is a demonstration of a
-bug). The temp model was calibrated at the default options, and pp's 1f1b. Microbatches: pp's
+(exchange=none is a demonstration of a bug; ep's exchange=ragged is planned where asked,
+--opt=exchange=ragged, on a cluster whose compiler has ragged_all_to_all: the candidates' meshes
+stand for the cluster's devices, `Cluster.platform`, and its time prices the routed rows it
+moves, measure.cost.Term.moved). The temp model was calibrated at the default options, and pp's 1f1b. Microbatches: pp's
 pipeline M, every divisor of the sequences a (data, expert) shard holds, up to
 PP_MAX_MICROBATCHES; elsewhere gradient accumulation's M, every divisor of the sequences a
 batch shard holds, up to ACCUM_MAX_MICROBATCHES (its bytes measure.cost.accumulated: M steps
@@ -503,12 +505,18 @@ def _pp_gathered(name: str, cfg, shape: tuple) -> tuple[float, float]:
 def _routed_rows(name: str, cfg, shape: dict, t: float, terms, opts=None) -> float:
   """Rows of one MoE layer's expert computation on a device: the padded exchange buffer
   [EP, C] where tokens move by all-to-all (C from its cost terms: the forward all-to-all bytes
-  of one layer's dispatch, per row of D values); ep_tp's compaction bound over the data shard's
-  gathered tokens; else the device's T x K routed copies."""
+  of one layer's dispatch, per row of D values), the ragged exchange's receive buffer [EP*C]
+  likewise (its forward bytes: that buffer and the combine's [T*K] routed copies); ep_tp's
+  compaction bound over the data shard's gathered tokens; else the device's T x K routed
+  copies."""
+  row = cfg.d_model * cost.act_bytes(cfg)
+  calls = cfg.n_layer_slots * _runs(name, cfg, shape, opts)
   a2a = sum(x.bytes for x in terms if x.kind == "all-to-all" and x.phase == "fwd")
   if a2a:
-    calls = 2 * cfg.n_layer_slots * _runs(name, cfg, shape, opts)  # dispatch + combine per call
-    return a2a / calls / (cfg.d_model * cost.act_bytes(cfg))
+    return a2a / (2 * calls) / row                                 # dispatch + combine per call
+  ragged = sum(x.bytes for x in terms if x.kind == "ragged-all-to-all" and x.phase == "fwd")
+  if ragged:
+    return ragged / calls / row - t * cfg.top_k
   hook = getattr(strategies.get(name), "routed_rows", None)
   if hook is not None:
     return hook(cfg, shape)
@@ -667,7 +675,7 @@ def link_loads(terms, calls=None, merges: tuple = COMBINED) -> tuple:
                                     or _issued(x.what, x.phase, x.params)[1])
       site = (x.phase, x.what if not merge else "")
       n[site] = max(n.get(site, 0.0), calls(x, merge)) if merge else n.get(site, 0.0) + calls(x)
-    loads[key] = (b + x.wire_bytes, n)
+    loads[key] = (b + x.sent_bytes, n)
   return tuple((f"{kind} over {','.join(axes)}", axes, b, cls, sum(n.values()))
                for (kind, axes, cls), (b, n) in loads.items())
 
@@ -929,7 +937,7 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
       if not only_mesh and any(shape[a] > 1 and cfg.seq_len < length
                                for a, length in long_only.items()):
         continue
-      mesh = mesh_lib.abstract_mesh(shape)
+      mesh = mesh_lib.abstract_mesh(shape, cluster.platform)
       mems = {}                                # params + optimizer state per stored model
       layers = _layer_layout(name, cfg, shape)
       m_cfg = cfg.replace(layer_layout=layers)

@@ -399,14 +399,17 @@ def exchange_terms(cfg, mesh, exchange_name, b_loc, t_loc, axes=(EXPERT,), calls
                    calls=2 * calls))
   if exchange_name == "ragged":                    # output buffers: [EP*C, D] and [T*K, D]
     send, back = e * c * cfg.d_model * act, t_loc * cfg.top_k * cfg.d_model * act
+    # the rows it moves: the routed copies (balanced routing; the capacity rule drops past
+    # them), into a receive buffer of the worst case
+    routed = min(send, back)
     return (term("all-gather", "fwd", "counts [EP, EP, e] (int32)", calls * e * cfg.n_experts * 4,
                  axes, cost_lib.RECOMPUTED, calls=calls)
             + term("ragged-all-to-all", "fwd", "dispatch rows", calls * send, axes,
-                   cost_lib.RECOMPUTED, calls=calls)
+                   cost_lib.RECOMPUTED, calls=calls, moved=calls * routed)
             + term("ragged-all-to-all", "fwd", "combine rows", calls * back, axes, combine_remat,
-                   calls=calls)
+                   calls=calls, moved=calls * routed)
             + term("ragged-all-to-all", "bwd", "their transposes", calls * (send + back), axes,
-                   calls=2 * calls)
+                   calls=2 * calls, moved=calls * 2 * routed)
             + term("all-to-all", "bwd", "the transposes' sizes and offsets [EP] (int32)",
                    calls * 4 * e * 4, axes, calls=calls))
   return []

@@ -13,7 +13,7 @@ import pytest
 from layout import mesh as mesh_lib
 from measure import cost
 from modeling import model
-from modeling.config import get_config
+from modeling.config import ConfigError, get_config
 from planning import check, clusters, plan
 import strategies
 
@@ -625,3 +625,37 @@ def test_plan_nothing_left_in_its_own_process():
   assert r.returncode == 1 and not r.stdout, (r.returncode, r.stdout, r.stderr)
   assert r.stderr.strip().splitlines()[-1].startswith(
       "error: no candidate left by --strategy=ep --microbatches=3: "), r.stderr
+
+
+def test_ragged_exchange_is_planned_where_the_cluster_compiles_it():
+  """ep's exchange=ragged (--opt=exchange=ragged): admitted on a GPU or TPU cluster (the
+  planner's abstract meshes stand for its devices), refused on this host's CPU; its memory is
+  the padded exchange's (the receive buffer [EP*C, D] is the worst case either way) and its
+  time prices the routed rows it moves, not that buffer: dropless on EP 8, the padded exchange
+  sends up to EP x min(K, e) / K more than ragged's."""
+  from strategies import ep
+  cfg = get_config("tiny", dtype="bfloat16")
+  on_cpu = mesh_lib.abstract_mesh({"data": 1, "fsdp": 1, "expert": 8})
+  assert mesh_lib.platform(mesh_lib.abstract_mesh({"expert": 8}, "tpu")) == "tpu"
+  with pytest.raises(ConfigError, match="exchange=ragged needs ragged_all_to_all"):
+    ep.check(cfg, on_cpu, ep.Options(exchange="ragged"))
+  by = {}
+  for ex in ("a2a", "ragged"):
+    for c in plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("ep",), remats=("block",),
+                                       options={"ep": [ep.Options(exchange=ex)]},
+                                       only_mesh={"expert": 8}, latency=False):
+      assert not c.error, c.error
+      by[ex, c.capacity_factor] = c
+  for cf in (0.0, 1.25):                # a2a's rows read from bytes that carry its counts too
+    assert by["ragged", cf].memory == pytest.approx(by["a2a", cf].memory, rel=1e-3)
+    assert by["ragged", cf].step_s < by["a2a", cf].step_s
+  mesh = mesh_lib.abstract_mesh({"data": 1, "fsdp": 1, "expert": 8}, "gpu")
+  terms = {ex: [t for t in cost.step_terms(ep, cfg.replace(remat="block"), mesh,
+                                           ep.Options(exchange=ex))
+                if t.kind.endswith("all-to-all")] for ex in ("a2a", "ragged")}
+  sent = {ex: sum(t.sent_bytes for t in ts) for ex, ts in terms.items()}
+  buffers = {ex: sum(t.wire_bytes for t in ts) for ex, ts in terms.items()}
+  assert buffers["ragged"] > sent["ragged"] > 0                # the worst case, the routed rows
+  # a2a's buffers [EP, C] at C = T min(K, e): EP min(K, e) / K = 4x the routed rows (beside
+  # both exchanges' int32 counts and sizes)
+  assert sent["a2a"] == pytest.approx(4 * sent["ragged"], rel=1e-2)
