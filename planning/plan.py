@@ -12,9 +12,9 @@ stage, their stack stored round-robin: pp.stored_config); the rest stay at their
 stand for the cluster's devices, `Cluster.platform`, and its time prices the routed rows it
 moves, measure.cost.Term.moved). The temp model was calibrated at the default options, and
 pp's 1f1b. Microbatches: pp's pipeline M, every divisor of the sequences a (data, expert) shard
-holds, up to PP_MAX_MICROBATCHES; elsewhere gradient accumulation's M, every divisor of the sequences a
-batch shard holds, up to ACCUM_MAX_MICROBATCHES (its bytes measure.cost.accumulated: M steps
-of B/M sequences, pass 1's forwards; its temp one microbatch's step plus the gradient carry,
+holds, up to PP_MAX_MICROBATCHES; elsewhere gradient accumulation's M, every divisor of the
+sequences a batch shard holds, up to ACCUM_MAX_MICROBATCHES (its bytes measure.cost.accumulated:
+M steps of B/M sequences, pass 1's forwards; its temp one microbatch's step plus the gradient carry,
 `step_features`). Remat varies over none and block (the two policies the memory model below
 is calibrated for). pp on a stage count that does not divide the MoE layers runs the balanced
 uneven layout (`_layer_layout`, modeling.config.balanced_layout: DeepSeek-V3's 58 on 16 stages
