@@ -8,6 +8,8 @@ squares, each case weighted by 1 / its temp (relative errors).
       # each compile; an F that exists resumes: its cases are not compiled again
   python -m planning.calibrate --with=F1,F2  # fits beside CASES the rows of F1, F2: full-scale
       # candidates that bench/plan_memory.py --save compiled on their own device counts
+  python -m planning.calibrate --cases=planning/cpu_cases.json --with=planning/full_scale.json
+      # XLA:CPU's fit from the saved temps, nothing compiled (tests/test_plan.py holds it)
   python -m planning.calibrate --target=tpu-v5p --save=planning/tpu_v5p_cases.json \
       --with=planning/tpu_v5p_scale.json
       # XLA:TPU: CASES compiled for 8 v5p chips (libtpu, runtime/target.py), ragged_dot as the
@@ -250,11 +252,12 @@ def full_scale_rows(path: str, keep=None, compiler: str = "XLA:CPU") -> list:
   out, enumerated = [], {}
   for r in saved:
     cfg = get_config(r["model"], dtype="bfloat16").replace(batch=r["batch"], **r["over"]).validate()
-    key = (cfg, r["devices"], r["cluster"], check.parse(r["candidate"])[0])
-    if key not in enumerated:
+    name, sizes, *_ = check.parse(r["candidate"])
+    key = (cfg, r["devices"], r["cluster"], name, tuple(sorted(sizes.items())))
+    if key not in enumerated:                 # the candidate's own mesh, not every split
       cluster = clusters.get(r["cluster"])
       enumerated[key] = plan.enumerate_candidates(cfg, r["devices"], cluster, cluster.hbm_bytes,
-                                                  names=key[3:])
+                                                  names=(name,), only_mesh=sizes)
     c = check.find(enumerated[key], r["candidate"])
     over = "".join(f" {k}={v}" for k, v in r["over"].items())
     out.append((plan.candidate_features(c, cfg), r["temp"], c.param_opt,

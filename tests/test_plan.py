@@ -409,6 +409,21 @@ def test_temp_model_holds_the_batch_sweep():
     assert all(1.5 < b / a < 2.5 for a, b in zip(steps, steps[1:])), (name, steps)
 
 
+def test_cpu_temp_model_is_fitted_to_xla_cpu():
+  """TEMP_COEFS["XLA:CPU"] is the fit of its saved compiles, refitted as `python -m
+  planning.calibrate --cases=planning/cpu_cases.json --with=planning/full_scale.json` does
+  (nothing compiled): the 33 calibration cases' XLA:CPU temps (`--save`) and the 39 larger
+  candidates. A change to the temp features that is not refitted fails here."""
+  import os
+  from planning import calibrate
+  here = os.path.dirname(plan.__file__)
+  rows = calibrate.case_rows(os.path.join(here, "cpu_cases.json"), "XLA:CPU")
+  assert len(rows) == len(calibrate.CASES)
+  rows += calibrate.full_scale_rows(os.path.join(here, "full_scale.json"))
+  coef = calibrate.fit([(f, t) for f, t, _, _ in rows], calibrate.fixed("XLA:CPU"))
+  assert coef == pytest.approx(plan.TEMP_COEFS["XLA:CPU"], abs=2e-3)
+
+
 def test_tpu_temp_model_is_fitted_to_xla_tpu():
   """TEMP_COEFS["XLA:TPU"] is the fit of its saved compiles, refitted as `python -m
   planning.calibrate --target=tpu-v5p --cases=planning/tpu_v5p_cases.json
