@@ -64,19 +64,19 @@ def main() -> int:
   if a.layers % a.period:
     print(f"error: --layers={a.layers} is not a multiple of --period={a.period}", file=sys.stderr)
     return 2
-  devices, compiler = None, "XLA:CPU"
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
   from runtime import target
+  devices, compiler = None, "XLA:CPU"
   if not a.target and target.without_accelerator():
-    import jax
     jax.config.update("jax_platforms", "cpu")   # not the CUDA plugin or libtpu, where installed
   if a.target:
     target.check(a.target, 8)
     target.configure(a.target)
     t = target.devices(a.target, 8)
     devices, compiler = t.devices, t.compiler
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
   sharding = None
   if devices is not None:
     mesh = jax.sharding.Mesh(np.array(devices), ("d",))

@@ -88,8 +88,9 @@ def test_period_scan_holds_its_gradient_once():
   """A run of a repeated period (gpt-oss's sliding, full) is one scan step per period; each
   layer takes its params' row inside its remat (model._layer_body), where XLA:CPU keeps one
   float32 gradient of the stack, as for a run of one kind, plus the period's rows: 1.23x the
-  one-kind run's temp here. Taken outside the remat, XLA:CPU and XLA:GPU held the stack's
-  gradient twice: 1.97x here. 16 layers whose params outweigh the activations."""
+  one-kind run's temp here. Taken outside the remat (bench/period_scan.py's "outside" row),
+  XLA:CPU and XLA:GPU hold the stack's gradient twice: 1.97x here. 16 layers whose params
+  outweigh the activations."""
   import numpy as np
   from modeling import model
   from modeling.config import get_config

@@ -644,13 +644,13 @@ def test_plan_nothing_left_in_its_own_process():
 
 def test_ragged_exchange_is_planned_where_the_cluster_compiles_it():
   """ep's exchange=ragged (--opt=exchange=ragged): admitted on a GPU or TPU cluster (the
-  planner's abstract meshes stand for its devices), refused on this host's CPU; its memory is
+  planner's abstract meshes stand for its devices), refused on a CPU; its memory is
   the padded exchange's (the receive buffer [EP*C, D] is the worst case either way) and its
   time prices the routed rows it moves, not that buffer: dropless on EP 8, the padded exchange
   sends up to EP x min(K, e) / K more than ragged's."""
   from strategies import ep
   cfg = get_config("tiny", dtype="bfloat16")
-  on_cpu = mesh_lib.abstract_mesh({"data": 1, "fsdp": 1, "expert": 8})
+  on_cpu = mesh_lib.abstract_mesh({"data": 1, "fsdp": 1, "expert": 8}, "cpu")
   assert mesh_lib.platform(mesh_lib.abstract_mesh({"expert": 8}, "tpu")) == "tpu"
   with pytest.raises(ConfigError, match="exchange=ragged needs ragged_all_to_all"):
     ep.check(cfg, on_cpu, ep.Options(exchange="ragged"))
