@@ -365,7 +365,9 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
                    dict(n_layers=5, microbatches=2),
                    Options(schedule="1f1b", sequence_parallel=True)),
               Case("mixtral-test", "stage:2,context:2,tensor:2",
-                   dict(n_layers=4, batch=8, microbatches=2), Options(sequence_parallel=True))]
+                   dict(n_layers=4, batch=8, microbatches=2), Options(sequence_parallel=True)),
+              # one stage (the planner enumerates it): 1f1b's table with nothing to receive
+              Case("tiny", "stage:1,data:2,expert:4", dict(batch=16, microbatches=2), ONE_F)]
 COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7] + TEST_CASES[8:]
 BF16_CASE = Case("deepseek-test", "stage:2,data:2,expert:2", opts=ONE_F)    # its explicit vjp
 PIPELINE = True     # runs its microbatches in its own pipeline (the planner: no accumulation)
@@ -1047,8 +1049,10 @@ class _Run:
     # [rows, ..] of [rows/v, ..], typed over the axes the step's statistics vary over
     stat = lambda a: _zeros_like(a[0], (self.rows,), also=self.stat_axes)
     f32 = lambda tree: jax.tree.map(lambda a: _zeros_like(a, dtype=jnp.float32), tree)
-    return {"recv": _zeros_like(y0, (int(table["AF"].max()) + 1,)),
-            "recv_ct": _zeros_like(y0, (int(table["AB"].max()) + 1,)),
+    # the inboxes: a slot per arrival the table keeps at once (one stage receives nothing, but
+    # the tick reads slot 0 of an inbox whatever the table says)
+    inbox = lambda k: _zeros_like(y0, (max(int(table[k].max()) + 1, 1),))
+    return {"recv": inbox("AF"), "recv_ct": inbox("AB"),
             "ring": [_zeros_like(a, (ring,), also=(STAGE,)) for a in self.ring0],
             "dy": _zeros_like(y0, (ring,)),
             "g_layers": f32(self.layers), "g_head": f32(self.ph), "g_pre": f32(self.pe),
