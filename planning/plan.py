@@ -61,7 +61,11 @@ Per candidate, per device:
                                gathered size with a float32 sum; the others at their stored
                                size with a float32 sum under 1f1b (its table sums explicitly,
                                `_run_table`) and a compute-dtype one under gpipe and
-                               interleaved (autodiff of the time loop sums the copy's cotangents)
+                               interleaved (autodiff of the time loop sums the copy's cotangents);
+                               0 where that loop has one tick (one stage, M = 1: XLA folds
+                               the loop, the copies fuse into their uses and the sums are the
+                               gradients, `_one_tick`; measured, XLA:CPU's 1.44 of the
+                               compiled temp became 0.97, XLA:TPU's 1.287 of its total 1.01)
              step_weights      zero1 (ep_x_tp): the weights gathered once per step and what
                                lives beside them through the step, as the buffer assignment of
                                its compiled steps holds them: XLA:CPU's all-gather runs in
@@ -127,9 +131,10 @@ Per candidate, per device:
            at 1, the four saved_none terms at XLA:CPU's (three small remat-none rows cannot
            fit four), step_weights fitted (XLA:TPU gathers bf16 weights as bf16); 18 of the 33
            steps compiled for 8 v5p chips (planning/tpu_v5p_cases.json) and 4 Mixtral-8x7B
-           candidates on 64 (planning/tpu_v5p_scale.json, which also holds the held-out pick
+           candidates on 64 (planning/tpu_v5p_scale.json, which also holds two held-out picks
            and two steps XLA:TPU refused, over its HBM, that no fit reads). 19 of the 22 within
-           10% of XLA:TPU's total; ep_x_tp data:8,expert:8 zero1 on 64 v5p chips, held out, 1.037.
+           10% of XLA:TPU's total; held out, on 64 v5p chips: ep_x_tp data:8,expert:8 zero1
+           1.037, pp data:4,expert:8,tensor:2 on one stage (gpipe, M = 1) 1.011.
   step time = compute + the communication --plan_overlap leaves exposed (OVERLAPS: none adds
              every collective; weights, the default, hides weight traffic and point-to-point
              sends, schedule also 1f1b's all-to-alls; what is hidden hides up to the compute's
@@ -471,12 +476,21 @@ def _pp_weight_bytes(name: str, cfg, mesh, opts) -> float:
   """pp_weights (module docstring): each value a stage uses, a compute-dtype copy plus its
   gradient sum: float32 for those _use gathers (strategies/pp.py), and for the others under
   1f1b; the compute dtype for the others under autodiff's time loop. 0 outside pp."""
-  if not _pipelined(name):
+  if not _pipelined(name) or _one_tick(cfg, mesh, opts):
     return 0.0
   gathered, local = _pp_gathered(name, cfg.replace(microbatches=1, capacity_factor=0.0,
                                                    remat="none"), tuple(dict(mesh.shape).items()))
   act = cost.act_bytes(cfg)
   return gathered * (act + 4) + local * (act + (4 if _one_f(opts) else act))
+
+
+def _one_tick(cfg, mesh, opts) -> bool:
+  """pp's gpipe (or interleaved) time loop of one tick (one stage, one microbatch, one chunk):
+  XLA folds a loop of one trip, its weight copies fuse into their uses and their sums are the
+  gradients themselves (`grads`), so pp_weights is 0 there."""
+  v = 1 if opts is None else opts.virtual_stages
+  return (not _one_f(opts) and mesh_lib.axis_size(mesh, "stage") == 1
+          and v * cfg.microbatches == 1)
 
 
 @functools.lru_cache(maxsize=256)
