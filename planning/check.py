@@ -45,6 +45,32 @@ def distinct(ranked: list[plan.Candidate], k: int) -> list[plan.Candidate]:
   return out
 
 
+def refusal(c: plan.Candidate, cfg, devices) -> str:
+  """Why the compiler of `devices` (a runtime.target.Target) cannot compile c, or "": its
+  strategy's check on their mesh (ep's ragged exchange, which a TPU cluster's grid holds, where
+  XLA:CPU compiles for a TPU cluster without its slice or libtpu)."""
+  from layout import mesh as mesh_lib
+  import strategies
+  strat = strategies.get(c.strategy)
+  try:
+    strat.check(plan.config_for(c, cfg), mesh_lib.make_mesh(dict(c.sizes), devices.devices),
+                c.opts if c.opts is not None else strat.Options())
+  except ConfigError as e:
+    return str(e)
+  return ""
+
+
+def compilable(ranked, cfg, devices, passed: list):
+  """The candidates of ranked `devices` can compile, in order; each one it cannot is appended
+  to passed as (candidate, why)."""
+  for c in ranked:
+    why = refusal(c, cfg, devices)
+    if why:
+      passed.append((c, why))
+    else:
+      yield c
+
+
 def parse(text: str):
   """A candidate named as STRATEGY@MESH/M=m/REMAT[/option=value...] (bench/plan_memory.py's
   form) -> (strategy, {axis: size}, m, remat, {option: value})."""

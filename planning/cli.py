@@ -114,16 +114,23 @@ def main(cfg, model_name: str, n: int, cluster_name: str, hbm_bytes: float | Non
   else:
     print("no PNG: give --report_dir to write plan.png")
   if compile_k:
-    results = []
-    for i, c in enumerate(check.distinct([c for c in ranked if c.fits] or ranked, compile_k)):
+    results, passed = [], []
+    pool = check.compilable([c for c in ranked if c.fits] or ranked, cfg, devices, passed)
+    for i, c in enumerate(check.distinct(pool, compile_k)):
       print(f"  compiling {i + 1}/{compile_k}: {c.layout()}", file=sys.stderr, flush=True)
       results.append(check.compile_candidate(c, cfg, devices=devices))
     print(f"compiled by {devices.memory_label()}; the temp model is fitted to "
           f"{cluster.temp_model}'s (docs/planner.md)")
+    if passed:
+      print(f"passed over {len(passed)} candidates {devices.compiler} does not compile (the "
+            f"first: {passed[0][0].layout()}: {passed[0][1]})")
     if devices.compiler != cluster.temp_model:
       print(f"note: the ratios below set {devices.compiler}'s temp against {cluster.temp_model}'s "
             f"model; {cluster.name} compiles with its own compiler where this host has it "
             "(TPU: pip install -r requirements-tpu.txt) and --devices is a slice it makes")
+    if not results:
+      print(f"compiled none: {devices.compiler} compiles none of the {len(passed)} candidates")
+      return cands
     print(render.checked(results))
     print(render.compiled_verdict(results, hbm))
   return cands

@@ -7,10 +7,11 @@ policy, capacity factor, which axes lie inside a node). OPTION_GRID names the op
 the K/V exchange of cp and ep_as_cp, ep_tp's routed exchange, shard_exp_on_fsdp's mode, pp's
 schedule (gpipe, 1f1b, and OPTION_EXTRA's interleaved and interleaved 1F1B with 2 chunks per
 stage, their stack stored round-robin: pp.stored_config); the rest stay at their defaults
-(exchange=none is a demonstration of a bug; ep's exchange=ragged is planned where asked,
---opt=exchange=ragged, on a cluster whose compiler has ragged_all_to_all: the candidates' meshes
-stand for the cluster's devices, `Cluster.platform`, and its time prices the routed rows it
-moves, measure.cost.Term.moved). The temp model was calibrated at the default options, and
+(exchange=none is a demonstration of a bug). ep's exchange=ragged is in a TPU cluster's grid
+(OPTION_PLATFORM: its memory is held to XLA:TPU's compile), and planned on a GPU cluster where
+asked, --opt=exchange=ragged: the candidates' meshes stand for the cluster's devices
+(`Cluster.platform`, whose compiler has ragged_all_to_all) and its time prices the routed rows
+it moves (measure.cost.Term.moved). The temp model was calibrated at the default options, and
 pp's 1f1b. Microbatches: pp's pipeline M, every divisor of the sequences a (data, expert) shard
 holds, up to PP_MAX_MICROBATCHES; elsewhere gradient accumulation's M, every divisor of the
 sequences a batch shard holds, up to ACCUM_MAX_MICROBATCHES (its bytes measure.cost.accumulated:
@@ -198,6 +199,8 @@ EFFICIENCY = 0.5      # the fraction of peak FLOP/s the matmuls reach: an assump
 # combination) and PLAN_EXTRA (option sets beyond that product), declared in its file
 OPTION_GRID = {n: getattr(strategies.get(n), "PLAN_GRID", {}) for n in NAMES}
 OPTION_EXTRA = {n: getattr(strategies.get(n), "PLAN_EXTRA", ()) for n in NAMES}
+# ... and those it adds on one platform's clusters ({platform: option sets}, PLAN_PLATFORM_EXTRA)
+OPTION_PLATFORM = {n: getattr(strategies.get(n), "PLAN_PLATFORM_EXTRA", {}) for n in NAMES}
 # Fitted by planning/calibrate.py (bytes of temp per byte of feature), one model per compiler
 # (a cluster's `temp_model`), saved_block and pp_weights held at 1, XLA:CPU's step_weights too;
 # see the module docstring. attn_chunk fits to 0 on XLA:CPU: at the fitted lengths (S up to
@@ -292,14 +295,15 @@ def varied_fields(name: str) -> list[str]:
 NODE_TP = 8      # a PLAN_INSIDE_NODE axis: at most this, and a node (Megatron's TP <= 8)
 
 
-def option_sets(name: str) -> list:
-  """Every combination of the strategy's OPTION_GRID values, then OPTION_EXTRA's sets, as its
-  Options."""
+def option_sets(name: str, platform: str | None = None) -> list:
+  """Every combination of the strategy's OPTION_GRID values, then OPTION_EXTRA's sets, then on a
+  `platform` cluster OPTION_PLATFORM's, as its Options."""
   strat = strategies.get(name)
   grid = OPTION_GRID.get(name, {})
   out = [strat.Options(**dict(zip(grid, values)))
          for values in itertools.product(*grid.values())] or [strat.Options()]
-  return out + [strat.Options(**extra) for extra in OPTION_EXTRA.get(name, ())]
+  extra = OPTION_EXTRA.get(name, ()) + OPTION_PLATFORM.get(name, {}).get(platform, ())
+  return out + [strat.Options(**e) for e in extra]
 
 
 def placements(sizes: dict, node: int) -> list[tuple]:
@@ -956,7 +960,8 @@ def enumerate_candidates(cfg, n: int, cluster, hbm_bytes: float, names=NAMES,
       layers = _layer_layout(name, cfg, shape)
       m_cfg = cfg.replace(layer_layout=layers)
       m_shapes = shapes if not layers else model.init_params_shapes(m_cfg)
-      for opts in (options[name] if options and name in options else option_sets(name)):
+      for opts in (options[name] if options and name in options else
+                   option_sets(name, cluster.platform)):
         # the model as this option set stores it (pp interleaved: round-robin chunks), from
         # the model as given (its own layout)
         o_cfg, o_error = m_cfg, ""

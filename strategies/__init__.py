@@ -43,6 +43,8 @@ Every strategy module exposes the same small functional interface:
   PLAN_GRID, PLAN_EXTRA       -> optional: {option: values} whose every combination the planner
                                  enumerates, and option sets beyond that product
                                  (planning/plan.py option_sets); none: the defaults only
+  PLAN_PLATFORM_EXTRA         -> optional: {platform: option sets} it adds on that platform's
+                                 clusters ("tpu": ep's ragged exchange)
   INVARIANT_MESHES            -> optional: (preset, (mesh, mesh, ...)[, overrides]): meshes on
                                  which one model must give the same losses
                                  (tests/test_strategies.py::test_layout_invariance)

@@ -125,6 +125,9 @@ class Options:
 
 
 COMPARE_MESH = None
+# the planner's grid on a TPU cluster: XLA:TPU compiles the ragged exchange and the planner's
+# memory for it is held to that compile (docs/planner.md); on a GPU cluster, where asked
+PLAN_PLATFORM_EXTRA = {"tpu": (dict(exchange="ragged"),)}
 TEST_CASES = [Case("tiny", "expert:8"),
               # gradient accumulation's two passes (runtime/train.py: the batch-wise f from pass 1)
               Case("tiny", "data:2,expert:4", dict(batch=16, microbatches=2)),

@@ -370,6 +370,19 @@ def test_plan_on_a_tpu_cluster_says_when_xla_cpu_compiles():
   assert r0.returncode == 0 and "plugin configuration error" not in r0.stderr, r0.stderr
 
 
+def test_plan_compile_passes_over_what_its_compiler_cannot_compile():
+  """A TPU cluster's grid holds ep's ragged exchange, which XLA:CPU (compiling for 2 devices, no
+  v5p slice) cannot compile: --plan_compile passes over such candidates with one line and
+  compiles the next, or says it compiled none; never an error after the ranking."""
+  from tests.test_cli import _run
+  r = _run("--plan", "--model=tiny", "--devices=2", "--cluster=tpu-v5p", "--plan_compile=1",
+           "--plan_top=1", "--strategy=ep", "--opt=exchange=ragged")
+  assert r.returncode == 0, r.stderr
+  assert re.search(r"^passed over (\d+) candidates XLA:CPU does not compile \(the first: ep "
+                   r".*exchange=ragged needs ragged_all_to_all", r.stdout, re.M), r.stdout
+  assert r.stdout.rstrip().endswith("compiled none: XLA:CPU compiles none of the 36 candidates")
+
+
 def test_compiled_verdict_passes_over_what_compiles_over_hbm():
   """After the compiles, the verdict is the best-ranked candidate that fits by XLA's memory:
   one predicted to fit that compiles over HBM is named and passed over, and where none fits
@@ -663,7 +676,8 @@ def test_plan_nothing_left_in_its_own_process():
 
 
 def test_ragged_exchange_is_planned_where_the_cluster_compiles_it():
-  """ep's exchange=ragged (--opt=exchange=ragged): admitted on a GPU or TPU cluster (the
+  """ep's exchange=ragged: in a TPU cluster's grid (ep's PLAN_PLATFORM_EXTRA), on a GPU cluster
+  where asked (--opt=exchange=ragged); admitted on a GPU or TPU cluster (the
   planner's abstract meshes stand for its devices), refused on a CPU; its memory is
   the padded exchange's (the receive buffer [EP*C, D] is the worst case either way) and its
   time prices the routed rows it moves, not that buffer: dropless on EP 8, the padded exchange
@@ -674,6 +688,10 @@ def test_ragged_exchange_is_planned_where_the_cluster_compiles_it():
   assert mesh_lib.platform(mesh_lib.abstract_mesh({"expert": 8}, "tpu")) == "tpu"
   with pytest.raises(ConfigError, match="exchange=ragged needs ragged_all_to_all"):
     ep.check(cfg, on_cpu, ep.Options(exchange="ragged"))
+  grid = lambda cluster: {c.opts.exchange for c in plan.enumerate_candidates(
+      cfg, 8, cluster, 80e9, names=("ep",), remats=("block",), only_mesh={"expert": 8},
+      latency=False) if not c.error}
+  assert grid(clusters.get("tpu-v5p")) == {"a2a", "ragged"} and grid(H100) == {"a2a"}
   by = {}
   for ex in ("a2a", "ragged"):
     for c in plan.enumerate_candidates(cfg, 8, H100, 80e9, names=("ep",), remats=("block",),
