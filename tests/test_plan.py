@@ -462,8 +462,9 @@ def test_tpu_temp_model_is_fitted_to_xla_tpu():
   planning.calibrate --target=tpu-v5p --cases=planning/tpu_v5p_cases.json
   --with=planning/tpu_v5p_scale.json` does: the calibration cases compiled by XLA:TPU for 8 v5p
   chips and Mixtral-8x7B candidates on 64. The held-out rows (not fitted: two of the planner's
-  first picks on 64 v5p chips, ep_x_tp's zero1 and pp on one stage) are within MEMORY_RTOL of XLA:TPU's total, and a TPU cluster's
-  candidates carry the TPU's temp where a GPU's carry XLA:CPU's."""
+  first picks on 64 v5p chips, ep_x_tp's zero1 and pp on one stage) are within MEMORY_RTOL of
+  XLA:TPU's total, and a TPU cluster's candidates carry the TPU's temp where a GPU's carry
+  XLA:CPU's."""
   import os
   from planning import calibrate
   here = os.path.dirname(plan.__file__)
