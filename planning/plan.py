@@ -37,7 +37,12 @@ Per candidate, per device:
          + temp, a model of XLA's temporaries: TEMP_COEF . `temp_features`, bytes per device:
              logits            the float32 logits of the device's tokens, T_head x V_local x 4
              gathered          one layer's gathered weights (the cost model's forward
-                               all-gathers of weights but the embedding's and head's, per layer)
+                               all-gathers of weights but the embedding's and head's, per layer),
+                               x the layers of one scan step: a stack whose layers differ runs
+                               as a scan over its repeated period (modeling.model.run_layers),
+                               and XLA holds the period's gathered weights at once (Llama 4
+                               Scout's peak holds its four layers' gathered experts, 5.6G);
+                               outside pp, whose stages scan one layer a step or gather once
              gathered_head     the embedding's and head's gathered tables, whole: XLA gathers
                                them once per step (0 under pp, whose pp_weights count them)
              attn_chunk        one key chunk's float32 scores, T x H_local x chunk x 4; x chunk
@@ -135,7 +140,10 @@ Per candidate, per device:
            candidates on 64 (planning/tpu_v5p_scale.json, which also holds two held-out picks
            and two steps XLA:TPU refused, over its HBM, that no fit reads). 19 of the 22 within
            10% of XLA:TPU's total; held out, on 64 v5p chips: ep_x_tp data:8,expert:8 zero1
-           1.037, pp data:4,expert:8,tensor:2 on one stage (gpipe, M = 1) 1.011.
+           1.037, pp data:4,expert:8,tensor:2 on one stage (gpipe, M = 1) 1.011, Llama 4
+           Scout's ep fsdp:8,expert:8 1.004. Held out of XLA:CPU's fit
+           (planning/full_scale.json): the first picks of gpt-oss-120b, Llama 4 Scout and
+           Maverick on H100, 0.972, 0.962 and 0.987.
   step time = compute + the communication --plan_overlap leaves exposed (OVERLAPS: none adds
              every collective; weights, the default, hides weight traffic and point-to-point
              sends, schedule also 1f1b's all-to-alls; what is hidden hides up to the compute's
@@ -421,6 +429,9 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   # the leaves outside the layer stack: their gathers are live whole, not one layer's at a time
   head = [x.bytes for x in gathers if cost.weight_role(x) in cost.OUTSIDE_ROLES]
   gathered = (sum(x.bytes for x in gathers) - sum(head)) / cfg.n_layers
+  # a scan step of the layer stack runs a period of layer kinds (gpt-oss's 2, Llama 4's 4:
+  # config.layer_segments), whose layers' gathers XLA holds at once (module docstring)
+  period = 1 if _pipelined(name) else max(len(kinds) for kinds, _ in cfg.layer_segments)
   res = t * cfg.d_model * 4
   # experts whose F is split over an axis that also splits the residual's tokens run on that
   # axis' gathered rows (ep_x_tp's sequence parallelism)
@@ -435,7 +446,7 @@ def temp_features(name: str, cfg, mesh, terms, opts=None, param_bytes: float = 0
   # (pp's with a context axis) does not
   ordered = not lay.splits_sequence
   blocks = chunk / cfg.seq_len if cfg.attention_impl == "chunked" and ordered else 1
-  return {"logits": t_head * v_loc * 4, "gathered": gathered,
+  return {"logits": t_head * v_loc * 4, "gathered": gathered * period,
           "gathered_head": sum(head) * (not _pipelined(name)),
           "attn_chunk": t_pass * heads * chunk * 4 * blocks,
           "saved_block": held * t * cfg.d_model * cost.act_bytes(cfg) * block,
