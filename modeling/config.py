@@ -218,6 +218,15 @@ class Config:
     return sum(self.layer_is_moe)
 
   @property
+  def mlp_period(self) -> int:
+    """The shortest period of the dense/MoE pattern of the layers after the prefix (layer_is_moe):
+    2 for Llama 4 Maverick's dense and MoE layers in turn, 1 for a stack of one kind; their
+    number where the pattern does not repeat."""
+    moe = self.layer_is_moe[self.first_k_dense_replace:]
+    return next(q for q in range(1, len(moe) + 1)
+                if len(moe) % q == 0 and moe == moe[:q] * (len(moe) // q))
+
+  @property
   def layer_kinds(self) -> tuple[tuple[str, bool], ...]:
     """Per layer in depth order: (its attention kind, whether it is an MoE layer)."""
     kinds = self.layer_attentions

@@ -740,10 +740,13 @@ def moe_stack(x, layers, positions, cfg: Config, lay: Parallelism, mask=None, de
   kind data) where kinds is given or padding rows lie among rows of different kinds (the runs
   of one period that run_layers scans carry no mask). dense: the dense rows [n, ...] of
   a stack with dense layers inside, interleaved with the MoE rows as the model's one repeated
-  period orders them (a pp stage of whole periods, pp.check)."""
+  period orders them (a pp stage of whole periods, pp.check), or, with kinds [layers] (each of
+  the stage's layers' attention kind, in depth order), as `switched_periods` runs them."""
   mask = slot_mask(cfg) if mask is None else mask
   pos = layer_positions(positions, lay)                  # once, outside the scan and its remat
   rows = jax.tree.leaves(layers)[0].shape[0]
+  if dense is not None and kinds is not None:
+    return switched_periods(x, dense, layers, pos, cfg, lay, kinds)
   if dense is not None:
     period = cfg.layer_segments[0][0]
     n = rows + jax.tree.leaves(dense)[0].shape[0]
@@ -769,17 +772,19 @@ def switched_rows(x, layers, pos: Positions, cfg: Config, lay: Parallelism, kind
   is exchanged: pp.check refuses the ring, whose exchange a window shortens), so the program's
   collectives count once per row. mask [rows] bool as in moe_stack, or None."""
   names = cfg.layer_attentions
-  moe_kinds = [k for k, moe in cfg.layer_kinds if moe]
+  # each MoE layer's index into the period (a pattern may name a kind more than once: Llama 4's
+  # local, local, local, nope), which is the branch it takes
+  moe_at = [d % len(names) for d, moe in enumerate(cfg.layer_is_moe) if moe]
   bodies = [_layer_body(k, pos, cfg, lay) for k in names]
 
-  def scoped(body, name):
-    share = f"attention_{name}.taken_{moe_kinds.count(name)}_of_{len(moe_kinds)}"
+  def scoped(body, j):
+    share = f"attention_{names[j]}.taken_{moe_at.count(j)}_of_{len(moe_at)}"
 
     def branch(x, lp):
       with jax.named_scope(share):
         return body(x, lp)
     return branch
-  branches = [scoped(b, k) for b, k in zip(bodies, names)]
+  branches = [scoped(b, j) for j, b in enumerate(bodies)]
 
   def step(x, xs):
     lp, kind, real = xs
@@ -789,6 +794,73 @@ def switched_rows(x, layers, pos: Positions, cfg: Config, lay: Parallelism, kind
     return jnp.where(real, y, x), jax.tree.map(lambda v: jnp.where(real, v, 0).astype(v.dtype), st)
   real = None if mask is None else jnp.asarray(mask)
   return jax.lax.scan(step, x, (layers, jnp.asarray(kinds, jnp.int32), real))
+
+
+def _period_indices(cfg: Config) -> dict:
+  """{is_moe: each dense (False) or MoE (True) layer's index into cfg.layer_attentions}."""
+  period = len(cfg.layer_attentions)
+  return {m: [d % period for d, moe in enumerate(cfg.layer_is_moe) if moe == m]
+          for m in (False, True)}
+
+
+def switches(cfg: Config) -> bool:
+  """Whether switched_periods runs a lax.switch: a stack whose layers take more than one
+  attention kind (Maverick's MoE layers, local and NoPE)."""
+  names = cfg.layer_attentions
+  return any(len({names[j] for j in at}) > 1 for at in _period_indices(cfg).values())
+
+
+def switched_periods(x, dense, moe, pos: Positions, cfg: Config, lay: Parallelism, kinds):
+  """x [B, S, D] through a pp stage's dense layers [n_dense, ...] and MoE layers [n_moe, ...] in
+  turn, whole periods of their dense/MoE pattern (config.mlp_period: Maverick's dense, MoE),
+  whose attention kinds are data: kinds [layers] int32, each layer's index into
+  cfg.layer_attentions in depth order (a stage that starts inside the attention period) -> (x,
+  the MoE layers' stats {name: [n_moe, ...]}). One scan over the periods; a layer of a stack
+  whose layers take more than one kind in the model is a lax.switch over the kinds, one
+  `block` under remat in each branch, scoped as switched_rows scopes them (the dense stack's
+  `dense_attention_<kind>.taken_<c>_of_<n>`); a stack of one kind runs its block."""
+  names = cfg.layer_attentions
+  unit = cfg.layer_is_moe[:cfg.mlp_period]                        # one scan step's MLP kinds
+  reps = len(kinds) // len(unit)
+  counts = {m: unit.count(m) for m in (False, True)}
+  at = _period_indices(cfg)               # each layer's branch, per stack
+  # a stack with one layer a period is scanned as stored, [reps, ...] (pp's 1f1b keeps the
+  # weights its vjp saves once, by identity: a reshaped view would be saved per microbatch)
+  xs = {m: stack if counts[m] == 1 else
+        jax.tree.map(lambda a: a.reshape(reps, counts[m], *a.shape[1:]), stack)
+        for m, stack in ((False, dense), (True, moe)) if counts[m]}   # [reps, per period, ...]
+
+  def layer(i, is_moe):                   # position i of the period: (x, rows, kind) -> (x, st)
+    row = None if counts[is_moe] == 1 else unit[:i].count(is_moe)
+    used = {names[j] for j in at[is_moe]}
+    if len(used) == 1:
+      body = _layer_body(used.pop(), pos, cfg, lay, row)
+      return lambda x, lp, kind: body(x, lp)
+    prefix = "attention" if is_moe else "dense_attention"
+
+    def scoped(j):                        # an index no layer of the stack has: never run
+      body = _layer_body(names[j], pos, cfg, lay, row)
+      share = f"{prefix}_{names[j]}.taken_{at[is_moe].count(j)}_of_{len(at[is_moe])}"
+
+      def branch(x, lp):
+        with jax.named_scope(share):
+          return body(x, lp)
+      return branch
+    branches = [scoped(j) for j in range(len(names))]
+    return lambda x, lp, kind: jax.lax.switch(kind, branches, x, lp)
+  layers = [layer(i, m) for i, m in enumerate(unit)]
+
+  def step(x, xs_kinds):
+    rows, k = xs_kinds
+    stats = []
+    for i, (run, is_moe) in enumerate(zip(layers, unit)):
+      x, st = run(x, rows[is_moe], k[i])
+      if is_moe:
+        stats.append(st)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *stats)
+  k = jnp.asarray(kinds, jnp.int32).reshape(reps, len(unit))
+  x, st = jax.lax.scan(step, x, (xs, k))
+  return x, jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), st)
 
 
 def run_layers(x, dense, moe, pos: Positions, cfg: Config, lay: Parallelism, kinds, mask=None):

@@ -594,15 +594,19 @@ def slowest_chunk(cfg, p: int) -> float:
   A chunk (one of a stage's v) holds n_layer_slots / (p v) rows; padding rows compute as a
   layer does, so an uneven layout's largest group sets the tick; where rows of different
   attention kinds fall unevenly on the chunks (pp.slot_kinds: gpt-oss's sliding and full
-  layers on 9 layers a stage), the chunk with the most keys per query sets it. A row costs a
-  layer's matmuls (the model's mean) plus its kind's attention core (keys_per_query)."""
+  layers on 9 layers a stage; Maverick's NoPE layers on 3 (dense, MoE) pairs a stage), the
+  chunk with the most keys per query sets it. A row costs a layer's matmuls (the model's mean)
+  plus its kind's attention core (keys_per_query)."""
   slots = np.asarray(cfg.layer_slots)
   real = slots >= 0
   n_chunks = p * _chunks(cfg)
   period = len(cfg.layer_attentions)
-  if period == 1 or cfg.dense_inside:
+  if period == 1:
     return len(slots) / real.sum()
-  kinds = strategies.get("pp").slot_kinds(cfg, p, _chunks(cfg))
+  if cfg.dense_inside:                  # every layer a stage row, its kind by its depth
+    kinds, real = np.arange(cfg.n_layers) % period, np.ones(cfg.n_layers, bool)
+  else:
+    kinds = strategies.get("pp").slot_kinds(cfg, p, _chunks(cfg))
   if kinds is None:                     # every chunk starts on a period: the static kinds
     per = len(slots) // n_chunks
     kinds = (cfg.first_k_dense_replace + np.arange(len(slots)) % per) % period

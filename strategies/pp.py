@@ -16,7 +16,9 @@ where a chunk starts inside a period (gpt-oss-120b's 9 layers a stage on 4 stage
 kind is data and its block a lax.switch over the kinds (slot_kinds, model.switched_rows; not
 with the ring, check). Dense layers inside the stack (mlp_only_layers:
 Maverick) are stage rows as the MoE layers are, their stack's L over stage, where the model is
-one repeated period with no prefix and each stage holds whole periods (`_check_dense_inside`).
+one repeated period with no prefix and each stage holds whole periods of its dense/MoE pattern
+(`_check_dense_inside`: Maverick's dense, MoE pairs, 3 a stage on 8 stages), the attention
+kinds data where a stage starts inside their period (model.switched_periods).
 
 | tensor                                   | sharding                                          |
 |------------------------------------------|---------------------------------------------------|
@@ -281,6 +283,8 @@ ONE_F = Options(schedule="1f1b")
 INTERLEAVED = Options(schedule="interleaved", virtual_stages=2)
 ONE_F_INTERLEAVED = Options(schedule="1f1b", virtual_stages=2)
 FOLD, FOLD_1F = Options(experts="fold"), Options(schedule="1f1b", experts="fold")
+MAVERICK_PAIRS = dict(n_layers=8, attention_pattern="local,local,local,nope",
+                      mlp_only_layers="0,2,4,6", batch=16, microbatches=4)
 TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               Case("tiny", "stage:4,data:2", dict(n_layers=4, batch=16, microbatches=8)),
               # two dense layers before the pipeline: 2 MoE layers, 1 per stage, not n_layers / 2
@@ -367,7 +371,12 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               Case("mixtral-test", "stage:2,context:2,tensor:2",
                    dict(n_layers=4, batch=8, microbatches=2), Options(sequence_parallel=True)),
               # one stage (the planner enumerates it): 1f1b's table with nothing to receive
-              Case("tiny", "stage:1,data:2,expert:4", dict(batch=16, microbatches=2), ONE_F)]
+              Case("tiny", "stage:1,data:2,expert:4", dict(batch=16, microbatches=2), ONE_F),
+              # Maverick's layers (dense and MoE in turn, a NoPE layer every fourth): one
+              # (dense, MoE) pair a stage, stages 1 and 3 ending on NoPE (switched_periods);
+              # under 1f1b with TP inside the stages, the switch's branches all-reducing
+              Case("llama4-maverick-test", "stage:4,data:2", MAVERICK_PAIRS),
+              Case("llama4-maverick-test", "stage:4,tensor:2", MAVERICK_PAIRS, ONE_F)]
 COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7] + TEST_CASES[8:]
 BF16_CASE = Case("deepseek-test", "stage:2,data:2,expert:2", opts=ONE_F)    # its explicit vjp
 PIPELINE = True     # runs its microbatches in its own pipeline (the planner: no accumulation)
@@ -398,6 +407,17 @@ BAD_INPUT = [
     BadInput(dict(n_layers=4, mlp_only_layers="1", dense_d_ff=64), "stage:2,expert:4", Options(),
              "pp: mlp_only_layers=1 (dense layers inside the stack) go on the stages in whole "
              "periods of the layers; not with 3 runs of layers, not one repeated period"),
+    BadInput(dict(MAVERICK_PAIRS, attention_pattern="sliding,sliding,sliding,full",
+                  sliding_window=8, dense_d_ff=64), "stage:2,context:2,tensor:2",
+             Options(kv_exchange="ring"),
+             "pp: attention_pattern=sliding,sliding,sliding,full over mlp_only_layers=0,2,4,6 "
+             "runs a stack's layers of different kinds as switched rows: kv_exchange=ring runs "
+             "where each stack's layers are of one kind"),
+    # dense and MoE in turn, 3 pairs on 2 stages: a stage would start inside a pair
+    BadInput(dict(n_layers=6, mlp_only_layers="0,2,4", dense_d_ff=64), "stage:2,expert:4",
+             Options(), "pp: mlp_only_layers=0,2,4 (dense layers inside the stack) go on the "
+             "stages in whole periods of the layers; not with 6 layers on stage=2 split a period "
+             "of 2 dense and MoE layers"),
     BadInput(dict(n_heads=8, n_kv_heads=2), "stage:2,tensor:4", Options(),
              "n_kv_heads=2 is not divisible by mesh axis tensor=4"),
     BadInput(dict(), "stage:2,expert:4", FOLD, "pp option experts=fold needs a tensor axis of "
@@ -454,10 +474,16 @@ def check(cfg, mesh, opts):
   if cfg.dense_inside:
     _check_dense_inside(cfg, mesh)
   # layers of different attention kinds switched per row (model.switched_rows: chunks that
-  # start inside a period, or padding rows among them): the stages run different branches, and
-  # the ring's collective-permute is one op over every device (a window shortens it, too)
-  if (opts.kv_exchange == "ring" and mesh_lib.axis_size(mesh, CONTEXT) > 1
-          and len(cfg.layer_attentions) > 1 and not cfg.dense_inside
+  # start inside a period, or padding rows among them; model.switched_periods: a stack of dense
+  # layers inside whose layers take more than one kind): the stages run different branches,
+  # and the ring's collective-permute is one op over every device (a window shortens it, too)
+  ring = opts.kv_exchange == "ring" and mesh_lib.axis_size(mesh, CONTEXT) > 1
+  if ring and cfg.dense_inside and model.switches(cfg):
+    raise ConfigError(f"pp: attention_pattern={cfg.attention_pattern} over mlp_only_layers="
+                      f"{cfg.mlp_only_layers} runs a stack's layers of different kinds as "
+                      "switched rows: kv_exchange=ring runs where each stack's layers are of "
+                      "one kind")
+  if (ring and len(cfg.layer_attentions) > 1 and not cfg.dense_inside
           and (slot_kinds(cfg, mesh_lib.axis_size(mesh, STAGE), chunks(cfg)) is not None
                or model.slot_mask(cfg) is not None)):
     raise ConfigError(f"pp: attention_pattern={cfg.attention_pattern} on chunks of "
@@ -502,14 +528,16 @@ def check(cfg, mesh, opts):
 def _check_dense_inside(cfg, mesh) -> None:
   """Dense layers inside the stack (mlp_only_layers) go on the stages with the MoE layers: the
   model one repeated period of layers (config.layer_segments) with no dense prefix, each stage
-  holding whole periods, one chunk per stage; one line otherwise."""
+  holding whole periods of its dense/MoE pattern (config.mlp_period: Maverick's dense, MoE; the
+  attention kinds data where a stage starts inside their period, slot_kinds), one chunk per
+  stage; one line otherwise."""
   p = mesh_lib.axis_size(mesh, STAGE)
   runs = cfg.layer_segments
-  period = len(runs[0][0])
+  unit = cfg.mlp_period
   why = ("a dense prefix before them" if cfg.first_k_dense_replace else
          f"{len(runs)} runs of layers, not one repeated period" if len(runs) > 1 else
-         f"{cfg.n_layers} layers on stage={p} split a period of {period}"
-         if cfg.n_layers % (p * period) else
+         f"{cfg.n_layers} layers on stage={p} split a period of {unit} dense and MoE layers"
+         if cfg.n_layers % (p * unit) else
          "the interleaved schedules' chunks" if chunks(cfg) > 1 else None)
   if why:
     raise ConfigError(f"pp: mlp_only_layers={cfg.mlp_only_layers} (dense layers inside the "
@@ -1094,10 +1122,15 @@ def slot_kinds(cfg, n_stage: int, v: int):
   """[n_layer_slots] int32: each stored row's attention kind, an index into
   cfg.layer_attentions (its layer's depth past the dense prefix, mod the period; 0 for a
   padding row), or None where every chunk of v on the n_stage stages starts on a period (then
-  moe_stack's static kinds, row i's (first_k_dense_replace + i) % period, are each row's)."""
+  moe_stack's static kinds, row i's (first_k_dense_replace + i) % period, are each row's).
+  Dense layers inside the stack: [n_layers], every layer's kind in depth order (a stage's whole
+  attention periods too: switched_periods scans its stacks as stored, where run_layers' view of
+  a period's rows would be kept per microbatch by 1f1b's ring)."""
   period = len(cfg.layer_attentions)
-  if period == 1 or cfg.dense_inside:
+  if period == 1:
     return None
+  if cfg.dense_inside:                  # [n_layers], every layer's kind (model.switched_periods,
+    return (np.arange(cfg.n_layers) % period).astype(np.int32)     # which scans stacks as stored)
   slots = np.asarray(cfg.layer_slots)
   kinds = np.where(slots >= 0, (cfg.first_k_dense_replace + slots) % period, 0).astype(np.int32)
   per = len(slots) // n_stage // v
