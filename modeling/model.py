@@ -768,23 +768,13 @@ def switched_rows(x, layers, pos: Positions, cfg: Config, lay: Parallelism, kind
   One scan over the rows; its step is a lax.switch over the period's kinds, one `block` under
   remat in each branch, of which a device runs the one its row names. Each branch is scoped
   `attention_<kind>.taken_<c>_of_<n>` (measure/hlo.py: TAKEN), c of the model's n MoE layers
-  being of that kind: the branches' collectives are alike (a kind changes the mask, not what
+  being at that branch's index in the period: the branches' collectives are alike (a kind changes the mask, not what
   is exchanged: pp.check refuses the ring, whose exchange a window shortens), so the program's
   collectives count once per row. mask [rows] bool as in moe_stack, or None."""
   names = cfg.layer_attentions
-  # each MoE layer's index into the period (a pattern may name a kind more than once: Llama 4's
-  # local, local, local, nope), which is the branch it takes
-  moe_at = [d % len(names) for d, moe in enumerate(cfg.layer_is_moe) if moe]
-  bodies = [_layer_body(k, pos, cfg, lay) for k in names]
-
-  def scoped(body, j):
-    share = f"attention_{names[j]}.taken_{moe_at.count(j)}_of_{len(moe_at)}"
-
-    def branch(x, lp):
-      with jax.named_scope(share):
-        return body(x, lp)
-    return branch
-  branches = [scoped(b, j) for j, b in enumerate(bodies)]
+  moe_at = _period_indices(cfg)[True]
+  branches = [_taken(_layer_body(k, pos, cfg, lay), "attention", k, j, moe_at)
+              for j, k in enumerate(names)]
 
   def step(x, xs):
     lp, kind, real = xs
@@ -797,17 +787,35 @@ def switched_rows(x, layers, pos: Positions, cfg: Config, lay: Parallelism, kind
 
 
 def _period_indices(cfg: Config) -> dict:
-  """{is_moe: each dense (False) or MoE (True) layer's index into cfg.layer_attentions}."""
+  """{is_moe: each dense (False) or MoE (True) layer's index into cfg.layer_attentions}: the
+  branch a switched layer takes (a pattern may name a kind more than once: Llama 4's local,
+  local, local, nope)."""
   period = len(cfg.layer_attentions)
   return {m: [d % period for d, moe in enumerate(cfg.layer_is_moe) if moe == m]
           for m in (False, True)}
 
 
+def _stack_kinds(cfg: Config) -> dict:
+  """{is_moe: the attention kinds the dense (False) or MoE (True) layers take}."""
+  names = cfg.layer_attentions
+  return {m: {names[j] for j in at} for m, at in _period_indices(cfg).items()}
+
+
 def switches(cfg: Config) -> bool:
   """Whether switched_periods runs a lax.switch: a stack whose layers take more than one
   attention kind (Maverick's MoE layers, local and NoPE)."""
-  names = cfg.layer_attentions
-  return any(len({names[j] for j in at}) > 1 for at in _period_indices(cfg).values())
+  return any(len(kinds) > 1 for kinds in _stack_kinds(cfg).values())
+
+
+def _taken(body, prefix: str, name: str, j: int, at: list):
+  """A switch branch: body scoped `<prefix>_<name>.taken_<c>_of_<n>` (measure/hlo.py: TAKEN),
+  c of the n layers whose period indices are `at` being at index j."""
+  share = f"{prefix}_{name}.taken_{at.count(j)}_of_{len(at)}"
+
+  def branch(x, lp):
+    with jax.named_scope(share):
+      return body(x, lp)
+  return branch
 
 
 def switched_periods(x, dense, moe, pos: Positions, cfg: Config, lay: Parallelism, kinds):
@@ -823,7 +831,7 @@ def switched_periods(x, dense, moe, pos: Positions, cfg: Config, lay: Parallelis
   unit = cfg.layer_is_moe[:cfg.mlp_period]                        # one scan step's MLP kinds
   reps = len(kinds) // len(unit)
   counts = {m: unit.count(m) for m in (False, True)}
-  at = _period_indices(cfg)               # each layer's branch, per stack
+  at, used = _period_indices(cfg), _stack_kinds(cfg)      # per stack: each layer's branch, kinds
   # a stack with one layer a period is scanned as stored, [reps, ...] (pp's 1f1b keeps the
   # weights its vjp saves once, by identity: a reshaped view would be saved per microbatch)
   xs = {m: stack if counts[m] == 1 else
@@ -832,21 +840,13 @@ def switched_periods(x, dense, moe, pos: Positions, cfg: Config, lay: Parallelis
 
   def layer(i, is_moe):                   # position i of the period: (x, rows, kind) -> (x, st)
     row = None if counts[is_moe] == 1 else unit[:i].count(is_moe)
-    used = {names[j] for j in at[is_moe]}
-    if len(used) == 1:
-      body = _layer_body(used.pop(), pos, cfg, lay, row)
+    if len(used[is_moe]) == 1:
+      body = _layer_body(next(iter(used[is_moe])), pos, cfg, lay, row)
       return lambda x, lp, kind: body(x, lp)
     prefix = "attention" if is_moe else "dense_attention"
-
-    def scoped(j):                        # an index no layer of the stack has: never run
-      body = _layer_body(names[j], pos, cfg, lay, row)
-      share = f"{prefix}_{names[j]}.taken_{at[is_moe].count(j)}_of_{len(at[is_moe])}"
-
-      def branch(x, lp):
-        with jax.named_scope(share):
-          return body(x, lp)
-      return branch
-    branches = [scoped(j) for j in range(len(names))]
+    # a branch at an index no layer of the stack has is never run (taken_0_of_n)
+    branches = [_taken(_layer_body(k, pos, cfg, lay, row), prefix, k, j, at[is_moe])
+                for j, k in enumerate(names)]
     return lambda x, lp, kind: jax.lax.switch(kind, branches, x, lp)
   layers = [layer(i, m) for i, m in enumerate(unit)]
 

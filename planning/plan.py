@@ -603,10 +603,9 @@ def slowest_chunk(cfg, p: int) -> float:
   period = len(cfg.layer_attentions)
   if period == 1:
     return len(slots) / real.sum()
+  kinds = strategies.get("pp").slot_kinds(cfg, p, _chunks(cfg))
   if cfg.dense_inside:                  # every layer a stage row, its kind by its depth
-    kinds, real = np.arange(cfg.n_layers) % period, np.ones(cfg.n_layers, bool)
-  else:
-    kinds = strategies.get("pp").slot_kinds(cfg, p, _chunks(cfg))
+    real = np.ones(len(kinds), bool)
   if kinds is None:                     # every chunk starts on a period: the static kinds
     per = len(slots) // n_chunks
     kinds = (cfg.first_k_dense_replace + np.arange(len(slots)) % per) % period
