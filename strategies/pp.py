@@ -14,7 +14,8 @@ The interleaved schedules store P x v groups round-robin (stage s holds groups s
 Layers of different attention kinds (attention_pattern: gpt-oss, Llama 4) run on any layout:
 where a chunk starts inside a period (gpt-oss-120b's 9 layers a stage on 4 stages), each row's
 kind is data and its block a lax.switch over the kinds (slot_kinds, model.switched_rows; not
-with the ring, check). Dense layers inside the stack (mlp_only_layers:
+with the ring, check), and under 1f1b on every layout (its explicit vjp then keeps a stack
+scanned as stored, the weights once). Dense layers inside the stack (mlp_only_layers:
 Maverick) are stage rows as the MoE layers are, their stack's L over stage, where the model is
 one repeated period with no prefix and each stage holds whole periods of its dense/MoE pattern
 (`_check_dense_inside`: Maverick's dense, MoE pairs, 3 a stage on 8 stages), the attention
@@ -954,7 +955,9 @@ class _Run:
       self.counts = jax.lax.stop_gradient(
           _stages(pc, tokens, self.pos, cfg=cfg, n_stage=n_stage, ep_size=ep_size,
                   opts=opts, unroll=v == 1)[1]["counts"])
-    self.mask, self.kinds = _stage_mask(cfg, n_stage), _stage_kinds(cfg, n_stage)
+    # every row's kind as data where the period is longer than one (slot_kinds: the stack is
+    # scanned as stored, so that the ring of residuals drops its weights)
+    self.mask, self.kinds = _stage_mask(cfg, n_stage), _stage_kinds(cfg, n_stage, as_data=True)
     self.rows = cfg.n_layer_slots // n_stage        # the stage's stored rows, self.per a chunk's
     self.per = self.rows // v
     self.pe = {k: pc[k] for k in ("embed", "dense_layers")              # stage 0's phases'
@@ -1118,14 +1121,15 @@ def _stage_mask(cfg, n_stage):
       jax.lax.axis_index(STAGE)]
 
 
-def slot_kinds(cfg, n_stage: int, v: int):
+def slot_kinds(cfg, n_stage: int, v: int, as_data: bool = False):
   """[n_layer_slots] int32: each stored row's attention kind, an index into
   cfg.layer_attentions (its layer's depth past the dense prefix, mod the period; 0 for a
   padding row), or None where every chunk of v on the n_stage stages starts on a period (then
-  moe_stack's static kinds, row i's (first_k_dense_replace + i) % period, are each row's).
-  Dense layers inside the stack: [n_layers], every layer's kind in depth order (a stage's whole
-  attention periods too: switched_periods scans its stacks as stored, where run_layers' view of
-  a period's rows would be kept per microbatch by 1f1b's ring)."""
+  moe_stack's static kinds, row i's (first_k_dense_replace + i) % period, are each row's) and
+  not as_data. Dense layers inside the stack, or as_data with a period longer than one: the
+  kinds always (switched_periods and switched_rows scan their stacks as stored, where
+  run_layers' view of a period's rows [reps, n, ...] would be a residual of 1f1b's explicit vjp,
+  kept once per microbatch in flight; [n_layers] in depth order with dense layers inside)."""
   period = len(cfg.layer_attentions)
   if period == 1:
     return None
@@ -1135,12 +1139,12 @@ def slot_kinds(cfg, n_stage: int, v: int):
   kinds = np.where(slots >= 0, (cfg.first_k_dense_replace + slots) % period, 0).astype(np.int32)
   per = len(slots) // n_stage // v
   static = (cfg.first_k_dense_replace + np.arange(len(slots)) % per) % period
-  return None if (kinds == static)[slots >= 0].all() else kinds
+  return None if not as_data and (kinds == static)[slots >= 0].all() else kinds
 
 
-def _stage_kinds(cfg, n_stage):
+def _stage_kinds(cfg, n_stage, as_data=True):
   """[slots per stage] int32, this device's rows' attention kinds (slot_kinds), or None."""
-  kinds = slot_kinds(cfg, n_stage, chunks(cfg))
+  kinds = slot_kinds(cfg, n_stage, chunks(cfg), as_data)
   return None if kinds is None else jnp.asarray(kinds.reshape(n_stage, -1))[
       jax.lax.axis_index(STAGE)]
 
