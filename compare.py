@@ -191,6 +191,8 @@ def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = 
       print(f"note: {lnote}", file=sys.stderr)
     if cfg.layer_slots != given.layer_slots:    # stored rows -> the given model's, for parity
       row["layer_rows"] = _rows_as_given(cfg, given)
+    if cfg.dense_slots != given.dense_slots:    # the dense rows inside the stack, as theirs
+      row["dense_rows"] = np.argsort(cfg.dense_slots).tolist()
     return row, train.build(strat, cfg, mesh, opts, compile_only=compile_only,
                             with_grads=with_grads, init=init)
   except ConfigError as e:
@@ -245,9 +247,10 @@ def measure(row: dict, job, steps: int, compile_only: bool, full_parity: bool = 
   if compile_only:
     return row
   losses, times, dropped, trace, per_step = [], [], 0.0, [], []
-  rows = row.get("layer_rows")
-  as_given = lambda t: t if rows is None else {
-      **t, "layers": jax.tree.map(lambda a: np.asarray(a)[rows], t["layers"])}
+  reads = {k: row[r] for k, r in (("layers", "layer_rows"), ("dense_layers", "dense_rows"))
+           if r in row}
+  as_given = lambda t: {**t, **{k: jax.tree.map(lambda a, rows=rows: np.asarray(a)[rows], t[k])
+                                for k, rows in reads.items()}}
   for i, params, _, m, dt in train.steps(job, steps):
     losses.append(float(m["loss"]))
     times.append(dt)

@@ -223,12 +223,14 @@ def stored_config(cfg, mesh, opts):
   p = axis_size(mesh, STAGE)
   if not round_robin(opts):
     n = cfg.n_moe_layers
-    if cfg.layer_layout or n % p == 0 or n < p:
+    if cfg.layer_layout or n % p == 0 or n < p or cfg.dense_inside:
       return cfg
     return cfg.replace(layer_layout=balanced_layout(n, p)).validate()
   if cfg.layer_stages or p < 2:                                     # (check refuses p < 2)
     return cfg
   groups = p * opts.virtual_stages
+  if cfg.dense_inside and cfg.n_layers % (groups * cfg.mlp_period):
+    return cfg                  # chunks that split a dense/MoE period: pp.check refuses them
   if not cfg.layer_layout and cfg.n_moe_layers < groups:
     raise ConfigError(f"--opt=virtual_stages={opts.virtual_stages} on stage={p} needs {groups} "
                       f"MoE layers, the model has {cfg.n_moe_layers}")

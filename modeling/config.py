@@ -265,6 +265,19 @@ class Config:
     return tuple(r for s in range(p) for g in range(s, len(groups), p) for r in rows[g])
 
   @property
+  def dense_slots(self) -> tuple[int, ...]:
+    """For each row of the stored stack of dense layers inside the MoE stack (mlp_only_layers),
+    the dense layer it holds: their layers split into layer_layout's groups (equal, of whole
+    periods: validate) and stored as layer_slots stores the MoE groups; () without any."""
+    n = self.n_dense_layers if self.dense_inside else 0
+    if not n:
+      return ()
+    groups = len(self.layer_groups)
+    rows = [list(range(g * n // groups, (g + 1) * n // groups)) for g in range(groups)]
+    p = self.layer_stages or groups
+    return tuple(r for s in range(p) for g in range(s, groups, p) for r in rows[g])
+
+  @property
   def layer_order(self) -> tuple[int, ...] | None:
     """The stored rows to read, in that order, for the MoE stack in depth order (padding rows
     last), or None when the rows already are in depth order (layer_stages unset)."""
@@ -402,9 +415,6 @@ class Config:
          f"mlp_only_layers={self.mlp_only_layers!r}: expected increasing depth indices in "
          f"[first_k_dense_replace={self.first_k_dense_replace}, n_layers={self.n_layers})")
     need(self.n_moe_layers >= 1, f"mlp_only_layers={self.mlp_only_layers} leaves no MoE layer")
-    need(not self.dense_inside or not (self.layer_layout or self.layer_stages),
-         "mlp_only_layers (dense layers inside the stack) takes no layer_layout / layer_stages: "
-         "pp's stages hold whole periods of the layers, one chunk each, no padding")
     if self.layer_layout:
       groups = self.layer_layout.split(",")
       need(all(g.strip().isdigit() and int(g) >= 1 for g in groups),
@@ -413,6 +423,12 @@ class Config:
       need(sum(self.layer_groups) == self.n_moe_layers,
            f"layer_layout={self.layer_layout} holds {sum(self.layer_groups)} MoE layers, the "
            f"model has {self.n_moe_layers}")
+    need(not self.dense_inside or not self.layer_layout or (
+        not self.first_k_dense_replace and len(set(self.layer_groups)) == 1
+        and self.n_layers % (len(self.layer_groups) * self.mlp_period) == 0),
+         f"mlp_only_layers (dense layers inside the stack) takes a layer_layout of equal groups "
+         f"of whole periods of {self.mlp_period} dense and MoE layers, no padding; not "
+         f"layer_layout={self.layer_layout}")
     need(self.layer_stages >= 0, f"layer_stages={self.layer_stages} must be >= 0")
     need(not self.layer_stages or len(self.layer_groups) % self.layer_stages == 0,
          f"layer_layout={self.layer_layout or self.n_moe_layers}: {len(self.layer_groups)} "

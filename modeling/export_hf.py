@@ -456,10 +456,22 @@ def _depth_rows(cfg: Config) -> list[int]:
   return [slots.index(j) for j in range(cfg.n_moe_layers)]
 
 
+def _dense_rows(params: dict, cfg: Config, to_depth: bool) -> dict:
+  """The dense rows inside the stack (config.dense_slots) stored -> depth order (to_depth),
+  or back."""
+  slots = list(cfg.dense_slots)
+  if slots == sorted(slots):
+    return params
+  rows = np.argsort(slots) if to_depth else np.asarray(slots)
+  take = lambda t: {k: take(v) if isinstance(v, dict) else np.asarray(v)[rows]
+                    for k, v in t.items()}
+  return {**params, "dense_layers": take(params["dense_layers"])}
+
+
 def unpadded(params: dict, cfg: Config) -> dict:
-  """params in cfg's stored layout -> the MoE stack in depth order, padding rows dropped (the
-  params themselves when the stack has no layout)."""
-  rows = _depth_rows(cfg)
+  """params in cfg's stored layout -> the MoE stack (and the dense rows inside it) in depth
+  order, padding rows dropped (the params themselves when the stacks have no layout)."""
+  params, rows = _dense_rows(params, cfg, True), _depth_rows(cfg)
   if rows == list(range(len(cfg.layer_slots))):
     return params
   take = lambda t: {k: take(v) if isinstance(v, dict) else np.asarray(v)[rows]
@@ -468,9 +480,9 @@ def unpadded(params: dict, cfg: Config) -> dict:
 
 
 def padded(params: dict, cfg: Config) -> dict:
-  """The MoE stack in depth order -> cfg's stored layout (padding rows zeros, as
-  model.init_params draws them)."""
-  rows, n = _depth_rows(cfg), len(cfg.layer_slots)
+  """The MoE stack (and the dense rows inside it) in depth order -> cfg's stored layout
+  (padding rows zeros, as model.init_params draws them)."""
+  params, rows, n = _dense_rows(params, cfg, False), _depth_rows(cfg), len(cfg.layer_slots)
   if rows == list(range(n)):
     return params
 

@@ -222,8 +222,9 @@ def _param_tree(cfg: Config, leaf) -> dict:
   moe = [lp for lp, is_moe in zip(layers, cfg.layer_is_moe) if is_moe]
   pad = lambda: layer(False, lambda shape, fan_in, role: leaf(shape, -1, role))
   tree = {"embed": leaf((v, d), 1, "embed")}
-  if cfg.n_dense_layers:
-    tree["dense_layers"] = [lp for lp, is_moe in zip(layers, cfg.layer_is_moe) if not is_moe]
+  if cfg.n_dense_layers:                 # inside the stack: stored as layer_layout groups them
+    dense = [lp for lp, is_moe in zip(layers, cfg.layer_is_moe) if not is_moe]
+    tree["dense_layers"] = [dense[j] for j in cfg.dense_slots] if cfg.dense_slots else dense
   return {**tree, "layers": [moe[j] if j >= 0 else pad() for j in cfg.layer_slots],
           "final_norm": leaf((d,), 0, "final_norm"), "unembed": leaf((d, v), d, "unembed")}
 
@@ -801,10 +802,12 @@ def _stack_kinds(cfg: Config) -> dict:
   return {m: {names[j] for j in at} for m, at in _period_indices(cfg).items()}
 
 
-def switches(cfg: Config) -> bool:
+def switches(cfg: Config, is_moe: bool | None = None) -> bool:
   """Whether switched_periods runs a lax.switch: a stack whose layers take more than one
-  attention kind (Maverick's MoE layers, local and NoPE)."""
-  return any(len(kinds) > 1 for kinds in _stack_kinds(cfg).values())
+  attention kind (Maverick's MoE layers, local and NoPE); is_moe: that stack's (True: the MoE
+  layers', False: the dense layers'), None: either."""
+  kinds = _stack_kinds(cfg)
+  return any(len(kinds[m]) > 1 for m in ((False, True) if is_moe is None else (is_moe,)))
 
 
 def _taken(body, prefix: str, name: str, j: int, at: list):
@@ -962,7 +965,10 @@ def forward(params, batch, cfg: Config, lay: Parallelism):
   else:
     order = np.asarray(order)
     layers = jax.tree.map(lambda a: a[order], params["layers"])
-    x, stats = moe_stack(x, layers, positions, cfg, lay, None if real is None else real[order])
+    dense = None if not cfg.dense_inside else jax.tree.map(     # its dense rows in depth order
+        lambda a: a[np.argsort(cfg.dense_slots)], params["dense_layers"])
+    x, stats = moe_stack(x, layers, positions, cfg, lay, None if real is None else real[order],
+                         dense)
     stats = jax.tree.map(lambda a: a[np.argsort(order)], stats)                # stored row order
   return head(x, params, cfg, lay), stats                                        # [B, S, V]
 

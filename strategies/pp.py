@@ -17,9 +17,10 @@ kind is data and its block a lax.switch over the kinds (slot_kinds, model.switch
 with the ring, check), and under 1f1b on every layout (its explicit vjp then keeps a stack
 scanned as stored, the weights once). Dense layers inside the stack (mlp_only_layers:
 Maverick) are stage rows as the MoE layers are, their stack's L over stage, where the model is
-one repeated period with no prefix and each stage holds whole periods of its dense/MoE pattern
-(`_check_dense_inside`: Maverick's dense, MoE pairs, 3 a stage on 8 stages), the attention
-kinds data where a stage starts inside their period (model.switched_periods).
+one repeated period with no prefix and each chunk holds whole periods of its dense/MoE pattern
+(`_check_dense_inside`: Maverick's dense, MoE pairs, 3 a stage on 8 stages; under the
+interleaved schedules whole periods a chunk, both stacks stored round-robin, config.dense_slots),
+the attention kinds data where a stage starts inside their period (model.switched_periods).
 
 | tensor                                   | sharding                                          |
 |------------------------------------------|---------------------------------------------------|
@@ -228,7 +229,7 @@ from jax.sharding import PartitionSpec as P
 
 from layout import context, dispatch, fsdp, mesh as mesh_lib, options, tensor
 from layout.schedule import (bubble, check_layout, chunks, counts_pre_pass, in_flight, permutes,
-                             schedule, stage_passes)
+                             round_robin, schedule, stage_passes)
 from layout.schedule import layout_note, stored_config  # noqa: F401 (hooks: the stored layers)
 from measure import cost as cost_lib
 from modeling import model, routing
@@ -286,6 +287,7 @@ ONE_F_INTERLEAVED = Options(schedule="1f1b", virtual_stages=2)
 FOLD, FOLD_1F = Options(experts="fold"), Options(schedule="1f1b", experts="fold")
 MAVERICK_PAIRS = dict(n_layers=8, attention_pattern="local,local,local,nope",
                       mlp_only_layers="0,2,4,6", batch=16, microbatches=4)
+MAVERICK_CHUNKS = dict(MAVERICK_PAIRS, layer_layout="1,1,1,1", layer_stages=2)
 TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               Case("tiny", "stage:4,data:2", dict(n_layers=4, batch=16, microbatches=8)),
               # two dense layers before the pipeline: 2 MoE layers, 1 per stage, not n_layers / 2
@@ -377,8 +379,20 @@ TEST_CASES = [Case("tiny", "stage:2,expert:4", dict(batch=16, microbatches=4)),
               # (dense, MoE) pair a stage, stages 1 and 3 ending on NoPE (switched_periods);
               # under 1f1b with TP inside the stages, the switch's branches all-reducing
               Case("llama4-maverick-test", "stage:4,data:2", MAVERICK_PAIRS),
-              Case("llama4-maverick-test", "stage:4,tensor:2", MAVERICK_PAIRS, ONE_F)]
-COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7] + TEST_CASES[8:]
+              Case("llama4-maverick-test", "stage:4,tensor:2", MAVERICK_PAIRS, ONE_F),
+              # ... and both stacks stored round-robin, 4 chunks of one pair (stage 0 runs
+              # layers 0, 1, 4, 5, all local; stage 1 layers 2, 3, 6, 7, its MoE layers NoPE):
+              # interleaved with data and expert, interleaved 1F1B with TP
+              Case("llama4-maverick-test", "stage:2,data:2,expert:2", MAVERICK_CHUNKS,
+                   INTERLEAVED),
+              Case("llama4-maverick-test", "stage:2,expert:2,tensor:2", MAVERICK_CHUNKS,
+                   ONE_F_INTERLEAVED)]
+# interleaved, dropless, over (data, expert): the router bias's zero gradient never all-reduced
+# (_bias_held), the dropped count's all-reduce hoisted out of the time loop
+COST_CASES = TEST_CASES[:3] + TEST_CASES[5:7] + TEST_CASES[8:] + [
+    Case("tiny", "stage:2,data:2,expert:2",
+         dict(n_layers=4, batch=16, microbatches=4, layer_layout="1,1,1,1", layer_stages=2,
+              capacity_factor=0.0), INTERLEAVED)]
 BF16_CASE = Case("deepseek-test", "stage:2,data:2,expert:2", opts=ONE_F)    # its explicit vjp
 PIPELINE = True     # runs its microbatches in its own pipeline (the planner: no accumulation)
 PLAN_GRID = {"schedule": ("gpipe", "1f1b")}            # experts=fold: the planner's --opt
@@ -414,6 +428,12 @@ BAD_INPUT = [
              "pp: attention_pattern=sliding,sliding,sliding,full over mlp_only_layers=0,2,4,6 "
              "runs a stack's layers of different kinds as switched rows: kv_exchange=ring runs "
              "where each stack's layers are of one kind"),
+    # 4 (dense, MoE) pairs in 8 chunks: a chunk would hold half a pair
+    BadInput(dict(MAVERICK_PAIRS, dense_d_ff=64, local_chunk=8), "stage:2,expert:4",
+             Options(schedule="interleaved", virtual_stages=4),
+             "pp: mlp_only_layers=0,2,4,6 (dense layers inside the stack) go on the stages in "
+             "whole periods of the layers; not with 8 layers on 8 chunks (stage=2 x "
+             "virtual_stages=4) split a period of 2 dense and MoE layers"),
     # dense and MoE in turn, 3 pairs on 2 stages: a stage would start inside a pair
     BadInput(dict(n_layers=6, mlp_only_layers="0,2,4", dense_d_ff=64), "stage:2,expert:4",
              Options(), "pp: mlp_only_layers=0,2,4 (dense layers inside the stack) go on the "
@@ -473,7 +493,7 @@ def contract_tags(opts, cfg=None):
 
 def check(cfg, mesh, opts):
   if cfg.dense_inside:
-    _check_dense_inside(cfg, mesh)
+    _check_dense_inside(cfg, mesh, opts)
   # layers of different attention kinds switched per row (model.switched_rows: chunks that
   # start inside a period, or padding rows among them; model.switched_periods: a stack of dense
   # layers inside whose layers take more than one kind): the stages run different branches,
@@ -526,20 +546,22 @@ def check(cfg, mesh, opts):
   mesh_lib.require_microbatches(cfg, mesh, batch_spec(cfg, mesh))  # B % (M x data x expert)
 
 
-def _check_dense_inside(cfg, mesh) -> None:
+def _check_dense_inside(cfg, mesh, opts) -> None:
   """Dense layers inside the stack (mlp_only_layers) go on the stages with the MoE layers: the
-  model one repeated period of layers (config.layer_segments) with no dense prefix, each stage
-  holding whole periods of its dense/MoE pattern (config.mlp_period: Maverick's dense, MoE; the
-  attention kinds data where a stage starts inside their period, slot_kinds), one chunk per
-  stage; one line otherwise."""
+  model one repeated period of layers (config.layer_segments) with no dense prefix, each of the
+  P x v chunks holding whole periods of its dense/MoE pattern (config.mlp_period: Maverick's
+  dense, MoE; the attention kinds data where a chunk starts inside their period, slot_kinds;
+  the interleaved schedules store both stacks' chunks round-robin, config.dense_slots); one
+  line otherwise."""
   p = mesh_lib.axis_size(mesh, STAGE)
+  v = opts.virtual_stages if round_robin(opts) else 1
   runs = cfg.layer_segments
   unit = cfg.mlp_period
+  where = f"stage={p}" if v == 1 else f"{p * v} chunks (stage={p} x virtual_stages={v})"
   why = ("a dense prefix before them" if cfg.first_k_dense_replace else
          f"{len(runs)} runs of layers, not one repeated period" if len(runs) > 1 else
-         f"{cfg.n_layers} layers on stage={p} split a period of {unit} dense and MoE layers"
-         if cfg.n_layers % (p * unit) else
-         "the interleaved schedules' chunks" if chunks(cfg) > 1 else None)
+         f"{cfg.n_layers} layers on {where} split a period of {unit} dense and MoE layers"
+         if cfg.n_layers % (p * v * unit) else None)
   if why:
     raise ConfigError(f"pp: mlp_only_layers={cfg.mlp_only_layers} (dense layers inside the "
                       f"stack) go on the stages in whole periods of the layers; not with {why}")
@@ -794,11 +816,14 @@ def _stages(p, tokens, pos, *, cfg, n_stage, ep_size, opts, unroll=False):
   rows = cfg.n_layer_slots // n_stage                               # this stage's stored rows
   per = rows // v                                                   # a chunk's rows
 
+  stacks = {k: p[k] for k in (("layers", "dense_layers") if cfg.dense_inside else ("layers",))}
+
   def run_chunk(x, pos_m, r):                                       # chunk r of this stage
     if v == 1:
-      return model.moe_stack(x, p["layers"], pos_m, cfg, lay, mask,
-                             p["dense_layers"] if cfg.dense_inside else None, kinds)
-    return _chunk(p["layers"], x, pos_m, r, per=per, mask=mask, kinds=kinds, cfg=cfg, lay=lay)
+      return model.moe_stack(x, stacks["layers"], pos_m, cfg, lay, mask,
+                             stacks.get("dense_layers"), kinds)
+    return _chunk(_bias_held(stacks), x, pos_m, r, v=v, mask=mask, kinds=kinds, cfg=cfg,
+                  lay=lay)
 
   # ring: with v chunks the last stage's output feeds the first stage's next chunk
   pairs = [(i, (i + 1) % n_stage) for i in range(n_stage)] if v > 1 else \
@@ -835,37 +860,58 @@ def _stages(p, tokens, pos, *, cfg, n_stage, ep_size, opts, unroll=False):
   return outs, stats
 
 
-def _chunk(layers, x, pos_m, r, *, per, mask, kinds, cfg, lay):
-  """Chunk r (rows r*per .. of this stage's stack `layers`) on x [b/M, S, D] -> (y, stats), with
+def _bias_held(stacks):
+  """The stacks with the router's bias (no gradient: routing selects with it under
+  stop_gradient, and the bias update rule moves it) held out of autodiff: _chunk's vjp returns
+  it a zero gradient that autodiff of the time loop would sum and all-reduce over the token
+  axes."""
+  moe = stacks["layers"].get("moe", {})
+  if "bias" not in moe:
+    return stacks
+  held = {**moe, "bias": jax.lax.stop_gradient(moe["bias"])}
+  return {**stacks, "layers": {**stacks["layers"], "moe": held}}
+
+
+def _cut(a, r, v):
+  """Chunk r of v of a stage's stacked rows a [rows, ...] (its MoE or dense stack, its rows'
+  mask or kinds): rows r*rows/v .. (r+1)*rows/v - 1."""
+  per = a.shape[0] // v
+  return jax.lax.dynamic_slice_in_dim(a, r * per, per)
+
+
+def _chunk(stacks, x, pos_m, r, *, v, mask, kinds, cfg, lay):
+  """Chunk r of v of this stage's stacks ({"layers": the MoE rows, "dense_layers": the dense
+  rows inside the stack, where the model has them}) on x [b/M, S, D] -> (y, stats), with
   a vjp that keeps the chunk's activations but not its weights: the weight slices that its
-  residuals hold are dropped and re-cut from the stack (loop-invariant, kept once) in the
+  residuals hold are dropped and re-cut from the stacks (loop-invariant, kept once) in the
   backward. Plain autodiff of a dynamic slice inside the time loop would save the chunk's
   weights at every tick ((v*M+P-1)/v x the stage's weights)."""
-  cut = lambda a, r: jax.lax.dynamic_slice_in_dim(a, r * per, per)
+  cut = lambda t, r: jax.tree.map(lambda a: _cut(a, r, v), t)
   meta = {}                                   # the vjp's structure, from the forward's trace
+  run = lambda lp, x, pos_m, mk, kd: model.moe_stack(x, lp["layers"], pos_m, cfg, lay, mk,
+                                                     lp.get("dense_layers"), kd)
 
   @jax.custom_vjp
-  def f(layers, x, pos_m, r, mk, kd):
-    return model.moe_stack(x, jax.tree.map(lambda a: cut(a, r), layers), pos_m, cfg, lay, mk,
-                           kinds=kd)
+  def f(stacks, x, pos_m, r, mk, kd):
+    return run(cut(stacks, r), x, pos_m, mk, kd)
 
-  def f_fwd(layers, x, pos_m, r, mk, kd):
-    lp = jax.tree.map(lambda a: cut(a, r), layers)
-    out, vj = jax.vjp(lambda lp, x: model.moe_stack(x, lp, pos_m, cfg, lay, mk, kinds=kd), lp, x)
+  def f_fwd(stacks, x, pos_m, r, mk, kd):
+    lp = cut(stacks, r)
+    out, vj = jax.vjp(lambda lp, x: run(lp, x, pos_m, mk, kd), lp, x)
     kept, meta["tree"], meta["weight"] = _drop_weights(vj, lp)
-    return out, (layers, r, kept)
+    return out, (stacks, r, kept)
 
   def f_bwd(res, ct):
-    layers, r, kept = res
-    lp = jax.tree.map(lambda a: cut(a, r), layers)              # the slices, cut again
+    stacks, r, kept = res
+    lp = cut(stacks, r)                                         # the slices, cut again
     d_lp, dx = _with_weights(kept, meta["tree"], meta["weight"], lp)(ct)
-    put = lambda a, d: jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(a), d.astype(a.dtype),
-                                                           r * per, 0)
-    return jax.tree.map(put, layers, d_lp), dx, None, None, None, None
+    put = lambda a, d: jax.lax.dynamic_update_slice_in_dim(
+        jnp.zeros_like(a), d.astype(a.dtype), r * (a.shape[0] // v), 0)
+    return jax.tree.map(put, stacks, d_lp), dx, None, None, None, None
 
   f.defvjp(f_fwd, f_bwd)
-  return f(layers, x, pos_m, r, None if mask is None else cut(mask, r),
-           None if kinds is None else cut(kinds, r))
+  return f(stacks, x, pos_m, r, None if mask is None else _cut(mask, r, v),
+           None if kinds is None else _cut(kinds, r, v))
 
 
 # ----------------------------------------------------------------------------- 1f1b: a table run
@@ -958,8 +1004,7 @@ class _Run:
     # every row's kind as data where the period is longer than one (slot_kinds: the stack is
     # scanned as stored, so that the ring of residuals drops its weights)
     self.mask, self.kinds = _stage_mask(cfg, n_stage), _stage_kinds(cfg, n_stage, as_data=True)
-    self.rows = cfg.n_layer_slots // n_stage        # the stage's stored rows, self.per a chunk's
-    self.per = self.rows // v
+    self.rows = cfg.n_layer_slots // n_stage        # the stage's stored MoE rows
     self.pe = {k: pc[k] for k in ("embed", "dense_layers")              # stage 0's phases'
                if k in pc and k not in self.layers}
     self.ph = {k: pc[k] for k in ("final_norm", "unembed")}              # the last stage's
@@ -982,11 +1027,11 @@ class _Run:
     return self.tab[k][t, self.stage]
 
   def cut(self, a, r):                        # chunk r's rows of a stage's stack; v = 1: all
-    return a if self.v == 1 else jax.lax.dynamic_slice_in_dim(a, r * self.per, self.per)
+    return a if self.v == 1 else _cut(a, r, self.v)
 
   def into(self, a, r, u):                    # a with u added into chunk r's rows
     return a + u.astype(a.dtype) if self.v == 1 else jax.lax.dynamic_update_slice_in_dim(
-        a, self.cut(a, r) + u.astype(a.dtype), r * self.per, 0)
+        a, self.cut(a, r) + u.astype(a.dtype), r * (a.shape[0] // self.v), 0)
 
   def stage_fn(self, lp, pe, x, tok_m, pos_m, r):
     """Chunk r of the stage: x [b/M, S, D] -> ((y, its aux + z loss terms), (stats, aux, z)).
@@ -1133,8 +1178,12 @@ def slot_kinds(cfg, n_stage: int, v: int, as_data: bool = False):
   period = len(cfg.layer_attentions)
   if period == 1:
     return None
-  if cfg.dense_inside:                  # [n_layers], every layer's kind (model.switched_periods,
-    return (np.arange(cfg.n_layers) % period).astype(np.int32)     # which scans stacks as stored)
+  if cfg.dense_inside:         # [n_layers], every layer's kind, each stored group's layers in
+    groups = len(cfg.layer_groups)               # depth order (model.switched_periods, which
+    per, q = cfg.n_layers // groups, cfg.layer_stages or groups      # scans stacks as stored)
+    depth = [d for s in range(q) for g in range(s, groups, q)
+             for d in range(g * per, (g + 1) * per)]
+    return (np.asarray(depth) % period).astype(np.int32)
   slots = np.asarray(cfg.layer_slots)
   kinds = np.where(slots >= 0, (cfg.first_k_dense_replace + slots) % period, 0).astype(np.int32)
   per = len(slots) // n_stage // v
@@ -1142,7 +1191,18 @@ def slot_kinds(cfg, n_stage: int, v: int, as_data: bool = False):
   return None if not as_data and (kinds == static)[slots >= 0].all() else kinds
 
 
-def _stage_kinds(cfg, n_stage, as_data=True):
+def _switched_moe(cfg, n_stage: int, v: int) -> bool:
+  """Whether a chunk's MoE rows run as lax.switch branches over attention kinds
+  (model.switched_rows: kinds data or padding among rows of different kinds;
+  model.switched_periods: an MoE stack whose layers take more than one kind)."""
+  if len(cfg.layer_attentions) == 1:
+    return False
+  if cfg.dense_inside:
+    return model.switches(cfg, is_moe=True)
+  return slot_kinds(cfg, n_stage, v) is not None or model.slot_mask(cfg) is not None
+
+
+def _stage_kinds(cfg, n_stage, as_data=False):
   """[slots per stage] int32, this device's rows' attention kinds (slot_kinds), or None."""
   kinds = slot_kinds(cfg, n_stage, chunks(cfg), as_data)
   return None if kinds is None else jnp.asarray(kinds.reshape(n_stage, -1))[
@@ -1200,8 +1260,10 @@ def cost(cfg, mesh, opts):
   runs = steps * local_layers                                       # moe_body calls per pass
   term = functools.partial(cost_lib.term, mesh)
   # each run's statistics and dropped count; dropless, the count is the constant 0, and under
-  # autodiff's time loop (gpipe, interleaved) XLA hoists its all-reduce out: one per step
-  hoist = cfg.capacity_factor == 0 and opts.schedule != "1f1b"
+  # autodiff's time loop (gpipe, interleaved) XLA hoists its all-reduce out: one per step, but
+  # from a chunk's vjp (interleaved) whose MoE rows are switch branches
+  hoist = cfg.capacity_factor == 0 and opts.schedule != "1f1b" and not (
+      v > 1 and _switched_moe(cfg, p, v))
   stats = (cost_lib.stats_values(cfg) + (not hoist)) * cost_lib.F32
   stat_ops = cost_lib.STATS_OPS[cost_lib.STEP] + (not hoist)          # all-reduces a run
   pre = counts_pre_pass(cfg, opts)
@@ -1242,10 +1304,10 @@ def cost(cfg, mesh, opts):
          + _context_terms(cfg, mesh, mb, steps, pre_steps, opts)
          + _split_sequence_terms(cfg, mesh, mb, runs, steps, pre_steps, opts)
          + term("all-reduce", "fwd", "CE sum", cost_lib.F32, AXES))
-  if cfg.bias_update_rate and opts.schedule != "gpipe" and not pre:
-    # the bias update reads the step's counts: summed over the token axes once (the pre-pass
-    # sums them where it runs; under gpipe XLA reuses each pass's sums), measured; with tensor
-    # parallelism over tensor too
+  if cfg.bias_update_rate and opts.schedule == "1f1b" and not pre:
+    # the bias update reads the step's counts: under 1f1b summed over the token axes once (the
+    # pre-pass sums them where it runs; under gpipe and interleaved XLA reuses each pass's
+    # sums), measured; with tensor parallelism over tensor too
     out += term("all-reduce", "fwd", "the step's counts [L/P, E] for the bias update", counts,
                 TOKENS + (TENSOR,))
   if pre:                                      # the GPipe forward time loop, once more

@@ -407,3 +407,22 @@ def test_bad_input_one_line(cli, row):
   line = one_error_line(code, err)
   assert BAD[row] in line, line
   assert "compiled" not in out
+
+
+def test_dense_rows_inside_the_stack_round_trip():
+  """Maverick's (dense, MoE) pairs stored round-robin for the interleaved schedules (4 chunks of
+  one pair on 2 stages): both stacks hold stage 0's pairs 0 and 2 first (config.dense_slots);
+  unpadded reads both back in depth order, padded stores them again, and the model run whole
+  (model.forward, reading the stacks in depth order) gives the depth-order model's loss."""
+  from runtime import data
+  from strategies.pp import MAVERICK_CHUNKS
+  cfg = get_config("llama4-maverick-test", **MAVERICK_CHUNKS)
+  flat = cfg.replace(layer_layout="", layer_stages=0)
+  assert cfg.dense_slots == (0, 2, 1, 3) and cfg.layer_slots == (0, 2, 1, 3)
+  assert same_tree(export_hf.padded(model.init_params(flat), cfg), model.init_params(cfg))
+  assert same_tree(export_hf.unpadded(model.init_params(cfg), cfg), model.init_params(flat))
+  assert not same_tree(model.init_params(cfg), model.init_params(flat))
+  batch = {k: jax.numpy.asarray(v) for k, v in data.batch_for(flat, 0).items()}
+  loss = lambda c: float(model.loss_fn(jax.tree.map(jax.numpy.asarray, model.init_params(c)),
+                                       batch, c, model.reference_layout(c))[0])
+  assert loss(cfg) == pytest.approx(loss(flat), rel=1e-6)
