@@ -602,5 +602,22 @@ for _name in ("mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "k
 
 
 def get_config(name: str, **overrides) -> Config:
-  """A preset or a config.json path (base_config) with `overrides`, validated."""
-  return base_config(name).replace(**overrides).validate()
+  """A preset or a config.json path (base_config) with `overrides`, validated. n_layers without
+  mlp_only_layers keeps the model's dense layers inside the stack where they fall
+  (`dense_at_depth`)."""
+  base = base_config(name)
+  if "n_layers" in overrides and "mlp_only_layers" not in overrides and base.dense_inside:
+    overrides = {**overrides, "mlp_only_layers": dense_at_depth(base, overrides["n_layers"])}
+  return base.replace(**overrides).validate()
+
+
+def dense_at_depth(cfg: Config, n: int) -> str:
+  """cfg's mlp_only_layers for the model cut or grown to n layers: the dense layers among its
+  first n; past its depth, its dense/MoE pattern repeated where the layers after the prefix are
+  one repeated period (mlp_period: Llama 4 Maverick's every other layer), none otherwise."""
+  prefix, period, moe = cfg.first_k_dense_replace, cfg.mlp_period, cfg.layer_is_moe
+  repeats = period < cfg.n_layers - prefix
+  dense = [i for i in range(prefix, n)
+           if (not moe[i] if i < cfg.n_layers else
+               repeats and not moe[prefix + (i - prefix) % period])]
+  return ",".join(str(i) for i in dense)

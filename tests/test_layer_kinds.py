@@ -26,7 +26,8 @@ TRAIN = {
     "llama4_bf16": ["--compare=tp,ep,ep_x_tp", "--model=llama4-test", "--dtype=bfloat16",
                     "--remat=block"],
     # Llama 4 Maverick's dense layers between the MoE layers, five layers: a scanned run of
-    # (dense, MoE) twice, then one MoE layer (two runs; each stack's rows sliced per run)
+    # (dense, MoE) twice, then one dense layer (two runs; the dense stack's rows sliced per run,
+    # as tests/test_families.py's Qwen3 rows slice the MoE stack's)
     "maverick": ["--compare=tp,ep,fsdp,shard_exp_on_fsdp,cp:kv_exchange=ring,ep_tp,"
                  "ep_x_tp:sequence_parallel=true", "--model=llama4-maverick-test", "--layers=5"],
     # pp's stages and chunks starting inside a period (sliding, full), every schedule: 3 layers

@@ -53,3 +53,17 @@ def test_deepseek_presets_are_the_real_architecture():
   assert model.init_params_shapes(v3)["layers"]["moe"]["wi_0"].shape == (58, 256, 7168, 2048)
   v2 = model.init_params_shapes(get_config("deepseek-v2-lite"))["layers"]["attn"]
   assert "wq" in v2 and "wq_a" not in v2 and v2["wkv_b"].shape == (26, 512, 16, 256)
+
+
+def test_layers_keep_the_dense_layers_inside_where_they_fall():
+  """--layers=N (get_config's n_layers) on a model with dense layers inside the stack: its first
+  N layers' dense layers; past its depth, a repeated dense/MoE period goes on (Maverick's every
+  other layer), a pattern that does not repeat gains no dense layer; an explicit
+  mlp_only_layers wins."""
+  from modeling.config import dense_at_depth
+  assert get_config("llama4-maverick", n_layers=4).mlp_only_layers == "0,2"
+  assert get_config("llama4-maverick-test", n_layers=8).mlp_only_layers == "0,2,4,6"
+  assert get_config("llama4-maverick-test", n_layers=5).mlp_only_layers == "0,2,4"
+  qwen_like = get_config("tiny", n_layers=4, mlp_only_layers="1", dense_d_ff=64)  # M, D, M, M
+  assert [dense_at_depth(qwen_like, n) for n in (1, 2, 6)] == ["", "1", "1"]
+  assert get_config("llama4-maverick-test", n_layers=8, mlp_only_layers="1").mlp_only_layers == "1"
