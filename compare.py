@@ -191,8 +191,8 @@ def build(name: str, cfg, mesh_spec, compile_only: bool, hbm_gb: float | None = 
       print(f"note: {lnote}", file=sys.stderr)
     if cfg.layer_slots != given.layer_slots:    # stored rows -> the given model's, for parity
       row["layer_rows"] = _rows_as_given(cfg, given)
-    if cfg.dense_slots != given.dense_slots:    # the dense rows inside the stack, as theirs
-      row["dense_rows"] = np.argsort(cfg.dense_slots).tolist()
+    if cfg.dense_order is not None:             # the dense rows inside the stack, as theirs
+      row["dense_rows"] = list(cfg.dense_order)
     return row, train.build(strat, cfg, mesh, opts, compile_only=compile_only,
                             with_grads=with_grads, init=init)
   except ConfigError as e:

@@ -253,29 +253,40 @@ class Config:
     return len(self.layer_groups) * max(self.layer_groups)
 
   @property
+  def group_order(self) -> tuple[int, ...]:
+    """The layout's groups in the order the stacks store them: depth order, or round-robin over
+    layer_stages stages (stage-major: stage s's groups s, s+P, ..)."""
+    groups = len(self.layer_groups)
+    p = self.layer_stages or groups
+    return tuple(g for s in range(p) for g in range(s, groups, p))
+
+  @property
   def layer_slots(self) -> tuple[int, ...]:
     """For each row of the stored MoE stack, the MoE layer it holds, or -1 for an inert padding
-    row: group g's layers fill its first rows, padding its last ones; the groups in depth order,
-    or round-robin over layer_stages stages (stage-major: stage s's groups s, s+P, ..)."""
+    row: group g's layers fill its first rows, padding its last ones; the groups in
+    group_order."""
     groups, most, depth, rows = self.layer_groups, max(self.layer_groups), 0, []
     for count in groups:
       rows.append(list(range(depth, depth + count)) + [-1] * (most - count))
       depth += count
-    p = self.layer_stages or len(groups)
-    return tuple(r for s in range(p) for g in range(s, len(groups), p) for r in rows[g])
+    return tuple(r for g in self.group_order for r in rows[g])
 
   @property
   def dense_slots(self) -> tuple[int, ...]:
     """For each row of the stored stack of dense layers inside the MoE stack (mlp_only_layers),
     the dense layer it holds: their layers split into layer_layout's groups (equal, of whole
-    periods: validate) and stored as layer_slots stores the MoE groups; () without any."""
+    periods: validate), the groups in group_order; () without any."""
     n = self.n_dense_layers if self.dense_inside else 0
-    if not n:
-      return ()
-    groups = len(self.layer_groups)
-    rows = [list(range(g * n // groups, (g + 1) * n // groups)) for g in range(groups)]
-    p = self.layer_stages or groups
-    return tuple(r for s in range(p) for g in range(s, groups, p) for r in rows[g])
+    per = n // len(self.layer_groups)
+    return tuple(r for g in self.group_order for r in range(g * per, (g + 1) * per))
+
+  @property
+  def dense_order(self) -> tuple[int, ...] | None:
+    """The stored dense rows (dense_slots) to read, in that order, for depth order, or None
+    when they already are in depth order."""
+    slots = self.dense_slots
+    return None if list(slots) == sorted(slots) else tuple(sorted(range(len(slots)),
+                                                                  key=slots.__getitem__))
 
   @property
   def layer_order(self) -> tuple[int, ...] | None:

@@ -456,16 +456,19 @@ def _depth_rows(cfg: Config) -> list[int]:
   return [slots.index(j) for j in range(cfg.n_moe_layers)]
 
 
+def _take(tree: dict, rows) -> dict:
+  """Every leaf of a nested dict of stacked params, its rows `rows` in that order."""
+  return {k: _take(v, rows) if isinstance(v, dict) else np.asarray(v)[rows]
+          for k, v in tree.items()}
+
+
 def _dense_rows(params: dict, cfg: Config, to_depth: bool) -> dict:
   """The dense rows inside the stack (config.dense_slots) stored -> depth order (to_depth),
   or back."""
-  slots = list(cfg.dense_slots)
-  if slots == sorted(slots):
+  if cfg.dense_order is None:
     return params
-  rows = np.argsort(slots) if to_depth else np.asarray(slots)
-  take = lambda t: {k: take(v) if isinstance(v, dict) else np.asarray(v)[rows]
-                    for k, v in t.items()}
-  return {**params, "dense_layers": take(params["dense_layers"])}
+  rows = list(cfg.dense_order if to_depth else cfg.dense_slots)
+  return {**params, "dense_layers": _take(params["dense_layers"], rows)}
 
 
 def unpadded(params: dict, cfg: Config) -> dict:
@@ -474,9 +477,7 @@ def unpadded(params: dict, cfg: Config) -> dict:
   params, rows = _dense_rows(params, cfg, True), _depth_rows(cfg)
   if rows == list(range(len(cfg.layer_slots))):
     return params
-  take = lambda t: {k: take(v) if isinstance(v, dict) else np.asarray(v)[rows]
-                    for k, v in t.items()}
-  return {**params, "layers": take(params["layers"])}
+  return {**params, "layers": _take(params["layers"], rows)}
 
 
 def padded(params: dict, cfg: Config) -> dict:

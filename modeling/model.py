@@ -769,9 +769,10 @@ def switched_rows(x, layers, pos: Positions, cfg: Config, lay: Parallelism, kind
   One scan over the rows; its step is a lax.switch over the period's kinds, one `block` under
   remat in each branch, of which a device runs the one its row names. Each branch is scoped
   `attention_<kind>.taken_<c>_of_<n>` (measure/hlo.py: TAKEN), c of the model's n MoE layers
-  being at that branch's index in the period: the branches' collectives are alike (a kind changes the mask, not what
-  is exchanged: pp.check refuses the ring, whose exchange a window shortens), so the program's
-  collectives count once per row. mask [rows] bool as in moe_stack, or None."""
+  being at that branch's index in the period: the branches' collectives are alike (a kind
+  changes the mask, not what is exchanged: pp.check refuses the ring, whose exchange a window
+  shortens), so the program's collectives count once per row. mask [rows] bool as in
+  moe_stack, or None."""
   names = cfg.layer_attentions
   moe_at = _period_indices(cfg)[True]
   branches = [_taken(_layer_body(k, pos, cfg, lay), "attention", k, j, moe_at)
@@ -965,8 +966,9 @@ def forward(params, batch, cfg: Config, lay: Parallelism):
   else:
     order = np.asarray(order)
     layers = jax.tree.map(lambda a: a[order], params["layers"])
-    dense = None if not cfg.dense_inside else jax.tree.map(     # its dense rows in depth order
-        lambda a: a[np.argsort(cfg.dense_slots)], params["dense_layers"])
+    dense = None if not cfg.dense_inside else params["dense_layers"]
+    if cfg.dense_order is not None:                                # its dense rows in depth order
+      dense = jax.tree.map(lambda a: a[np.asarray(cfg.dense_order)], dense)
     x, stats = moe_stack(x, layers, positions, cfg, lay, None if real is None else real[order],
                          dense)
     stats = jax.tree.map(lambda a: a[np.argsort(order)], stats)                # stored row order

@@ -504,9 +504,8 @@ def check(cfg, mesh, opts):
                       f"{cfg.mlp_only_layers} runs a stack's layers of different kinds as "
                       "switched rows: kv_exchange=ring runs where each stack's layers are of "
                       "one kind")
-  if (ring and len(cfg.layer_attentions) > 1 and not cfg.dense_inside
-          and (slot_kinds(cfg, mesh_lib.axis_size(mesh, STAGE), chunks(cfg)) is not None
-               or model.slot_mask(cfg) is not None)):
+  if (ring and not cfg.dense_inside
+          and _switched_moe(cfg, mesh_lib.axis_size(mesh, STAGE), chunks(cfg))):
     raise ConfigError(f"pp: attention_pattern={cfg.attention_pattern} on chunks of "
                       f"{cfg.n_layer_slots // mesh_lib.axis_size(mesh, STAGE) // chunks(cfg)} "
                       "layers that start inside a period or hold padding: kv_exchange=ring runs "
@@ -816,7 +815,7 @@ def _stages(p, tokens, pos, *, cfg, n_stage, ep_size, opts, unroll=False):
   rows = cfg.n_layer_slots // n_stage                               # this stage's stored rows
   per = rows // v                                                   # a chunk's rows
 
-  stacks = {k: p[k] for k in (("layers", "dense_layers") if cfg.dense_inside else ("layers",))}
+  stacks = {k: p[k] for k in _stack_names(cfg)}
 
   def run_chunk(x, pos_m, r):                                       # chunk r of this stage
     if v == 1:
@@ -858,6 +857,11 @@ def _stages(p, tokens, pos, *, cfg, n_stage, ep_size, opts, unroll=False):
   carry = (zeros((mb, s, cfg.d_model)), zeros((m, mb, s, cfg.d_model)), stat0)
   (_, outs, stats), _ = jax.lax.scan(step, carry, jnp.arange(ticks), unroll=unroll)
   return outs, stats
+
+
+def _stack_names(cfg) -> tuple:
+  """The stacks a stage's rows run: the MoE rows, and the dense rows inside the stack."""
+  return ("layers", "dense_layers") if cfg.dense_inside else ("layers",)
 
 
 def _bias_held(stacks):
@@ -990,8 +994,7 @@ class _Run:
     self.home = jax.tree.map(sharding.varying_axes, p)     # the axes each weight varies over
     pc = _use(p, specs, cfg)          # gathered over data; its gradients are summed explicitly
     # the stage's stacks: the MoE rows, and the dense rows inside the stack
-    stacks = ("layers", "dense_layers") if cfg.dense_inside else ("layers",)
-    self.layers = {k: pc[k] for k in stacks}
+    self.layers = {k: pc[k] for k in _stack_names(cfg)}
     self.lay = _stage_layout(cfg, ep_size, opts)
     # the batch-wise loss's f needs the step's counts before the first backward: v = 1 unrolled
     # (a second while loop crashes XLA:CPU when reloaded from the persistent compilation cache);
@@ -1178,11 +1181,11 @@ def slot_kinds(cfg, n_stage: int, v: int, as_data: bool = False):
   period = len(cfg.layer_attentions)
   if period == 1:
     return None
-  if cfg.dense_inside:         # [n_layers], every layer's kind, each stored group's layers in
-    groups = len(cfg.layer_groups)               # depth order (model.switched_periods, which
-    per, q = cfg.n_layers // groups, cfg.layer_stages or groups      # scans stacks as stored)
-    depth = [d for s in range(q) for g in range(s, groups, q)
-             for d in range(g * per, (g + 1) * per)]
+  if cfg.dense_inside:
+    # [n_layers]: every layer's kind, each group's layers in depth order, the groups as stored
+    # (model.switched_periods scans the stacks as stored)
+    per = cfg.n_layers // len(cfg.layer_groups)
+    depth = [d for g in cfg.group_order for d in range(g * per, (g + 1) * per)]
     return (np.asarray(depth) % period).astype(np.int32)
   slots = np.asarray(cfg.layer_slots)
   kinds = np.where(slots >= 0, (cfg.first_k_dense_replace + slots) % period, 0).astype(np.int32)
